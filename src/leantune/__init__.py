@@ -1,0 +1,9 @@
+"""leantune: fast, memory-lean LoRA fine-tuning of Hugging Face causal LMs with hand-derived Triton kernels.
+
+Public API (DESIGN.md): ``leantune.ops`` (the kernels) and ``leantune.patch(model)`` / ``leantune.unpatch(model)``.
+"""
+
+from . import ops
+
+__version__ = "0.1.0"
+__all__ = ["ops", "__version__"]

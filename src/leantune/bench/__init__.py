@@ -1,0 +1,1 @@
+"""Benchmarks (GPU) and the op self-check (any machine)."""

@@ -1,0 +1,91 @@
+"""Run every op once on random inputs against a float64 eager evaluation of its formula and print the errors.
+
+This is what ``leantune check`` (and, until ``leantune train`` exists, ``make demo``) prints. It is a smoke check for
+a fresh install; the real proofs are the tests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+
+F64 = torch.float64
+
+
+def _rel(out, ref) -> float:
+    out, ref = out.detach().to(F64), ref.detach().to(F64)
+    scale = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / scale if scale else diff
+
+
+def _value_and_grads(fn, inputs):
+    """Run ``fn`` on leaves cloned from ``inputs``; return (output, grads of sum(out * probe))."""
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.manual_seed(1)
+    probes = [torch.randn_like(o, dtype=F64) for o in outs]
+    total = sum((o.to(F64) * p).sum() for o, p in zip(outs, probes))
+    grads = torch.autograd.grad(total, [t for t in leaves if t.requires_grad])
+    return outs, grads
+
+
+def _cases(device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    n, h, v, r = 37, 96, 333, 8
+    x, w = randn(n, h), 1 + randn(h, scale=0.1)
+    q, k = randn(2, 6, 13, 16), randn(2, 2, 13, 16)
+    theta = torch.arange(13, dtype=torch.float32)[:, None] / (10000 ** (torch.arange(8) / 8))
+    cos, sin = torch.cat([theta.cos()] * 2, -1).to(device), torch.cat([theta.sin()] * 2, -1).to(device)
+    gate, up = randn(n, 2 * h), randn(n, 2 * h)
+    logits, labels = randn(n, v, scale=3), torch.randint(0, v, (n,), generator=g).to(device)
+    big_w = randn(v, h, scale=0.1)
+    lora_a, lora_b = randn(r, h, scale=0.1), randn(h, r, scale=0.1)
+
+    def rot(t):
+        return torch.cat((-t[..., t.shape[-1] // 2:], t[..., : t.shape[-1] // 2]), -1)
+
+    yield "rms_norm", lambda a, b: ops.rms_norm(a, b), \
+        lambda a, b: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * b, [x, w]
+    yield "rope", lambda a, b: ops.rope(a, b, cos, sin), \
+        lambda a, b: (a * cos.to(F64) + rot(a) * sin.to(F64), b * cos.to(F64) + rot(b) * sin.to(F64)), [q, k]
+    yield "swiglu", ops.swiglu, lambda a, b: F.silu(a) * b, [gate, up]
+    yield "geglu", ops.geglu, lambda a, b: F.gelu(a, approximate="tanh") * b, [gate, up]
+    yield "cross_entropy", lambda a: ops.cross_entropy(a, labels), lambda a: F.cross_entropy(a, labels), [logits]
+    yield "linear_cross_entropy", lambda a, b: ops.linear_cross_entropy(a, b, labels), \
+        lambda a, b: F.cross_entropy(a @ b.T, labels), [x, big_w]
+    yield "lora_linear", lambda a, b, c: ops.lora_linear(a, big_w[:h], b, c, 2.0), \
+        lambda a, b, c: a @ big_w[:h].T.to(F64) + 2.0 * (a @ b.T) @ c.T, [x, lora_a, lora_b]
+
+
+def run_check(device: str | None = None) -> bool:
+    """Print one line per op (forward and gradient relative errors vs float64); True when all are within 1e-4."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"leantune op check on {device} (float32 inputs; relative error vs float64 eager formula)")
+    print(f"{'op':<22}{'forward':>12}{'gradients':>12}{'ms':>9}  status")
+    ok = True
+    for name, fn, ref_fn, inputs in _cases(device):
+        start = time.perf_counter()
+        try:
+            outs, grads = _value_and_grads(fn, inputs)
+        except NotImplementedError:
+            print(f"{name:<22}{'-':>12}{'-':>12}{'-':>9}  not built yet")
+            continue
+        ms = (time.perf_counter() - start) * 1e3
+        ref_outs, ref_grads = _value_and_grads(ref_fn, [t.to(F64) for t in inputs])
+        fwd = max(_rel(o, r) for o, r in zip(outs, ref_outs))
+        bwd = max(_rel(a, b) for a, b in zip(grads, ref_grads))
+        good = fwd <= 1e-4 and bwd <= 1e-4 and not (math.isnan(fwd) or math.isnan(bwd))
+        ok &= good
+        print(f"{name:<22}{fwd:>12.2e}{bwd:>12.2e}{ms:>9.1f}  {'ok' if good else 'FAIL'}")
+    return ok

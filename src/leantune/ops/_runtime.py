@@ -1,0 +1,145 @@
+"""What every op shares: backend choice, the one allocator, launch heuristics and input checks.
+
+Backend (DESIGN.md): ``LEANTUNE_BACKEND=auto|triton|torch`` is read at every call, never cached. ``auto`` runs the
+Triton kernels on CUDA tensors and the torch formulas on anything else. ``triton`` on CPU tensors needs Triton's
+interpreter, i.e. ``TRITON_INTERPRET=1`` set before leantune (and so triton.jit) is imported.
+
+Allocation: every output and work buffer an op creates for its Triton kernels comes from :func:`empty`. Tests swap
+the allocator for one that fills buffers with NaN (:func:`use_allocator`), so an element a kernel forgot to write
+shows up as NaN instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------- backend
+def interpreting() -> bool:
+    """True when Triton kernels run through Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off")
+
+
+def backend(device: torch.device) -> str:
+    """The implementation to use for tensors on ``device``: ``"triton"`` or ``"torch"``.
+
+    Raises:
+        ValueError: ``LEANTUNE_BACKEND`` is not one of auto, triton, torch.
+        RuntimeError: ``LEANTUNE_BACKEND=triton`` for non-CUDA tensors without the Triton interpreter.
+    """
+    choice = os.environ.get("LEANTUNE_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"LEANTUNE_BACKEND must be one of {', '.join(BACKENDS)}; got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if choice == "triton" and device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"LEANTUNE_BACKEND=triton needs CUDA tensors (got tensors on {device}); to run the Triton kernels on the "
+            "CPU, set TRITON_INTERPRET=1 before importing leantune, or use LEANTUNE_BACKEND=torch"
+        )
+    return choice
+
+
+# --------------------------------------------------------------------------------------------------------- allocator
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_allocator: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = _torch_empty
+
+
+def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor from the current allocator (every kernel output and work buffer comes from here)."""
+    return _allocator(tuple(int(s) for s in shape), dtype, torch.device(device))
+
+
+@contextlib.contextmanager
+def use_allocator(allocator: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]) -> Iterator[None]:
+    """Route :func:`empty` through ``allocator(shape, dtype, device)`` inside the ``with`` block (tests poison)."""
+    global _allocator
+    previous, _allocator = _allocator, allocator
+    try:
+        yield
+    finally:
+        _allocator = previous
+
+
+# ------------------------------------------------------------------------------------------------ launch heuristics
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def num_warps_for(block_elements: int) -> int:
+    """Warps for a program that touches ``block_elements`` elements per row (enough loads in flight, no spills)."""
+    if block_elements <= 1024:
+        return 4
+    if block_elements <= 4096:
+        return 8
+    if block_elements <= 16384:
+        return 16
+    return 32
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, n_work: int, per_sm: int = 4) -> int:
+    """Grid size for kernels that loop over rows and keep per-program partial sums (e.g. weight gradients).
+
+    On the GPU a few programs per SM; under the interpreter a handful, so partial sums are still exercised.
+    """
+    if device.type == "cuda":
+        limit = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        limit = 4
+    return max(1, min(n_work, limit))
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., H]`` as a 2-D ``[rows, H]`` view with unit stride in the last dim (copies only if it must)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.shape[-1] > 1 and x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    return x2d
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts matmul inputs to on ``device``, or None when autocast is off there."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- input checks
+def check_tensor(name: str, t, *, float_only: bool = True) -> None:
+    """Raise ValueError unless ``t`` is a tensor of a supported float dtype (fp32, fp16, bf16)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if float_only and t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_same_device(**tensors) -> torch.device:
+    """Raise ValueError unless every non-None tensor is on one device; return that device."""
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {str(v.device) for v in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {v.device}" for k, v in present.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+    return next(iter(present.values())).device
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
+    """Raise ValueError naming ``name`` unless ``t.shape == expected`` (``what`` explains the expectation)."""
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)} ({what}), got {tuple(t.shape)}")

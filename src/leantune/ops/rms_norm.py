@@ -1,0 +1,223 @@
+r"""RMSNorm with a hand-derived backward that also returns the weight gradient.
+
+Forward (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"), per row x of width H, in fp32:
+
+    rstd  = 1 / sqrt(mean(x^2) + eps)
+    x_hat = x * rstd
+    llama:  y = w * cast(x_hat, x.dtype)                 (HF LlamaRMSNorm; y's dtype is promote(w, x), as HF's)
+    gemma:  y = cast(x_hat * (offset + float(w)), x.dtype)   (HF Gemma/Gemma2/Gemma3 RMSNorm, offset = 1)
+    weight None: y = cast(x_hat, x.dtype)
+
+Backward. With g = dy * w_eff (w_eff = w, offset + w, or 1), the chain rule through x_hat = x * rstd gives
+
+    dx = rstd * (g - x_hat * mean(g * x_hat))
+    dw = sum over rows of dy * x_hat       (llama: x_hat rounded to x.dtype first, as HF's graph has it)
+
+Saved for backward: x and the per-row rstd (fp32, 4 bytes a row); x_hat is recomputed in registers. dw is reduced
+in fp32: each program of the backward kernel loops over a block of rows and keeps its partial sum in registers,
+writes one fp32 row of partials, and one small reduction over programs finishes it. (Returning dw matters: norm
+weights are trainable parameters, and a kernel that drops their gradient silently freezes them.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _runtime
+
+CASTINGS = ("llama", "gemma")
+MAX_HIDDEN = 65536  # one row per program in registers
+
+
+# ------------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _rms_norm_forward_kernel(
+    X, W, Y, RSTD,
+    stride_x, stride_y, n_cols, eps, offset,
+    HAS_WEIGHT: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+    x_hat = x * rstd
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            y = x_hat * (offset + w)
+        else:
+            y = x_hat.to(X.dtype.element_ty).to(tl.float32) * w
+    else:
+        y = x_hat
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    DY, X, W, RSTD, DX, DW_PARTIAL,
+    stride_dy, stride_x, stride_dx, n_rows, n_cols, offset, rows_per_program,
+    HAS_WEIGHT: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            w = w + offset
+    dw_partial = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, rows_per_program):
+        row = (pid * rows_per_program + i).to(tl.int64)
+        row_mask = mask & (row < n_rows)  # the last program's tail rows load zeros and store nothing
+        x = tl.load(X + row * stride_x + cols, mask=row_mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=row_mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row, mask=row < n_rows, other=0.0)
+        x_hat = x * rstd
+        if HAS_WEIGHT:
+            g = dy * w
+            if GEMMA:
+                dw_partial += dy * x_hat
+            else:
+                dw_partial += dy * x_hat.to(X.dtype.element_ty).to(tl.float32)
+        else:
+            g = dy
+        c = tl.sum(g * x_hat, axis=0) / n_cols
+        dx = rstd * (g - x_hat * c)
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=row_mask)
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, dw_partial, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------- launchers
+def _forward_triton(x, weight, eps, offset, gemma, out_dtype):
+    n_rows, n_cols = x.shape
+    y = _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    rstd = _runtime.empty((n_rows,), dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, rstd
+    block = _runtime.next_power_of_2(n_cols)
+    _rms_norm_forward_kernel[(n_rows,)](
+        x, weight if weight is not None else x, y, rstd,
+        x.stride(0), y.stride(0), n_cols, eps, offset,
+        HAS_WEIGHT=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_runtime.num_warps_for(block),
+    )
+    return y, rstd
+
+
+def _backward_triton(dy, x, weight, rstd, offset, gemma):
+    n_rows, n_cols = x.shape
+    dx = _runtime.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    programs = _runtime.persistent_programs(x.device, n_rows)
+    rows_per_program = -(-n_rows // programs) if n_rows else 0
+    dw_partial = None
+    if weight is not None:
+        dw_partial = _runtime.empty((programs, n_cols), dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return dx, None if weight is None else torch.zeros_like(weight)
+    block = _runtime.next_power_of_2(n_cols)
+    _rms_norm_backward_kernel[(programs,)](
+        dy, x, weight if weight is not None else x, rstd, dx, dw_partial if dw_partial is not None else rstd,
+        dy.stride(0), x.stride(0), dx.stride(0), n_rows, n_cols, offset, rows_per_program,
+        HAS_WEIGHT=weight is not None, GEMMA=gemma, BLOCK=block, num_warps=_runtime.num_warps_for(block),
+    )
+    dw = None if weight is None else dw_partial.sum(0).to(weight.dtype)
+    return dx, dw
+
+
+def _forward_torch(x, weight, eps, offset, gemma, out_dtype):
+    x_f32 = x.float()
+    rstd = torch.rsqrt(x_f32.pow(2).mean(-1) + eps)
+    x_hat = x_f32 * rstd[:, None]
+    if weight is None:
+        y = x_hat.to(x.dtype)
+    elif gemma:
+        y = (x_hat * (offset + weight.float())).to(x.dtype)
+    else:
+        y = (weight * x_hat.to(x.dtype)).to(out_dtype)
+    return y, rstd
+
+
+def _backward_torch(dy, x, weight, rstd, offset, gemma):
+    x_hat = x.float() * rstd[:, None]
+    dy_f32 = dy.float()
+    dw = None
+    if weight is None:
+        g = dy_f32
+    elif gemma:
+        g = dy_f32 * (offset + weight.float())
+        dw = (dy_f32 * x_hat).sum(0).to(weight.dtype)
+    else:
+        g = dy_f32 * weight.float()
+        dw = (dy_f32 * x_hat.to(x.dtype).float()).sum(0).to(weight.dtype)
+    dx = rstd[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw
+
+
+# ------------------------------------------------------------------------------------------------ autograd + API
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd node of :func:`rms_norm`; saves x (as rows) and rstd [rows] fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, gemma):
+        x2d = _runtime.as_rows(x)
+        impl = _runtime.backend(x.device)
+        if weight is None or gemma:
+            out_dtype = x.dtype
+        else:
+            out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        forward = _forward_triton if impl == "triton" else _forward_torch
+        y, rstd = forward(x2d, weight, eps, offset, gemma, out_dtype)
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.impl, ctx.offset, ctx.gemma, ctx.x_shape = impl, offset, gemma, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, rstd = ctx.saved_tensors
+        dy2d = _runtime.as_rows(dy)
+        backward = _backward_triton if ctx.impl == "triton" else _backward_torch
+        dx, dw = backward(dy2d, x2d, weight, rstd, ctx.offset, ctx.gemma)
+        if weight is not None and not ctx.needs_input_grad[1]:
+            dw = None
+        return dx.view(ctx.x_shape), dw, None, None, None
+
+
+def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
+    """Root-mean-square normalisation of the last dim, with gradients for ``x`` and ``weight``.
+
+    Args:
+        x: ``[..., H]`` float32/float16/bfloat16, any strides.
+        weight: ``[H]`` float tensor or None (no scale).
+        eps: added to mean(x^2) before the square root.
+        offset: ``casting="gemma"`` only: the scale is ``offset + weight`` formed in fp32 (Gemma passes 1.0).
+        casting: ``"llama"`` (HF LlamaRMSNorm, Mistral, Qwen2/3: ``weight * x_hat.to(x.dtype)``) or ``"gemma"``
+            (HF Gemma RMSNorm: ``(x_hat * (offset + weight.float())).to(x.dtype)``).
+
+    Returns:
+        ``y`` of x's shape; dtype ``promote(weight, x)`` for llama with a weight (as HF), else ``x.dtype``.
+
+    Raises:
+        ValueError: non-float or unsupported dtype, weight not ``[H]``, tensors on different devices, unknown
+            ``casting``, a non-zero ``offset`` with ``casting="llama"``, or H > 65536.
+        RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _runtime.check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., H], got a 0-dim tensor")
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    if casting == "llama" and offset != 0.0:
+        raise ValueError(f"offset must be 0 with casting='llama' (use casting='gemma' for 1 + w), got {offset}")
+    hidden = x.shape[-1]
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"x's last dim must be <= {MAX_HIDDEN}, got {hidden}")
+    if weight is not None:
+        _runtime.check_tensor("weight", weight)
+        _runtime.check_shape("weight", weight, (hidden,), "x's last dim")
+    _runtime.check_same_device(x=x, weight=weight)
+    _runtime.backend(x.device)  # raise configuration errors before any work
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting == "gemma")

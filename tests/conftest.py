@@ -1,0 +1,55 @@
+"""Test setup: Triton's interpreter on machines without a GPU, both backends, NaN-poisoned buffers, fresh seeds."""
+
+import os
+import random
+import sys
+
+# Must happen before triton.jit decorates leantune's kernels (i.e. before leantune is imported).
+if os.environ.get("TRITON_INTERPRET") is None and not os.path.exists("/dev/nvidiactl"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import reference` from any test
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from leantune.ops import _runtime  # noqa: E402
+
+import reference  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and not _runtime.interpreting()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    """Run the test once per backend (the Triton one through the interpreter on CPU)."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", request.param)
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers():
+    """Every buffer leantune allocates starts as NaN, so an unwritten element cannot pass."""
+    with _runtime.use_allocator(reference.nan_allocator):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """Fresh random inputs every run; the seed is printed on failure so a failing draw can be replayed."""
+    seed = int(os.environ.get("LEANTUNE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    yield seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seeds = [v for k, v in item.user_properties if k == "seed"]
+        if seeds:
+            report.sections.append(("seed", f"LEANTUNE_TEST_SEED={seeds[0]} replays this draw"))

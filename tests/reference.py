@@ -1,0 +1,153 @@
+"""Float64 references written from the formulas of DESIGN.md, not from the code under test, and the comparison rule.
+
+Gradients of a reference come from float64 autograd of these expressions.
+
+Tolerance (DESIGN.md): relative error ||out - ref|| / ||ref|| (absolute ||out|| when the reference is exactly zero);
+float32 <= 1e-5; bfloat16/float16 no worse than the same formula run eagerly in that dtype, plus 1e-2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------------------------------------------- comparison
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; ||out|| when ref is all zeros; inf when out holds NaN."""
+    out64, ref64 = out.detach().to(F64).cpu(), ref.detach().to(F64).cpu()
+    if out64.shape != ref64.shape:
+        raise AssertionError(f"shape {tuple(out64.shape)} != reference shape {tuple(ref64.shape)}")
+    if torch.isnan(out64).any() and not torch.isnan(ref64).any():
+        return math.inf
+    finite = torch.isfinite(ref64)
+    if not torch.equal(torch.isfinite(out64), finite) or not torch.equal(out64[~finite], ref64[~finite]):
+        return math.inf  # infinities must sit in the same places with the same sign
+    diff = (out64[finite] - ref64[finite]).norm().item()
+    scale = ref64[finite].norm().item()
+    return diff if scale == 0 else diff / scale
+
+
+def tolerance(dtype: torch.dtype, eager_err: float = 0.0) -> float:
+    """The bar of DESIGN.md: 1e-5 in float32; in half precision the eager error of the same formula plus 1e-2."""
+    if dtype in (torch.float32, torch.float64):
+        return 1e-5
+    return eager_err + 1e-2
+
+
+def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, eager=None) -> float:
+    """Assert ``out`` is within :func:`tolerance` of ``ref``; ``eager`` is the same formula run in ``dtype``."""
+    err = rel_err(out, ref)
+    tol = tolerance(dtype, rel_err(eager, ref) if eager is not None else 0.0)
+    assert err <= tol, f"{name}: relative error {err:.3g} > tolerance {tol:.3g} ({dtype})"
+    return err
+
+
+def nan_allocator(shape, dtype, device):
+    """Allocator for ``_runtime.use_allocator``: float buffers full of NaN, integer buffers full of a sentinel."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    if dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(-(2**31) + 7 if t.element_size() >= 4 else -7)
+
+
+# ------------------------------------------------------------------------------------------------------------ ops
+def rms_norm_ref(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
+    """y = x / sqrt(mean(x^2) + eps) * (offset + w), in float64 (the casting mode changes only the roundings)."""
+    x = x.to(F64)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (offset + weight.to(F64))
+    return y
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_ref(x, cos, sin):
+    """x [B, H, S, D]; cos/sin [B, S, R] or [S, R]: y = x*cos + rotate_half(x)*sin on the first R dims."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos.to(F64), sin.to(F64)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+    x = x.to(F64)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def swiglu_ref(gate, up):
+    """silu(gate) * up = gate * sigmoid(gate) * up."""
+    g = gate.to(F64)
+    return g * torch.sigmoid(g) * up.to(F64)
+
+
+def geglu_ref(gate, up, approximate="tanh"):
+    """gelu(gate) * up; tanh form 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), erf form 0.5 g (1 + erf(g/sqrt 2))."""
+    g = gate.to(F64)
+    if approximate == "tanh":
+        act = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+    else:
+        act = 0.5 * g * (1 + torch.erf(g / math.sqrt(2)))
+    return act * up.to(F64)
+
+
+def cross_entropy_ref(logits, labels, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0,
+                      reduction="mean", num_items=None):
+    """Per valid token l = lse(z) - z[y], smoothed (1-eps) l + eps (lse - mean z), plus z_loss lse^2 (DESIGN.md)."""
+    z = logits.to(F64)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, torch.zeros_like(labels))
+    loss = lse - z.gather(-1, target[:, None]).squeeze(-1)
+    if label_smoothing:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - z.mean(-1))
+    if z_loss:
+        loss = loss + z_loss * lse**2
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    divisor = float(num_items) if num_items is not None else valid.sum().item()
+    return loss.sum() / divisor if divisor > 0 else loss.sum() * 0.0
+
+
+def linear_cross_entropy_ref(hidden, weight, labels, bias=None, **kwargs):
+    """cross_entropy_ref(hidden @ weight.T + bias, labels, ...) in float64."""
+    logits = hidden.to(F64) @ weight.to(F64).T
+    if bias is not None:
+        logits = logits + bias.to(F64)
+    return cross_entropy_ref(logits, labels, **kwargs)
+
+
+def lora_linear_ref(x, weight, lora_A, lora_B, scaling, bias=None, mask=None):
+    """y = x W^T + b + s ((m x) A^T) B^T with m the dropout mask already divided by (1 - p)."""
+    x64 = x.to(F64)
+    y = x64 @ weight.to(F64).T
+    if bias is not None:
+        y = y + bias.to(F64)
+    if lora_A is not None:
+        xd = x64 if mask is None else x64 * mask.to(F64)
+        y = y + scaling * (xd @ lora_A.to(F64).T) @ lora_B.to(F64).T
+    return y
+
+
+def grads64(fn, inputs, grad_out):
+    """(value, grads) of float64 ``fn(*leaves)`` where leaves are float64 copies of ``inputs`` (None stays None)."""
+    leaves = [None if t is None else t.detach().to(F64).requires_grad_(t.requires_grad) for t in inputs]
+    out = fn(*leaves)
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, wanted, grad_out.to(F64), allow_unused=True)
+    it = iter(grads)
+    return out.detach(), [None if t is None or not t.requires_grad else next(it) for t in leaves]
