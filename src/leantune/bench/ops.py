@@ -1,0 +1,331 @@
+"""Op-level benchmark on the GPU: leantune vs eager PyTorch, torch.compile, Liger-Kernel and Cut Cross-Entropy.
+
+One harness for every implementation (DESIGN.md, "Roofline"): inputs are created once as leaves with
+``requires_grad``; the timed call sets ``.grad`` to None, runs forward and backward with pre-made gradient outputs;
+the time is the median of ``triton.testing.do_bench``. The copy ceiling (device-to-device copy, read + write bytes)
+and the bf16 matmul ceiling (8192^3) are measured in the same run, and each op is judged against its floor
+``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is ``max_memory_allocated`` during one
+call minus what was allocated before it (inputs and gradient outputs), so parameter gradients count.
+
+Usage (CUDA only)::
+
+    python -m leantune.bench.ops --ops rms_norm,rope,swiglu --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+GiB = 1024**3
+
+
+@dataclasses.dataclass
+class Case:
+    """One op at one shape: leaves, gradient outputs, the floor, and the implementations to time."""
+
+    op: str
+    shape: str
+    leaves: list[torch.Tensor]
+    grad_outputs: list[torch.Tensor] | None  # None: the output is a scalar loss
+    bytes: float = 0.0  # minimal bytes moved (DESIGN.md's roofline count)
+    flops: float = 0.0
+    impls: dict[str, Callable] = dataclasses.field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------------- ceilings
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate (FLOP/s) of this card, measured now."""
+    from triton.testing import do_bench
+
+    src = torch.randn(2 * GiB // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
+    copy_rate = 2 * src.numel() * 4 / (copy_ms * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    mm_rate = 2 * 8192**3 / (mm_ms * 1e-3)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": copy_rate, "matmul_flop_per_s": mm_rate}
+
+
+# ---------------------------------------------------------------------------------------------------------- harness
+def _fwd_bwd(fn: Callable, leaves: list[torch.Tensor], grad_outputs) -> Callable[[], None]:
+    def call():
+        for t in leaves:
+            t.grad = None
+        out = fn(*leaves)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if grad_outputs is None:
+            outs[0].backward()
+        else:
+            torch.autograd.backward(outs, grad_outputs)
+
+    return call
+
+
+def time_and_peak(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) -> tuple[float, float]:
+    """(median ms of fwd+bwd, extra peak GiB over what was allocated before the call)."""
+    from triton.testing import do_bench
+
+    call = _fwd_bwd(fn, case.leaves, case.grad_outputs)
+    call()  # compile / autotune outside the measurement
+    for t in case.leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / GiB
+    ms = do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    for t in case.leaves:
+        t.grad = None
+    return ms, peak
+
+
+# ------------------------------------------------------------------------------------------------------------ cases
+def _liger(name: str):
+    try:
+        if name == "rms_norm":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", True)
+        if name == "rope":
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+            return liger_rotary_pos_emb
+        if name == "swiglu":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return LigerSiLUMulFunction.apply
+        if name == "cross_entropy":
+            from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+            return lambda z, y: LigerCrossEntropyFunction.apply(z, y, None)[0]
+        if name == "linear_cross_entropy":
+            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+            return lambda h, w, y: LigerFusedLinearCrossEntropyFunction.apply(h, w, y)[0]
+    except ImportError:
+        return None
+    return None
+
+
+def _cce(filter_eps):
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError:
+        return None
+    return lambda h, w, y: linear_cross_entropy(h, w, y, filter_eps=filter_eps)
+
+
+def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(dtype).requires_grad_()
+
+
+def case_rms_norm(n=16384, h=4096) -> Case:
+    from leantune import ops
+
+    x, w = _rand(n, h), _rand(h, scale=0.1)
+    with torch.no_grad():
+        w.add_(1.0)
+
+    def eager(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    case = Case("rms_norm", f"{n}x{h} bf16", [x, w], [torch.randn_like(x)], bytes=5 * n * h * 2)
+    case.impls = {"leantune": lambda x, w: ops.rms_norm(x, w, 1e-5), "eager": eager,
+                  "torch.compile": torch.compile(eager), "liger": _liger("rms_norm")}
+    return case
+
+
+def case_rope(b=4, s=4096, hq=32, hk=8, d=128) -> Case:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from leantune import ops
+
+    q, k = _rand(b, hq, s, d), _rand(b, hk, s, d)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+    freqs = torch.arange(s, device="cuda", dtype=torch.float32)[:, None] * inv_freq[None]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]  # [1, S, D], HF's layout
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    liger = _liger("rope")
+
+    def eager(q, k):
+        return apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin)
+
+    case = Case("rope", f"B{b} S{s} {hq}/{hk}h D{d} bf16", [q, k],
+                [torch.randn_like(q), torch.randn_like(k)], bytes=6 * (q.numel() + k.numel()) * 2)
+    case.impls = {
+        "leantune": lambda q, k: ops.rope(q.clone(), k.clone(), cos, sin),
+        "eager": eager,
+        "torch.compile": torch.compile(eager),
+        "liger": None if liger is None else (lambda q, k: liger(q.clone(), k.clone(), cos, sin)),
+    }
+    return case
+
+
+def case_swiglu(n=16384, i=14336) -> Case:
+    from leantune import ops
+
+    g, u = _rand(n, i), _rand(n, i)
+
+    def eager(g, u):
+        return F.silu(g) * u
+
+    case = Case("swiglu", f"{n}x{i} bf16", [g, u], [torch.randn_like(g)], bytes=8 * n * i * 2)
+    case.impls = {"leantune": ops.swiglu, "eager": eager, "torch.compile": torch.compile(eager),
+                  "liger": _liger("swiglu")}
+    return case
+
+
+def case_cross_entropy(n=16384, v=128256) -> Case:
+    from leantune import ops
+
+    z = _rand(n, v, scale=2.0)
+    y = torch.randint(0, v, (n,), device="cuda")
+
+    def eager(z):
+        return F.cross_entropy(z.float(), y)
+
+    liger = _liger("cross_entropy")
+    case = Case("cross_entropy", f"{n}x{v} bf16 logits", [z], None, bytes=3 * n * v * 2)
+    case.impls = {"leantune": lambda z: ops.cross_entropy(z, y), "eager": eager,
+                  "torch.compile": torch.compile(eager),
+                  "liger": None if liger is None else (lambda z: liger(z, y))}
+    return case
+
+
+def case_linear_cross_entropy(n=16384, h=4096, v=128256, memory="fast") -> Case:
+    from leantune import ops
+
+    hidden, weight = _rand(n, h), _rand(v, h, scale=h**-0.5)
+    y = torch.randint(0, v, (n,), device="cuda")
+
+    def eager(hidden, weight):
+        return F.cross_entropy((hidden @ weight.T).float(), y)
+
+    liger, cce_exact, cce_filtered = _liger("linear_cross_entropy"), _cce(None), _cce("high")
+    flops = (8 if memory == "low" else 6) * n * h * v
+    case = Case(f"linear_cross_entropy[{memory}]", f"N{n} H{h} V{v} bf16", [hidden, weight], None, flops=flops)
+    case.impls = {"leantune": lambda a, b: ops.linear_cross_entropy(a, b, y, memory=memory)}
+    if memory == "fast":
+        case.impls.update({"eager": eager, "torch.compile": torch.compile(eager),
+                           "liger": None if liger is None else (lambda a, b: liger(a, b, y))})
+    else:
+        case.impls.update({"cce (filter_eps=None)": None if cce_exact is None else (lambda a, b: cce_exact(a, b, y)),
+                           "cce (default filter)": None if cce_filtered is None else
+                           (lambda a, b: cce_filtered(a, b, y))})
+    return case
+
+
+CASES = {
+    "rms_norm": case_rms_norm,
+    "rope": case_rope,
+    "swiglu": case_swiglu,
+    "cross_entropy": case_cross_entropy,
+    "linear_cross_entropy": lambda: case_linear_cross_entropy(memory="fast"),
+    "linear_cross_entropy_low": lambda: case_linear_cross_entropy(memory="low"),
+}
+
+
+# --------------------------------------------------------------------------------------------------------- reporting
+def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
+    import triton
+    import transformers
+
+    ceilings = measure_ceilings()
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "ceilings": ceilings,
+        "rows": [],
+    }
+    for name in op_names:
+        case = CASES[name]()
+        floor_ms = 1e3 * max(case.bytes / ceilings["copy_bytes_per_s"], case.flops / ceilings["matmul_flop_per_s"])
+        for impl, fn in case.impls.items():
+            if fn is None or (impl_filter and impl not in impl_filter):
+                continue
+            try:
+                ms, peak = time_and_peak(fn, case)
+                error = None
+            except Exception as exc:  # a peer failing at a shape is a result, not a crash of the benchmark
+                ms, peak, error = math.nan, math.nan, f"{type(exc).__name__}: {str(exc)[:200]}"
+            row = {"op": case.op, "shape": case.shape, "impl": impl, "ms": ms, "extra_peak_gib": peak,
+                   "floor_ms": floor_ms, "error": error}
+            if case.bytes:
+                row["gb_per_s"] = case.bytes / (ms * 1e-3) / 1e9
+                row["pct_copy_ceiling"] = 100 * case.bytes / (ms * 1e-3) / ceilings["copy_bytes_per_s"]
+            if case.flops:
+                row["tflop_per_s"] = case.flops / (ms * 1e-3) / 1e12
+                row["pct_matmul_ceiling"] = 100 * case.flops / (ms * 1e-3) / ceilings["matmul_flop_per_s"]
+            result["rows"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        del case
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    return result
+
+
+def markdown(result: dict) -> str:
+    c = result["ceilings"]
+    lines = [
+        f"{result['date']}, {result['gpu']}, torch {result['versions']['torch']}, triton "
+        f"{result['versions']['triton']}, transformers {result['versions']['transformers']}. Ceilings measured in "
+        f"this run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flop_per_s'] / 1e12:.0f} "
+        "TFLOP/s.",
+        "",
+        "| op | shape | impl | fwd+bwd ms | floor ms | % of ceiling | extra peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        pct = r.get("pct_copy_ceiling", r.get("pct_matmul_ceiling", math.nan))
+        note = f" ({r['error']})" if r.get("error") else ""
+        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{pct:.0f}% | {r['extra_peak_gib']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="rms_norm,rope,swiglu", help=f"comma list of {', '.join(CASES)}")
+    parser.add_argument("--impls", default=None, help="comma list of implementations to run (default: all)")
+    parser.add_argument("--out", default=None, help="write the JSON result here (and .md beside it)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("leantune bench ops needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = run(args.ops.split(","), set(args.impls.split(",")) if args.impls else None)
+    table = markdown(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
