@@ -1,5 +1,402 @@
-"""Cross-entropy (stub: being written)."""
+r"""Cross-entropy on materialised logits, streamed over the vocabulary with an online log-sum-exp.
+
+Forward, per row x of width V with label y (all in fp32; torch's ``F.cross_entropy`` semantics, Gemma2's softcap):
+
+    z   = c * tanh(x / c)            with softcap c (else z = x)            (Gemma 2 final-logit softcapping)
+    lse = log(sum_j exp(z_j))        streamed in chunks: m' = max(m, max z), s' = s exp(m - m') + sum exp(z - m')
+    l   = (1 - eps) (lse - z_y) + eps (lse - mean_j z_j) + zl * lse^2        (label smoothing eps as torch;
+                                                                              z-loss zl as PaLM, Chowdhery et al. 2022)
+    ignored rows (y == ignore_index): l = 0.
+    reduction "mean": sum l / D with D = count(valid) or num_items (0.0, not NaN, when D = 0); "sum"; "none": [N].
+
+Backward. With p = softmax(z) = exp(z - lse) and a per-row scale r (dL/dl_row: grad_output / D, grad_output, or
+grad_output[row]):
+
+    dl/dz_j = p_j (1 + 2 zl lse) - (1 - eps) [j == y] - eps / V
+    dl/dx_j = dl/dz_j * (1 - tanh^2(x_j / c))              (softcap chain rule; 1 without softcap)
+    dx      = r * dl/dx,  0 on ignored rows.
+
+Every term is formed in fp32 and scaled before the single cast to the gradient's dtype, so a confident prediction
+(p_y = 0.999) keeps p_y - 1 = -1e-3 instead of rounding it away in bf16 first.
+
+tanh is computed as 2 sigmoid(2a) - 1 and 1 - tanh^2 as 4 s (1 - s) with s = sigmoid(2a): exact at +-inf (softcap of
+-inf is -c, not -inf) and it runs under Triton's interpreter, which has no libdevice tanh. Padding lanes of a partial
+chunk load -inf and are masked to -inf again after the tanh, so they never add exp(-c - lse) of probability mass.
+
+What is saved (public op): the caller's logits (by reference, never written) and lse [N] fp32, 4 bytes a row. The
+forward reads the logits once (loss and lse); the backward reads them once more and writes a new gradient buffer, so
+the caller's tensor is never overwritten and no [N, V] buffer exists between forward and backward: 3 N V element
+moves in all, the roofline's minimum for a gradient that must not alias the input. Inside the fused
+linear_cross_entropy, which owns its logits chunks, :func:`loss_rows` writes the gradient in place in the same launch.
+
+Labels outside [0, V) other than ignore_index raise ValueError: one small reduction on the host before the launch
+(an out-of-range label would otherwise read out of bounds in the kernel).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _runtime
+
+REDUCTIONS = ("mean", "sum", "none")
+GPU_BLOCK_V = 8192  # vocab chunk per loop iteration on the GPU (16 fp32 values a thread at 16 warps)
+INTERPRETER_BLOCK_V = 128  # small under the interpreter, so tests cross several chunks at V of a few hundred
 
 
-def cross_entropy(logits, labels, **kwargs):
-    raise NotImplementedError("ops.cross_entropy is not written yet")
+class Options(NamedTuple):
+    """The loss options every kernel and torch path takes (validated by the public functions)."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    softcap: float | None = None
+    z_loss: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(z, dz/dx) for z = c tanh(x / c); (x, 1) without softcap."""
+    if HAS_SOFTCAP:
+        s = tl.sigmoid(2.0 * x / softcap)
+        return softcap * (2.0 * s - 1.0), 4.0 * s * (1.0 - s)
+    else:
+        return x, 1.0
+
+
+@triton.jit
+def _write_gradient(
+    logits_row, grad_row, start, cols, n_cols, col_offset, label, lse, scale, n_vocab,
+    label_smoothing, softcap, z_loss,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):
+    offs = start + cols
+    mask = offs < n_cols
+    x = tl.load(logits_row + offs, mask=mask, other=0.0).to(tl.float32)
+    z, dz_dx = _softcap(x, softcap, HAS_SOFTCAP)
+    p = tl.exp(z - lse)
+    if HAS_Z_LOSS:
+        p = p * (1.0 + 2.0 * z_loss * lse)
+    target_weight = 1.0
+    if HAS_SMOOTHING:
+        p = p - label_smoothing / n_vocab
+        target_weight = 1.0 - label_smoothing
+    g = tl.where(offs + col_offset == label, p - target_weight, p)  # p - 1 stays in fp32 (confident rows)
+    g = g * dz_dx * scale
+    tl.store(grad_row + offs, g.to(grad_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cross_entropy_forward_kernel(
+    LOGITS, LABELS, LOSS, LSE, GRAD, GRAD_SCALE,
+    stride_logits, stride_grad, n_cols, ignore_index, label_smoothing, softcap, z_loss,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Per row: online lse over V, the loss, and (WRITE_GRAD) a second pass writing the gradient (may alias LOGITS)."""
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = LOGITS + row * stride_logits
+    label = tl.load(LABELS + row)
+    valid = label != ignore_index
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    z_sum = tl.zeros((), tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < n_cols
+        x = tl.load(logits_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        z, _ = _softcap(x, softcap, HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            z = tl.where(mask, z, float("-inf"))  # softcap(-inf) = -c: padding must not add mass
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: no (-inf) - (-inf)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe), axis=0)
+        m = m_new
+        if HAS_SMOOTHING:
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    lse = m + tl.log(s)
+    target = tl.where(valid, label, 0)
+    z_target, _ = _softcap(tl.load(logits_row + target).to(tl.float32), softcap, HAS_SOFTCAP)
+    loss = lse - z_target
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - z_sum / n_cols)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    tl.store(LSE + row, lse)
+    if WRITE_GRAD:
+        scale = tl.where(valid, tl.load(GRAD_SCALE), 0.0)
+        lse_safe = tl.where(valid, lse, 0.0)  # an ignored all -inf row must write 0, not NaN
+        grad_row = GRAD + row * stride_grad
+        for start in range(0, n_cols, BLOCK):
+            _write_gradient(logits_row, grad_row, start, cols, n_cols, 0, label, lse_safe, scale, n_cols,
+                            label_smoothing, softcap, z_loss, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
+
+
+@triton.jit
+def _cross_entropy_backward_kernel(
+    LOGITS, LABELS, LSE, SCALE, GRAD,
+    stride_logits, stride_grad, stride_scale, n_cols, col_offset, n_vocab,
+    ignore_index, label_smoothing, softcap, z_loss,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Gradient of a row tile (columns col_offset .. col_offset + n_cols of V) from the saved lse; one pass."""
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(LABELS + row)
+    valid = label != ignore_index
+    scale = tl.where(valid, tl.load(SCALE + row * stride_scale), 0.0)
+    lse = tl.where(valid, tl.load(LSE + row), 0.0)
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, n_cols, BLOCK):
+        _write_gradient(LOGITS + row * stride_logits, GRAD + row * stride_grad, start, cols, n_cols, col_offset,
+                        label, lse, scale, n_vocab, label_smoothing, softcap, z_loss,
+                        HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
+
+
+# ----------------------------------------------------------------------------------------------------- launchers
+def vocab_block(device: torch.device, n_cols: int) -> int:
+    """Vocabulary chunk a program loads per loop iteration (tests place labels in the first/middle/last chunk)."""
+    limit = GPU_BLOCK_V if device.type == "cuda" else INTERPRETER_BLOCK_V
+    return min(_runtime.next_power_of_2(max(n_cols, 1)), limit)
+
+
+def _flags(opts: Options) -> dict:
+    return {
+        "HAS_SOFTCAP": opts.softcap is not None,
+        "HAS_SMOOTHING": opts.label_smoothing > 0.0,
+        "HAS_Z_LOSS": opts.z_loss > 0.0,
+    }
+
+
+def _forward_triton(logits, labels, opts, loss, lse, grad, grad_scale):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    block = vocab_block(logits.device, n_cols)
+    _cross_entropy_forward_kernel[(n_rows,)](
+        logits, labels, loss, lse, grad if grad is not None else logits,
+        grad_scale if grad_scale is not None else lse,
+        logits.stride(0), grad.stride(0) if grad is not None else 0, n_cols, opts.ignore_index,
+        opts.label_smoothing, opts.softcap or 1.0, opts.z_loss,
+        WRITE_GRAD=grad is not None, BLOCK=block, num_warps=_runtime.num_warps_for(block), **_flags(opts),
+    )
+
+
+def _backward_triton(logits, labels, lse, scale, opts, grad, col_offset, n_vocab):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0 or n_cols == 0:
+        return
+    block = vocab_block(logits.device, n_cols)
+    _cross_entropy_backward_kernel[(n_rows,)](
+        logits, labels, lse, scale, grad,
+        logits.stride(0), grad.stride(0), scale.stride(0) if scale.dim() else 0, n_cols, col_offset, n_vocab,
+        opts.ignore_index, opts.label_smoothing, opts.softcap or 1.0, opts.z_loss,
+        BLOCK=block, num_warps=_runtime.num_warps_for(block), **_flags(opts),
+    )
+
+
+def _softcap_torch(x, softcap):
+    if softcap is None:
+        return x, None
+    s = torch.sigmoid(2.0 * x / softcap)
+    return softcap * (2.0 * s - 1.0), 4.0 * s * (1.0 - s)
+
+
+def _gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab):
+    """fp32 gradient of a row tile, the same terms as ``_write_gradient``."""
+    valid = labels != opts.ignore_index
+    z, dz_dx = _softcap_torch(logits.float(), opts.softcap)
+    lse = torch.where(valid, lse, 0.0)
+    p = torch.exp(z - lse[:, None])
+    if opts.z_loss > 0.0:
+        p = p * (1.0 + 2.0 * opts.z_loss * lse[:, None])
+    target_weight = 1.0
+    if opts.label_smoothing > 0.0:
+        p = p - opts.label_smoothing / n_vocab
+        target_weight = 1.0 - opts.label_smoothing
+    local = labels - col_offset
+    hit = valid & (local >= 0) & (local < logits.shape[1])
+    rows = torch.nonzero(hit).squeeze(1)
+    p[rows, local[rows]] -= target_weight
+    if dz_dx is not None:
+        p = p * dz_dx
+    scale = torch.where(valid, scale.float().expand(labels.shape), 0.0)
+    return p * scale[:, None]
+
+
+def _forward_torch(logits, labels, opts, loss, lse, grad, grad_scale):
+    if logits.shape[0] == 0:
+        return
+    valid = labels != opts.ignore_index
+    z, _ = _softcap_torch(logits.float(), opts.softcap)
+    row_lse = torch.logsumexp(z, dim=-1)
+    target = torch.where(valid, labels, 0)
+    row_loss = row_lse - z.gather(1, target[:, None]).squeeze(1)
+    if opts.label_smoothing > 0.0:
+        eps = opts.label_smoothing
+        row_loss = (1.0 - eps) * row_loss + eps * (row_lse - z.mean(-1))
+    if opts.z_loss > 0.0:
+        row_loss = row_loss + opts.z_loss * row_lse * row_lse
+    loss.copy_(torch.where(valid, row_loss, 0.0))
+    lse.copy_(row_lse)
+    if grad is not None:
+        grad.copy_(_gradient_torch(logits, labels, row_lse, grad_scale, opts, 0, logits.shape[1]))
+
+
+def _backward_torch(logits, labels, lse, scale, opts, grad, col_offset, n_vocab):
+    if logits.shape[0] and logits.shape[1]:
+        grad.copy_(_gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab))
+
+
+def loss_rows(impl, logits, labels, opts, loss, lse, grad=None, grad_scale=None):
+    """Write per-row loss and lse (fp32 [n]) of ``logits [n, V]``; with ``grad``, also the gradient times
+    ``grad_scale`` (0-dim fp32) into ``grad [n, V]``, which may be ``logits`` itself (in place, same launch)."""
+    (_forward_triton if impl == "triton" else _forward_torch)(logits, labels, opts, loss, lse, grad, grad_scale)
+
+
+def gradient_rows(impl, logits, labels, lse, scale, opts, grad, col_offset=0, n_vocab=None):
+    """Gradient of the tile ``logits [n, w]`` holding vocab columns ``col_offset .. col_offset + w`` of ``n_vocab``,
+    from the saved ``lse``; ``scale`` is 0-dim or ``[n]`` fp32 (dL/dloss_row). ``grad`` may alias ``logits``."""
+    n_vocab = logits.shape[1] if n_vocab is None else n_vocab
+    (_backward_triton if impl == "triton" else _backward_torch)(
+        logits, labels, lse, scale, opts, grad, col_offset, n_vocab)
+
+
+# ------------------------------------------------------------------------------------------ shared host-side logic
+def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_loss, reduction, num_items) -> Options:
+    """Validate the loss keywords and labels (ValueError); the shared front door of both loss ops."""
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")  # noqa: TRY004 (contract)
+    if labels.dtype != torch.int64:
+        raise ValueError(f"labels must be int64, got {labels.dtype}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not float(z_loss) >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")  # noqa: TRY004 (contract)
+    item_bad = None
+    if num_items is not None:
+        if reduction != "mean":
+            raise ValueError(f"num_items is only valid with reduction='mean', got reduction={reduction!r}")
+        if isinstance(num_items, torch.Tensor):
+            if num_items.dim() != 0 or num_items.dtype == torch.bool or num_items.is_complex():
+                raise ValueError(f"num_items must be an int or a 0-dim real tensor, got shape {tuple(num_items.shape)} "
+                                 f"{num_items.dtype}")
+            item_bad = (num_items <= 0).to(labels.device)
+        elif isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral):
+            raise ValueError(f"num_items must be an int or a 0-dim tensor, got {type(num_items).__name__}")
+        elif num_items <= 0:
+            raise ValueError(f"num_items must be > 0, got {num_items}")
+    bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= n_vocab))).any()
+    flags = torch.stack([bad_label, item_bad]) if item_bad is not None else bad_label[None]
+    flags = flags.tolist()  # the one host sync: labels are checked before any kernel reads logits[label]
+    if flags[0]:
+        raise ValueError(f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found one outside")
+    if item_bad is not None and flags[1]:
+        raise ValueError(f"num_items must be > 0, got {num_items.item()}")
+    return Options(int(ignore_index), float(label_smoothing), None if softcap is None else float(softcap),
+                   float(z_loss))
+
+
+def divisor(labels, opts: Options, reduction, num_items):
+    """0-dim fp32 tensor on labels' device: num_items, else count(valid) clamped to >= 1 (its loss sum is then 0);
+    None for reductions other than "mean"."""
+    if reduction != "mean":
+        return None
+    if num_items is None:
+        return (labels != opts.ignore_index).sum().clamp_min(1).to(torch.float32)
+    if isinstance(num_items, torch.Tensor):
+        return num_items.detach().to(device=labels.device, dtype=torch.float32)
+    return torch.tensor(float(num_items), dtype=torch.float32, device=labels.device)
+
+
+def reduce(row_loss, reduction, denominator):
+    if reduction == "none":
+        return row_loss
+    total = row_loss.sum()
+    return total if reduction == "sum" else total / denominator
+
+
+def row_scale(grad_output, reduction, denominator):
+    """dL/dloss_row as fp32: 0-dim for "mean"/"sum", [n] for "none"."""
+    g = grad_output.float()
+    return g / denominator if reduction == "mean" else g.contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ autograd + API
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd node of :func:`cross_entropy`; saves logits (by reference), labels, lse [N] fp32, the divisor."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, opts, reduction, denominator):
+        impl = _runtime.backend(logits.device)
+        n_rows = logits.shape[0]
+        loss = _runtime.empty((n_rows,), dtype=torch.float32, device=logits.device)
+        lse = _runtime.empty((n_rows,), dtype=torch.float32, device=logits.device)
+        loss_rows(impl, logits, labels, opts, loss, lse)
+        ctx.save_for_backward(logits, labels, lse, denominator)
+        ctx.impl, ctx.opts, ctx.reduction = impl, opts, reduction
+        return reduce(loss, reduction, denominator)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        logits, labels, lse, denominator = ctx.saved_tensors
+        grad = _runtime.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        scale = row_scale(grad_output, ctx.reduction, denominator)
+        gradient_rows(ctx.impl, logits, labels, lse, scale, ctx.opts, grad)
+        return grad, None, None, None, None
+
+
+def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0,
+                  reduction="mean", num_items=None):
+    """Cross-entropy of ``logits`` against ``labels`` with torch's semantics plus softcap and z-loss, fp32 inside.
+
+    Args:
+        logits: ``[N, V]`` float32/float16/bfloat16 (rows may be strided; the last dim is made unit-stride). Never
+            modified: the gradient goes to a new buffer in backward.
+        labels: ``[N]`` int64 in ``[0, V)`` or ``ignore_index``.
+        ignore_index: rows with this label contribute 0 to the loss and get a zero gradient.
+        label_smoothing: eps in [0, 1]: ``(1 - eps) l + eps (lse - mean z)`` as ``torch.nn.functional.cross_entropy``.
+        softcap: c > 0 or None: ``z = c tanh(logits / c)`` before everything else (Gemma 2).
+        z_loss: adds ``z_loss * lse^2`` per valid row (PaLM).
+        reduction: ``"mean"`` (over valid rows, or over ``num_items``; 0.0 when none is valid), ``"sum"``, ``"none"``
+            (``[N]``, 0 at ignored rows).
+        num_items: int or 0-dim tensor > 0, with ``"mean"`` only: the divisor replacing count(valid) (HF's
+            ``num_items_in_batch``, for gradient accumulation across micro-batches).
+
+    Returns:
+        float32 loss: 0-dim, or ``[N]`` for ``"none"``. The gradient w.r.t. logits has logits' dtype.
+
+    Raises:
+        ValueError: logits not a 2-D float tensor, labels not int64 ``[N]``, tensors on different devices, a label
+            outside ``[0, V)`` that is not ``ignore_index``, an unknown reduction, ``num_items`` not > 0 or given
+            without ``"mean"``, label_smoothing outside [0, 1], softcap <= 0, z_loss < 0.
+        RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _runtime.check_tensor("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dim V")
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")  # noqa: TRY004 (contract)
+    _runtime.check_shape("labels", labels, (logits.shape[0],), "logits' first dim N")
+    _runtime.check_same_device(logits=logits, labels=labels)
+    opts = check_options(labels, logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, reduction,
+                         num_items)
+    _runtime.backend(logits.device)  # raise configuration errors before any work
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    labels = labels.contiguous()
+    return CrossEntropyFunction.apply(logits, labels, opts, reduction, divisor(labels, opts, reduction, num_items))

@@ -1,5 +1,243 @@
-"""Fused linear cross-entropy (stub: being written)."""
+r"""Fused linear cross-entropy: the loss of ``hidden @ weight.T + bias`` without ever holding the [N, V] logits.
+
+Value and gradients are those of :func:`leantune.ops.cross_entropy` on ``logits = hidden @ weight.T + bias`` (see
+that module for the loss and dl/dlogits). With G = dL/dlogits (already scaled by dL/dloss_row):
+
+    dhidden = G @ weight          dweight = G^T @ hidden          dbias = sum over rows of G
+
+The logits exist only one chunk at a time, in a work buffer leantune owns, sized from a fixed byte budget
+(``chunk_bytes``; never from free memory, so peaks and bf16 sums do not depend on what else the card holds). The
+matmuls are cuBLAS (``torch.mm``/``addmm`` with ``out=``, fp32 accumulation inside each call); the loss and the
+gradient come from cross_entropy's kernel, which overwrites the chunk with its gradient in place.
+
+memory="fast" (default): everything happens in the forward, token chunk by token chunk (rows = chunk_bytes /
+    (V * itemsize)): logits_c = h_c W^T + b -> kernel writes loss, lse and G_c = dl/dlogits_c / D in place ->
+    dhidden[c] = G_c W, dweight += G_c^T h_c (in the compute dtype across chunks; DESIGN.md allows it where an fp32
+    buffer would break the memory target), dbias += sum G_c (fp32). Saved: dhidden [N, H], dweight [V, H], dbias [V]
+    (only those that are wanted). Backward multiplies them by the scalar grad_output in place (skipped when it is
+    1), so the node supports one backward (a second, with retain_graph, raises). 2 N H V multiply-adds in all.
+    reduction="none" has one grad_output per row, which dweight needs before its matmul; it runs the "low" path.
+memory="low": the forward computes only loss and lse per token chunk; saved: hidden, weight, bias, labels, lse
+    [N] fp32. Backward recomputes the logits (3 N H V multiply-adds in all). With a weight/bias gradient it walks
+    vocab tiles of all N rows (columns = chunk_bytes / (N * itemsize)): each dweight/dbias slice is written once
+    with the full fp32 reduction over N inside cuBLAS, and dhidden accumulates over tiles in the compute dtype. With
+    only dhidden wanted (frozen lm_head, LoRA) it walks token chunks and writes each dhidden row block once.
+
+Extra peak (beyond inputs and the returned gradients): one chunk buffer (default 128 MiB fast, 32 MiB low) plus
+O(N) fp32 rows. Under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype first, as HF's
+``lm_head`` (an ``nn.Linear``) would be; gradients come back in each input's own dtype.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import _runtime
+from .cross_entropy import check_options, divisor, gradient_rows, loss_rows, reduce, row_scale
+
+MEMORY_MODES = ("fast", "low")
+DEFAULT_CHUNK_BYTES = {"fast": 128 * 2**20, "low": 32 * 2**20}
 
 
-def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
-    raise NotImplementedError("ops.linear_cross_entropy is not written yet")
+def _logits_into(out, hidden, weight, bias):
+    """out = hidden @ weight.T (+ bias), written into leantune's buffer (cuBLAS, fp32 accumulation inside)."""
+    if bias is None:
+        torch.mm(hidden, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=out)
+    return out
+
+
+def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad_scale, wants):
+    """Loss and lse per row over token chunks; with ``grad_scale`` also dhidden/dweight/dbias (see module doc)."""
+    n_rows, n_vocab = hidden.shape[0], weight.shape[0]
+    device, dtype = hidden.device, hidden.dtype
+    want_h, want_w, want_b = wants if grad_scale is not None else (False, False, False)
+    loss = _runtime.empty((n_rows,), dtype=torch.float32, device=device)
+    lse = _runtime.empty((n_rows,), dtype=torch.float32, device=device)
+    dhidden = _runtime.empty(hidden.shape, dtype=dtype, device=device) if want_h else None
+    dweight = _runtime.empty(weight.shape, dtype=dtype, device=device) if want_w else None
+    dbias = _runtime.empty((n_vocab,), dtype=torch.float32, device=device).zero_() if want_b else None
+    if n_rows == 0:
+        if dweight is not None:
+            dweight.zero_()
+        return loss, lse, dhidden, dweight, dbias
+    rows = max(1, min(n_rows, chunk_bytes // (n_vocab * hidden.element_size())))
+    buffer = _runtime.empty((rows, n_vocab), dtype=dtype, device=device)
+    for start in range(0, n_rows, rows):
+        end = min(start + rows, n_rows)
+        hidden_c = hidden[start:end]
+        logits = _logits_into(buffer[: end - start], hidden_c, weight, bias)
+        grad = logits if grad_scale is not None else None
+        loss_rows(impl, logits, labels[start:end], opts, loss[start:end], lse[start:end], grad, grad_scale)
+        if want_h:
+            torch.mm(logits, weight, out=dhidden[start:end])
+        if want_w:
+            if start == 0:
+                torch.mm(logits.t(), hidden_c, out=dweight)
+            else:
+                dweight.addmm_(logits.t(), hidden_c)
+        if want_b:
+            dbias += logits.sum(0, dtype=torch.float32)
+    return loss, lse, dhidden, dweight, dbias
+
+
+def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, chunk_bytes, wants):
+    """dhidden/dweight/dbias from recomputed logits (memory="low", and "none" reductions); ``scale``: 0-dim or [N]."""
+    want_h, want_w, want_b = wants
+    n_rows, n_vocab = hidden.shape[0], weight.shape[0]
+    device, dtype, itemsize = hidden.device, hidden.dtype, hidden.element_size()
+    dhidden = _runtime.empty(hidden.shape, dtype=dtype, device=device) if want_h else None
+    dweight = _runtime.empty(weight.shape, dtype=dtype, device=device) if want_w else None
+    dbias = _runtime.empty((n_vocab,), dtype=torch.float32, device=device) if want_b else None
+    if n_rows == 0:
+        for t in (dhidden, dweight, dbias):
+            if t is not None:
+                t.zero_()
+        return dhidden, dweight, dbias
+    if want_w or want_b:
+        # vocab tiles over all rows: each dweight/dbias slice is written once, fully reduced over N
+        cols = max(1, min(n_vocab, chunk_bytes // (n_rows * itemsize)))
+        buffer = _runtime.empty((n_rows * cols,), dtype=dtype, device=device)
+        for start in range(0, n_vocab, cols):
+            end = min(start + cols, n_vocab)
+            weight_t = weight[start:end]
+            logits = _logits_into(buffer[: n_rows * (end - start)].view(n_rows, end - start), hidden, weight_t,
+                                  None if bias is None else bias[start:end])
+            gradient_rows(impl, logits, labels, lse, scale, opts, logits, col_offset=start, n_vocab=n_vocab)
+            if want_w:
+                torch.mm(logits.t(), hidden, out=dweight[start:end])
+            if want_b:
+                torch.sum(logits, 0, dtype=torch.float32, out=dbias[start:end])
+            if want_h:
+                if start == 0:
+                    torch.mm(logits, weight_t, out=dhidden)
+                else:
+                    dhidden.addmm_(logits, weight_t)
+    elif want_h:
+        rows = max(1, min(n_rows, chunk_bytes // (n_vocab * itemsize)))
+        buffer = _runtime.empty((rows, n_vocab), dtype=dtype, device=device)
+        for start in range(0, n_rows, rows):
+            end = min(start + rows, n_rows)
+            logits = _logits_into(buffer[: end - start], hidden[start:end], weight, bias)
+            scale_c = scale if scale.dim() == 0 else scale[start:end]
+            gradient_rows(impl, logits, labels[start:end], lse[start:end], scale_c, opts, logits)
+            torch.mm(logits, weight, out=dhidden[start:end])
+    return dhidden, dweight, dbias
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd node of :func:`linear_cross_entropy`.
+
+    fast: saves dhidden, dweight, dbias (those wanted) and the divisor. low (and "none"): saves hidden, weight,
+    bias, labels, lse [N] fp32 and the divisor. Never an [N, V] tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, opts, reduction, denominator, memory, chunk_bytes, wants,
+                compute_dtype):
+        impl = _runtime.backend(hidden.device)
+        ctx.impl, ctx.opts, ctx.reduction, ctx.chunk_bytes, ctx.wants = impl, opts, reduction, chunk_bytes, wants
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+            b = None if bias is None else bias.to(compute_dtype)
+            fast = memory == "fast" and reduction != "none" and any(wants)
+            ctx.fast = fast
+            if fast:
+                grad_scale = (1.0 / denominator) if reduction == "mean" else torch.ones(
+                    (), dtype=torch.float32, device=hidden.device)
+                loss, _, dh, dw, db = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, grad_scale, wants)
+                ctx.save_for_backward(dh, dw, db)
+            else:
+                loss, lse, *_ = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, None, wants)
+                ctx.save_for_backward(h, w, b, labels, lse, denominator)
+        return reduce(loss, reduction, denominator)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.fast:
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("linear_cross_entropy(memory='fast') supports one backward per forward (its "
+                                   "gradients are scaled in place); use memory='low' to backward twice")
+            ctx.consumed = True
+            grads = list(ctx.saved_tensors)
+            if not bool(grad_output == 1.0):  # one scalar sync; skips three full passes over the gradients
+                for g in grads:
+                    if g is not None:
+                        g.mul_(grad_output.to(g.dtype))
+        else:
+            h, w, b, labels, lse, denominator = ctx.saved_tensors
+            scale = row_scale(grad_output, ctx.reduction, denominator)
+            with torch.autocast(h.device.type, enabled=False):
+                grads = _recompute_backward(ctx.impl, h, w, b, labels, lse, scale, ctx.opts, ctx.chunk_bytes,
+                                            ctx.wants)
+        out = [None if g is None or dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes)]
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ignore_index=-100,
+                         label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean", num_items=None,
+                         chunk_bytes=None):
+    """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without an [N, V] tensor; grads for all three.
+
+    Args:
+        hidden: ``[N, H]`` float32/float16/bfloat16 (HF's final hidden states, flattened).
+        weight: ``[V, H]`` (the lm_head / tied embedding), hidden's dtype unless under ``torch.autocast``.
+        labels: ``[N]`` int64 in ``[0, V)`` or ``ignore_index`` (already shifted, as HF's loss does).
+        bias: ``[V]`` or None.
+        memory: ``"fast"`` (gradients formed in the forward; saves dhidden/dweight/dbias) or ``"low"`` (logits
+            recomputed in backward; saves hidden and lse, smallest peak).
+        ignore_index, label_smoothing, softcap, z_loss, reduction, num_items: as :func:`leantune.ops.cross_entropy`.
+        chunk_bytes: byte budget of the logits work buffer (default 128 MiB for "fast", 32 MiB for "low"); it fixes
+            the token-chunk rows (chunk_bytes / (V * itemsize)) or vocab-tile columns (chunk_bytes / (N * itemsize)).
+
+    Returns:
+        float32 loss: 0-dim, or ``[N]`` for ``"none"``. Gradients for hidden, and for weight/bias when they require
+        grad, in their own dtypes.
+
+    Raises:
+        ValueError: non-float or mismatched dtypes (outside autocast), wrong shapes (hidden not 2-D, weight not
+            ``[V, H]``, bias not ``[V]``, labels not ``[N]`` int64), tensors on different devices, an unknown
+            ``memory``, ``chunk_bytes`` not a positive int, and every error of :func:`cross_entropy`.
+        RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _runtime.check_tensor("hidden", hidden)
+    _runtime.check_tensor("weight", weight)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D [N, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.shape[0] == 0:
+        raise ValueError(f"weight must be [V, H] with V > 0 and H = {hidden.shape[1]} (hidden's last dim), "
+                         f"got shape {tuple(weight.shape)}")
+    if bias is not None:
+        _runtime.check_tensor("bias", bias)
+        _runtime.check_shape("bias", bias, (weight.shape[0],), "weight's first dim V")
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
+    if chunk_bytes is None:
+        chunk_bytes = DEFAULT_CHUNK_BYTES[memory]
+    elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    _runtime.check_same_device(hidden=hidden, weight=weight, bias=bias,
+                               labels=labels if isinstance(labels, torch.Tensor) else None)
+    compute_dtype = _runtime.autocast_dtype(hidden.device)
+    if compute_dtype is None:
+        if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+            where = f"hidden {hidden.dtype}, weight {weight.dtype}" + ("" if bias is None else f", bias {bias.dtype}")
+            raise ValueError(f"hidden, weight and bias must share one dtype outside torch.autocast, got {where}")
+        compute_dtype = hidden.dtype
+    opts = check_options(labels, weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, reduction,
+                         num_items)
+    _runtime.check_shape("labels", labels, (hidden.shape[0],), "hidden's first dim N")
+    _runtime.backend(hidden.device)  # raise configuration errors before any work
+    grad_on = torch.is_grad_enabled()
+    wants = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+             grad_on and bias is not None and bias.requires_grad)
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    labels = labels.contiguous()
+    return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, opts, reduction,
+                                            divisor(labels, opts, reduction, num_items), memory, int(chunk_bytes),
+                                            wants, compute_dtype)
