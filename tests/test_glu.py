@@ -205,7 +205,7 @@ def test_saves_only_gate_and_up(backend):
     assert {t.data_ptr() for t in saved} == {gate.data_ptr(), up.data_ptr()}
     h.sum().backward()  # the expanded (stride-0) gradient of a sum
     assert torch.isfinite(gate.grad).all() and torch.isfinite(up.grad).all()
-    _, (ref_d_gate, ref_d_up) = grads64(lambda g, u: geglu_ref(g, u), [gate, up], torch.ones(4, 30))
+    _, (ref_d_gate, ref_d_up) = grads64(lambda g, u: geglu_ref(g, u), [gate, up], torch.ones(4, 30, device=gate.device))
     assert_close("d_gate", gate.grad, ref_d_gate, torch.float32)
     assert_close("d_up", up.grad, ref_d_up, torch.float32)
 

@@ -52,12 +52,10 @@ def measure_ceilings() -> dict:
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
     copy_rate = 2 * src.numel() * 4 / (copy_ms * 1e-3)
-    del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
     mm_rate = 2 * 8192**3 / (mm_ms * 1e-3)
-    del a, b
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": copy_rate, "matmul_flop_per_s": mm_rate}
 
@@ -248,8 +246,8 @@ CASES = {
 
 # --------------------------------------------------------------------------------------------------------- reporting
 def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
-    import triton
     import transformers
+    import triton
 
     ceilings = measure_ceilings()
     result = {

@@ -1,23 +1,557 @@
-"""LoRA projections (stub: being written)."""
+r"""LoRA projections with hand-derived backward: one linear, the q/k/v triple of one input, and the gated MLP.
 
+Forward (Hu et al. 2021, "LoRA"; PEFT ``peft/tuners/lora/layer.py`` ``Linear.forward``), x ``[N, in]``, frozen
+W ``[out, in]``, adapters A ``[r, in]``, B ``[out, r]``, scaling s, dropout mask m = keep / (1 - p):
+
+    y = x W^T + b + s ((m*x) A^T) B^T                      (m = 1 when p = 0 or not training)
+
+Backward, with xa = (m*x) A^T ``[N, r]`` and g = s (dY B) ``[N, r]``:
+
+    dX = dY W + m * (g A)          dA = g^T (m*x)          dB = s dY^T xa
+    db = sum over rows of dY       dW = dY^T x             (only when W requires grad: full fine-tune)
+
+Saved for backward: x and xa (``[N, r]``, small). m*x is not saved: the mask is regenerated from a per-projection
+seed (drawn from torch's generator for x's device, so checkpoint recomputation, which restores the RNG state, draws
+the same one) and applied again in backward. All backward needs goes through ``ctx.save_for_backward``.
+
+Dtypes (PEFT's behaviour): the frozen matmul runs in the compute dtype c = W's dtype (x cast to it), or autocast's
+dtype under ``torch.autocast``; the LoRA branch runs in l = lora_A's dtype (autocast's under autocast); the sum is
+formed in promote(c, l) and cast once to c, the base output's dtype (PEFT's ``result.to(torch_result_dtype)``).
+Gradients come back in their inputs' dtypes.
+
+Groups. ``lora_qkv`` runs q, k, v off one x in one autograd node: x is saved once; without dropout the three A's are
+concatenated (a copy of ``3 r in`` elements, free next to x) so x is read once for xa, and once for dA; dX is one
+buffer that every frozen and LoRA term is accumulated into (``addmm_`` with beta = 1).
+
+``lora_mlp``: y = down(act(gate(x)) * up(x)) with each projection a LoRA linear (HF LlamaMLP/GemmaMLP with PEFT on
+all three). It saves x and the gate and up outputs (plus the ``[N, r]`` xa's) but not h = act(gate) * up: backward
+recomputes h (needed for down's dA and dW), forms dh = dY W_down + m*(g_down A_down), and the GLU backward writes
+d_gate, d_up into the saved gate/up buffers (this node owns them). Saved bytes N (H + 2I) elt + O(N r) against
+PEFT's N (H + 4I) elt (it also keeps act(gate) and h).
+
+Passes. Frozen and LoRA matmuls go through torch (cuBLAS). When the LoRA branch has the base's dtype and there is no
+dropout, the B term is added into the base output inside the GEMM (``addmm_``, beta = 1, alpha = s): one pass.
+Otherwise one Triton kernel (``_lowrank_add_kernel``) forms base + s * m * (P @ Q) for the small rank-R product in
+fp32 registers, casts once and stores in place (in backward it also writes m*x for dA, so the mask is generated once
+per pass); ``_dropout_kernel`` applies the mask in forward. Masks are ``tl.rand(seed, row * width + col)`` on the
+Triton path and ``torch.rand`` with a seeded ``torch.Generator`` on the torch path (the two differ, as DESIGN allows).
+"""
+
+from __future__ import annotations
+
+import numbers
 from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import _runtime
+from .glu import ACTIVATIONS, glu_backward, glu_forward
 
 
 class LoraWeights(NamedTuple):
-    weight: object
-    lora_A: object
-    lora_B: object
+    """One projection: frozen ``weight [out, in]``, adapters ``lora_A [r, in]``, ``lora_B [out, r]`` (PEFT layout),
+    ``scaling`` (alpha/r, rsLoRA alpha/sqrt(r), ... whatever the caller uses) and ``bias [out]`` or None.
+    ``lora_A = lora_B = None`` is a plain frozen projection."""
+
+    weight: torch.Tensor
+    lora_A: torch.Tensor | None
+    lora_B: torch.Tensor | None
     scaling: float
-    bias: object = None
+    bias: torch.Tensor | None = None
 
 
-def lora_linear(*args, **kwargs):
-    raise NotImplementedError
+# ------------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _keep(seed, rows64, cols, n_cols, p):
+    """Dropout keep decision for element (row, col) of an [rows, n_cols] input: one Philox draw per element."""
+    return tl.rand(seed, rows64[:, None] * n_cols + cols[None, :]) >= p
 
 
-def lora_qkv(*args, **kwargs):
-    raise NotImplementedError
+@triton.jit
+def _dropout_kernel(
+    X, XD, SEEDS, seed_index,
+    stride_x, stride_xd, n_rows, n_cols, p, inv_keep,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    keep = _keep(tl.load(SEEDS + seed_index), rows64, cols, n_cols, p)
+    xd = tl.where(keep, x * inv_keep, 0.0)
+    tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], xd.to(XD.dtype.element_ty), mask=mask)
 
 
-def lora_mlp(*args, **kwargs):
-    raise NotImplementedError
+@triton.jit
+def _lowrank_add_kernel(
+    BASE, P, Q, OUT, X, XD, SEEDS, seed_index,
+    stride_base, stride_p, stride_qr, stride_qk, stride_out, stride_x, stride_xd,
+    n_rows, n_cols, rank, scale, p, inv_keep,
+    HAS_MASK: tl.constexpr, WRITE_XD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """OUT = cast(BASE + scale * m * (P @ Q)), P [n_rows, rank], Q [rank, n_cols]; optionally XD = cast(m * X)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rr < rank
+        pt = tl.load(P + rows64[:, None] * stride_p + rr[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        qt = tl.load(Q + rr[:, None].to(tl.int64) * stride_qr + cols[None, :].to(tl.int64) * stride_qk,
+                     mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+        # fp32 operands: exact under the interpreter (bf16 is not) and the 1e-5 fp32 bar on the GPU (no TF32)
+        acc += tl.dot(pt.to(tl.float32), qt.to(tl.float32), input_precision="ieee")
+    mask = row_ok[:, None] & col_ok[None, :]
+    if HAS_MASK:
+        keep = _keep(tl.load(SEEDS + seed_index), rows64, cols, n_cols, p)
+        acc = tl.where(keep, acc * inv_keep, 0.0)
+    base = tl.load(BASE + rows64[:, None] * stride_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = base + scale * acc
+    tl.store(OUT + rows64[:, None] * stride_out + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    if WRITE_XD:
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            x = tl.where(keep, x * inv_keep, 0.0)
+        tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], x.to(XD.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------- launchers
+_BLOCK_N, _BLOCK_K = 64, 128
+
+
+def _grid(n_rows, n_cols):
+    return (triton.cdiv(n_rows, _BLOCK_N), triton.cdiv(n_cols, _BLOCK_K))
+
+
+def _dropout_triton(x, seeds, index, p, dtype):
+    n_rows, n_cols = x.shape
+    xd = _runtime.empty((n_rows, n_cols), dtype=dtype, device=x.device)
+    if n_rows and n_cols:
+        _dropout_kernel[_grid(n_rows, n_cols)](
+            x, xd, seeds, index, x.stride(0), xd.stride(0), n_rows, n_cols, p, 1.0 / (1.0 - p),
+            BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4,
+        )
+    return xd
+
+
+def _lowrank_add_triton(base, lhs, rhs, scale, out_dtype, seeds, index, p, x):
+    n_rows, n_cols = base.shape
+    out = base if out_dtype == base.dtype else _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
+    xd = None if x is None else _runtime.empty((n_rows, n_cols), dtype=lhs.dtype, device=x.device)
+    if not (n_rows and n_cols):
+        return out, xd
+    rank = lhs.shape[1]
+    if lhs.shape[1] > 1 and lhs.stride(1) != 1:
+        lhs = lhs.contiguous()
+    block_r = max(16, min(64, _runtime.next_power_of_2(rank)))
+    has_mask = seeds is not None
+    _lowrank_add_kernel[_grid(n_rows, n_cols)](
+        base, lhs, rhs, out, x if x is not None else base, xd if xd is not None else base,
+        seeds if has_mask else base, index,
+        base.stride(0), lhs.stride(0), rhs.stride(0), rhs.stride(1), out.stride(0),
+        x.stride(0) if x is not None else 0, xd.stride(0) if xd is not None else 0,
+        n_rows, n_cols, rank, float(scale), float(p), 1.0 / (1.0 - p) if has_mask else 1.0,
+        HAS_MASK=has_mask, WRITE_XD=x is not None,
+        BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, BLOCK_R=block_r, num_warps=4,
+    )
+    return out, xd
+
+
+def _torch_mask(seed, shape, p, device):
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed))
+    keep = torch.rand(shape, generator=generator, device=device) >= p
+    return keep.to(torch.float32) * (1.0 / (1.0 - p))
+
+
+def _dropout(x, seeds, index, p, impl, dtype):
+    """m * x in ``dtype`` for the seed ``seeds[index]`` (the cast to the LoRA dtype rides along: one pass)."""
+    if impl == "triton":
+        return _dropout_triton(x, seeds, index, p, dtype)
+    return (x.float() * _torch_mask(seeds[index], x.shape, p, x.device)).to(dtype)
+
+
+def _lowrank_add(base, lhs, rhs, scale, out_dtype, impl, seeds=None, index=0, p=0.0, x=None):
+    """(cast(base + scale * m * (lhs @ rhs), out_dtype), m * x in lhs's dtype or None); in place into base when
+    dtypes allow. lhs [N, R] and rhs [R, K] share one dtype (the LoRA dtype); the sum is formed in promote(base, lhs).
+    """
+    if seeds is None and x is None and base.dtype == lhs.dtype == out_dtype:
+        return base.addmm_(lhs, rhs, alpha=scale), None  # one pass: the GEMM reads and writes base (beta = 1)
+    if impl == "triton":
+        return _lowrank_add_triton(base, lhs, rhs, scale, out_dtype, seeds, index, p, x)
+    wide = torch.promote_types(base.dtype, lhs.dtype)
+    term = lhs @ rhs
+    xd = None
+    if seeds is not None:
+        mask = _torch_mask(seeds[index], base.shape, p, base.device)
+        term = (term.float() * mask).to(term.dtype)
+        if x is not None:
+            xd = (x.float() * mask).to(lhs.dtype)
+    elif x is not None:
+        xd = x.to(lhs.dtype)
+    out = torch.add(base.to(wide), term.to(wide), alpha=scale).to(out_dtype)
+    if out_dtype == base.dtype:
+        return base.copy_(out), xd
+    return out, xd
+
+
+# ---------------------------------------------------------------------------------------------------- dropout API
+def dropout_seeds(count: int, device) -> torch.Tensor:
+    """The ``count`` dropout seeds an op draws in forward (int64 ``[count]`` on ``device``), one per LoRA projection
+    in argument order (linear: 1; qkv: q, k, v; mlp: gate, up, down; projections without LoRA draw none). Drawn from
+    torch's generator for ``device``, so resetting that generator's state replays an op's masks."""
+    return torch.randint(0, 2**31 - 1, (count,), device=device, dtype=torch.int64)
+
+
+def dropout_mask(seed, shape, p: float, device) -> torch.Tensor:
+    """The scaled dropout mask m = keep / (1 - p) (float32 ``shape`` = ``[rows, in]`` of the projection's input as
+    rows) that the current backend draws for ``seed`` (an int or a 1-element tensor)."""
+    device = torch.device(device)
+    rows, cols = shape
+    if _runtime.backend(device) == "triton":
+        seeds = torch.as_tensor(seed, dtype=torch.int64, device=device).reshape(1)
+        ones = torch.ones((rows, cols), dtype=torch.float32, device=device)
+        return _dropout_triton(ones, seeds, 0, float(p), torch.float32)
+    return _torch_mask(int(seed), (rows, cols), float(p), device)
+
+
+# ------------------------------------------------------------------------------------------- shared group passes
+class _Meta(NamedTuple):
+    """What the autograd nodes need besides tensors."""
+
+    scalings: tuple  # per projection
+    p: float  # 0.0 when no dropout is applied (p = 0 or not training)
+    compute_dtype: torch.dtype  # frozen matmuls and outputs
+    lora_dtype: torch.dtype | None  # LoRA branch
+    impl: str
+
+
+def _group_forward(x2d, projs, meta, seeds, first_seed):
+    """Outputs ``[N, out_j]`` (compute dtype) and xa_j of the projections sharing ``x2d``; seeds[first_seed:] are theirs."""
+    cdt, ldt = meta.compute_dtype, meta.lora_dtype
+    xc = x2d.to(cdt)
+    ys = [F.linear(xc, w.to(cdt), None if b is None else b.to(cdt)) for w, _, _, b in projs]
+    lora = [j for j, (_, a, _, _) in enumerate(projs) if a is not None]
+    xas = [None] * len(projs)
+    if not lora:
+        return ys, xas
+    if seeds is None:
+        a_cat = torch.cat([projs[j][1].to(ldt) for j in lora]) if len(lora) > 1 else projs[lora[0]][1].to(ldt)
+        xa_cat = x2d.to(ldt) @ a_cat.T  # x read once for every adapter of the group
+        start = 0
+        for j in lora:
+            rank = projs[j][1].shape[0]
+            xas[j] = xa_cat[:, start:start + rank]
+            start += rank
+    else:
+        for k, j in enumerate(lora):
+            xas[j] = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt) @ projs[j][1].to(ldt).T
+    for j in lora:
+        _lowrank_add(ys[j], xas[j], projs[j][2].to(ldt).T, meta.scalings[j], cdt, meta.impl)
+    return ys, xas
+
+
+def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
+    """(dx in x2d's dtype or None, [(dW, dA, dB, db)] per projection); ``needs[j]`` = 4 flags, need x grad first."""
+    need_x, proj_needs = needs[0], needs[1:]
+    cdt, ldt = meta.compute_dtype, meta.lora_dtype
+    dys = [_runtime.as_rows(dy).to(cdt) for dy in dys]
+    dx = None
+    if need_x:
+        for dy, (w, _, _, _) in zip(dys, projs):
+            dx = dy @ w.to(cdt) if dx is None else dx.addmm_(dy, w.to(cdt))
+    grads = [[None] * 4 for _ in projs]
+    xc = x2d.to(cdt) if any(n[0] for n in proj_needs) else None
+    for j, ((w, _, _, b), dy, need) in enumerate(zip(projs, dys, proj_needs)):
+        if need[0]:
+            grads[j][0] = (dy.T @ xc).to(w.dtype)
+        if need[3]:
+            grads[j][3] = dy.sum(0).to(b.dtype)
+    lora = [j for j, (_, a, _, _) in enumerate(projs) if a is not None]
+    if not lora:
+        return dx, grads
+    gs = {}
+    for j in lora:
+        _, a, bmat, _ = projs[j]
+        dyl = dys[j].to(ldt)
+        gs[j] = (dyl @ bmat.to(ldt)).mul_(meta.scalings[j])  # g = s dY B  [N, r]
+        if proj_needs[j][2]:
+            grads[j][2] = (dyl.T @ xas[j]).mul_(meta.scalings[j]).to(bmat.dtype)
+    if seeds is None:
+        g_cat = torch.cat([gs[j] for j in lora], 1) if len(lora) > 1 else gs[lora[0]]
+        a_cat = torch.cat([projs[j][1].to(ldt) for j in lora]) if len(lora) > 1 else projs[lora[0]][1].to(ldt)
+        if any(proj_needs[j][1] for j in lora):
+            da_cat = g_cat.T @ x2d.to(ldt)  # x read once for every adapter's dA
+            start = 0
+            for j in lora:
+                rank = projs[j][1].shape[0]
+                if proj_needs[j][1]:
+                    grads[j][1] = da_cat[start:start + rank].to(projs[j][1].dtype)
+                start += rank
+        if need_x:
+            dx, _ = _lowrank_add(dx, g_cat, a_cat, 1.0, cdt, meta.impl)
+    else:
+        for k, j in enumerate(lora):
+            a = projs[j][1]
+            if need_x:  # one pass: dx += m * (g A) and m * x for dA, the mask drawn once
+                dx, xd = _lowrank_add(dx, gs[j], a.to(ldt), 1.0, cdt, meta.impl, seeds, first_seed + k, meta.p, x2d)
+            else:
+                xd = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt)
+            if proj_needs[j][1]:
+                grads[j][1] = (gs[j].T @ xd).to(a.dtype)
+    if dx is not None:
+        dx = dx.to(x2d.dtype)
+    return dx, grads
+
+
+def _unflatten(tensors):
+    return [tuple(tensors[i:i + 4]) for i in range(0, len(tensors), 4)]
+
+
+def _needs(ctx_needs, offset, count):
+    """needs tuple for _group_backward from ctx.needs_input_grad (x at ``offset``, then 4 per projection)."""
+    flags = list(ctx_needs[offset:offset + 1 + 4 * count])
+    return [flags[0]] + [tuple(flags[1 + 4 * j: 5 + 4 * j]) for j in range(count)]
+
+
+def _no_autocast(device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+# ------------------------------------------------------------------------------------------------ autograd nodes
+class LoraGroupFunction(torch.autograd.Function):
+    """Autograd node of :func:`lora_linear` and :func:`lora_qkv`: projections of one x (4 tensors each).
+
+    Saves x (as rows), every xa ``[N, r]`` and the dropout seeds; dtypes are resolved by the caller (autocast is
+    applied through ``meta``, so the body runs with autocast off)."""
+
+    @staticmethod
+    def forward(ctx, meta, x, *tensors):
+        x2d = _runtime.as_rows(x)
+        projs = _unflatten(tensors)
+        n_lora = sum(a is not None for _, a, _, _ in projs)
+        seeds = dropout_seeds(n_lora, x.device) if meta.p > 0 and n_lora else None
+        with _no_autocast(x.device):
+            ys, xas = _group_forward(x2d, projs, meta, seeds, 0)
+        ctx.save_for_backward(x2d, seeds, *tensors, *xas)
+        ctx.meta, ctx.count, ctx.x_shape = meta, len(projs), x.shape
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        saved = ctx.saved_tensors
+        count = ctx.count
+        x2d, seeds = saved[0], saved[1]
+        projs = _unflatten(saved[2:2 + 4 * count])
+        xas = saved[2 + 4 * count:]
+        with _no_autocast(x2d.device):
+            dx, grads = _group_backward(dys, x2d, xas, projs, ctx.meta, seeds, 0, _needs(ctx.needs_input_grad, 1, count))
+        return (None, None if dx is None else dx.view(ctx.x_shape), *[g for four in grads for g in four])
+
+
+class LoraMLPFunction(torch.autograd.Function):
+    """Autograd node of :func:`lora_mlp`. Saves x (as rows), the gate and up outputs, the xa's and the seeds; h is
+    recomputed in backward and the GLU backward overwrites the saved gate/up buffers with d_gate/d_up."""
+
+    @staticmethod
+    def forward(ctx, meta_gu, meta_down, activation, x, *tensors):
+        x2d = _runtime.as_rows(x)
+        projs = _unflatten(tensors)
+        n_lora = sum(a is not None for _, a, _, _ in projs)
+        seeds = dropout_seeds(n_lora, x.device) if meta_gu.p > 0 and n_lora else None
+        n_gu_lora = sum(a is not None for _, a, _, _ in projs[:2])
+        with _no_autocast(x.device):
+            (gate, up), xas_gu = _group_forward(x2d, projs[:2], meta_gu, seeds, 0)
+            h = glu_forward(gate, up, activation)
+            (y,), xas_down = _group_forward(h, projs[2:], meta_down, seeds, n_gu_lora)
+        del h  # recomputed in backward
+        ctx.save_for_backward(x2d, gate, up, seeds, *tensors, *xas_gu, *xas_down)
+        ctx.metas, ctx.activation, ctx.x_shape, ctx.n_gu_lora = (meta_gu, meta_down), activation, x.shape, n_gu_lora
+        ctx.used = False
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.used:
+            raise RuntimeError("lora_mlp's backward overwrites its saved activations and cannot run twice "
+                               "(retain_graph=True is not supported)")
+        ctx.used = True
+        x2d, gate, up, seeds, *rest = ctx.saved_tensors
+        projs = _unflatten(rest[:12])
+        xas = rest[12:]
+        meta_gu, meta_down = ctx.metas
+        needs = ctx.needs_input_grad
+        with _no_autocast(x2d.device):
+            h = glu_forward(gate, up, ctx.activation)
+            down_needs = [True] + [tuple(needs[12:16])]
+            dh, (down_grads,) = _group_backward([dy], h, xas[2:], projs[2:], meta_down, seeds, ctx.n_gu_lora,
+                                                down_needs)
+            del h
+            d_gate, d_up = glu_backward(dh.to(gate.dtype), gate, up, ctx.activation, inplace=True)
+            del dh
+            gu_needs = [needs[3]] + [tuple(needs[4:8]), tuple(needs[8:12])]
+            dx, gu_grads = _group_backward([d_gate, d_up], x2d, xas[:2], projs[:2], meta_gu, seeds, 0, gu_needs)
+        grads = [g for four in (*gu_grads, down_grads) for g in four]
+        return (None, None, None, None if dx is None else dx.view(ctx.x_shape), *grads)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _check_projection(name, proj, in_features, device):
+    """Validate one LoraWeights against x's last dim; return it as a tuple of 4 tensors plus scaling."""
+    if not isinstance(proj, LoraWeights):
+        if isinstance(proj, tuple) and len(proj) in (4, 5):
+            proj = LoraWeights(*proj)
+        else:
+            raise ValueError(f"{name.rstrip('.') or 'the projection'} must be a LoraWeights(weight, lora_A, lora_B, scaling, bias), got "
+                             f"{type(proj).__name__}")
+    weight, lora_A, lora_B, scaling, bias = proj
+    _runtime.check_tensor(f"{name}weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"{name}weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    out_features = weight.shape[0]
+    _runtime.check_shape(f"{name}weight", weight, (out_features, in_features), "[out, in] with in = x's last dim")
+    if (lora_A is None) != (lora_B is None):
+        raise ValueError(f"{name}lora_A and {name}lora_B must both be tensors or both be None")
+    if lora_A is not None:
+        _runtime.check_tensor(f"{name}lora_A", lora_A)
+        _runtime.check_tensor(f"{name}lora_B", lora_B)
+        if lora_A.dim() != 2 or lora_A.shape[0] < 1:
+            raise ValueError(f"{name}lora_A must be 2-D [r, in] with r >= 1, got shape {tuple(lora_A.shape)}")
+        rank = lora_A.shape[0]
+        _runtime.check_shape(f"{name}lora_A", lora_A, (rank, in_features), "[r, in] with in = x's last dim")
+        _runtime.check_shape(f"{name}lora_B", lora_B, (out_features, rank), "[out, r] with out = weight's rows")
+        if lora_A.dtype != lora_B.dtype:
+            raise ValueError(f"{name}lora_A and {name}lora_B must share a dtype, got {lora_A.dtype} and "
+                             f"{lora_B.dtype}")
+        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
+            raise ValueError(f"{name}scaling must be a real number, got {type(scaling).__name__}")
+    if bias is not None:
+        _runtime.check_tensor(f"{name}bias", bias)
+        _runtime.check_shape(f"{name}bias", bias, (out_features,), "[out] with out = weight's rows")
+    for label, t in (("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias)):
+        if t is not None and t.device != device:
+            raise ValueError(f"all tensors must be on one device: x on {device}, {name}{label} on {t.device}")
+    return (weight, lora_A, lora_B, bias), float(scaling) if lora_A is not None else 0.0
+
+
+def _check_x(x):
+    _runtime.check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., in], got a 0-dim tensor")
+
+
+def _check_dropout(dropout):
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+    return float(dropout)
+
+
+def _meta(names, checked, x, dropout, training):
+    """One _Meta for projections sharing an input: they must share the weight dtype and the LoRA dtype."""
+    autocast = _runtime.autocast_dtype(x.device)
+    weight_dtypes = {t[0][0].dtype for t in checked}
+    if len(weight_dtypes) > 1:
+        raise ValueError(f"{', '.join(names)} weights must share a dtype, got {sorted(map(str, weight_dtypes))}")
+    lora_dtypes = {t[0][1].dtype for t in checked if t[0][1] is not None}
+    if len(lora_dtypes) > 1:
+        raise ValueError(f"{', '.join(names)} adapters must share a dtype, got {sorted(map(str, lora_dtypes))}")
+    compute = autocast or weight_dtypes.pop()
+    lora = (autocast or lora_dtypes.pop()) if lora_dtypes else None
+    p = dropout if training and lora is not None else 0.0
+    return _Meta(tuple(t[1] for t in checked), p, compute, lora, _runtime.backend(x.device))
+
+
+# ------------------------------------------------------------------------------------------------------- API
+def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, *, dropout=0.0, training=True):
+    """y = x W^T + b + s ((m*x) A^T) B^T with gradients for x, lora_A, lora_B, bias (and W if it requires grad).
+
+    Args:
+        x: ``[..., in]`` float32/float16/bfloat16.
+        weight: ``[out, in]`` frozen weight (a gradient is returned only when it requires grad).
+        lora_A: ``[r, in]``, lora_B: ``[out, r]`` (PEFT layout, one dtype; both None: plain linear).
+        scaling: s, a real number (alpha/r, rsLoRA alpha/sqrt(r), ...).
+        bias: ``[out]`` or None.
+        dropout: p in [0, 1) applied to the LoRA branch's input (PEFT's ``lora_dropout``); only when ``training``.
+
+    Returns:
+        ``y [..., out]`` in the compute dtype: weight's dtype, or autocast's under ``torch.autocast`` (PEFT/HF's).
+        The frozen matmul runs in that dtype, the LoRA branch in lora_A's (autocast's), summed in the promoted dtype.
+
+    Raises:
+        ValueError: shapes that do not match (the message names the argument), non-float dtypes, lora_A/lora_B of
+            different dtypes, tensors on different devices, dropout outside [0, 1).
+    Source: PEFT ``peft/tuners/lora/layer.py`` ``Linear.forward``; the derivation is in this module's docstring.
+    """
+    return _lora_group(x, [("", LoraWeights(weight, lora_A, lora_B, scaling, bias))], dropout, training)[0]
+
+
+def _lora_group(x, named, dropout, training):
+    _check_x(x)
+    dropout = _check_dropout(dropout)
+    checked = [_check_projection(name, proj, x.shape[-1], x.device) for name, proj in named]
+    meta = _meta([name.rstrip(".") or "the" for name, _ in named], checked, x, dropout, training)
+    flat = [t for tensors, _ in checked for t in tensors]
+    return LoraGroupFunction.apply(meta, x, *flat)
+
+
+def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
+    """The q, k, v projections of one x in one autograd node: ``(q_out, k_out, v_out)``.
+
+    Args:
+        x: ``[..., H]`` float tensor.
+        q, k, v: :class:`LoraWeights` with weights ``[out_j, H]`` of one dtype; adapters of one dtype (or None for a
+            plain frozen projection); Qwen2-style biases allowed.
+        dropout, training: as :func:`lora_linear`; one independent mask per projection (seeds in order q, k, v).
+
+    Returns:
+        ``q_out [..., out_q]``, ``k_out [..., out_k]``, ``v_out [..., out_v]``, each exactly :func:`lora_linear`'s
+        value for that projection. x is saved once and dX accumulates in one buffer.
+
+    Raises:
+        ValueError: as :func:`lora_linear` (naming ``q.weight``, ``k.lora_A``, ...), and q/k/v weights or adapters
+            of different dtypes.
+    """
+    return tuple(_lora_group(x, [("q.", q), ("k.", k), ("v.", v)], dropout, training))
+
+
+def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=True):
+    """y = down(act(gate(x)) * up(x)), each projection a LoRA linear (HF LlamaMLP / GemmaMLP under PEFT).
+
+    Args:
+        x: ``[..., H]`` float tensor.
+        gate, up: :class:`LoraWeights` with weights ``[I, H]``; down: weights ``[H_out, I]``.
+        activation: ``"swiglu"`` (silu, Llama/Qwen/Mistral), ``"geglu_tanh"`` (gelu tanh, Gemma),
+            ``"geglu_erf"`` (exact gelu).
+        dropout, training: as :func:`lora_linear`; one mask per projection (seeds in order gate, up, down).
+
+    Returns:
+        ``y [..., H_out]`` in down's compute dtype. Saves x, gate and up outputs and ``[N, r]`` terms only.
+
+    Raises:
+        ValueError: shape mismatches (naming e.g. ``down.weight``), dtypes, devices, unknown activation, dropout
+            outside [0, 1).
+    """
+    _check_x(x)
+    dropout = _check_dropout(dropout)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    gu = [_check_projection(name, proj, x.shape[-1], x.device) for name, proj in (("gate.", gate), ("up.", up))]
+    if gu[0][0][0].shape[0] != gu[1][0][0].shape[0]:
+        raise ValueError(f"gate.weight and up.weight must have the same rows (intermediate size), got "
+                         f"{gu[0][0][0].shape[0]} and {gu[1][0][0].shape[0]}")
+    dn = [_check_projection("down.", down, gu[0][0][0].shape[0], x.device)]
+    meta_gu = _meta(["gate", "up"], gu, x, dropout, training)
+    meta_down = _meta(["down"], dn, x, dropout, training)
+    if meta_gu.p != meta_down.p:  # one of the groups has no adapters: one dropout flag for the whole node
+        p = max(meta_gu.p, meta_down.p)
+        meta_gu, meta_down = meta_gu._replace(p=p), meta_down._replace(p=p)
+    flat = [t for tensors, _ in (*gu, *dn) for t in tensors]
+    return LoraMLPFunction.apply(meta_gu, meta_down, activation, x, *flat)
