@@ -530,14 +530,14 @@ def _bad_calls():
     x = torch.randn(4, IN, device=DEVICE)
     w, a, b = torch.randn(OUT, IN, device=DEVICE), torch.randn(8, IN, device=DEVICE), torch.randn(OUT, 8, device=DEVICE)
     good = lora.LoraWeights(w, a, b, 1.0)
-    mlp = [lora.LoraWeights(torch.randn(32, IN), None, None, 1.0), lora.LoraWeights(torch.randn(32, IN), None, None,
-                                                                                     1.0),
-           lora.LoraWeights(torch.randn(IN, 32), None, None, 1.0)]
+    mlp = [lora.LoraWeights(torch.randn(32, IN, device=DEVICE), None, None, 1.0),
+           lora.LoraWeights(torch.randn(32, IN, device=DEVICE), None, None, 1.0),
+           lora.LoraWeights(torch.randn(IN, 32, device=DEVICE), None, None, 1.0)]
     return [
         (lambda: ops.lora_linear(x, w[:, 1:], a, b, 1.0), r"weight must have shape"),
         (lambda: ops.lora_linear(x, w, a[:, 1:], b, 1.0), r"lora_A must have shape"),
         (lambda: ops.lora_linear(x, w, a, b[:, 1:], 1.0), r"lora_B must have shape"),
-        (lambda: ops.lora_linear(x, w, a, b, 1.0, torch.randn(OUT + 1)), r"bias must have shape"),
+        (lambda: ops.lora_linear(x, w, a, b, 1.0, torch.randn(OUT + 1, device=DEVICE)), r"bias must have shape"),
         (lambda: ops.lora_linear(x, w, a, None, 1.0), r"both be tensors or both be None"),
         (lambda: ops.lora_linear(x, w, a, b.double(), 1.0), r"lora_B must be float32"),
         (lambda: ops.lora_linear(x, w, a, b.half(), 1.0), r"must share a dtype"),
@@ -549,8 +549,8 @@ def _bad_calls():
         (lambda: ops.lora_qkv(x, good, good._replace(lora_A=a[:, 1:]), good), r"k\.lora_A must have shape"),
         (lambda: ops.lora_qkv(x, good, good, good._replace(weight=w.half())), r"weights must share a dtype"),
         (lambda: ops.lora_qkv(x, good, good, (w,)), r"v must be a LoraWeights"),
-        (lambda: ops.lora_mlp(x, *mlp[:2], mlp[2]._replace(weight=torch.randn(IN, 31))), r"down\.weight must have"),
-        (lambda: ops.lora_mlp(x, mlp[0], mlp[1]._replace(weight=torch.randn(31, IN)), mlp[2]),
+        (lambda: ops.lora_mlp(x, *mlp[:2], mlp[2]._replace(weight=torch.randn(IN, 31, device=DEVICE))), r"down\.weight must have"),
+        (lambda: ops.lora_mlp(x, mlp[0], mlp[1]._replace(weight=torch.randn(31, IN, device=DEVICE)), mlp[2]),
          r"same rows"),
         (lambda: ops.lora_mlp(x, *mlp, activation="relu"), r"activation must be one of"),
     ]

@@ -4,6 +4,7 @@ Public API (DESIGN.md): ``leantune.ops`` (the kernels) and ``leantune.patch(mode
 """
 
 from . import ops
+from .patch import patch, unpatch
 
 __version__ = "0.1.0"
-__all__ = ["ops", "__version__"]
+__all__ = ["__version__", "ops", "patch", "unpatch"]

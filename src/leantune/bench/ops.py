@@ -41,6 +41,7 @@ class Case:
     bytes: float = 0.0  # minimal bytes moved (DESIGN.md's roofline count)
     flops: float = 0.0
     impls: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # weights and adapters: not activations
 
 
 # --------------------------------------------------------------------------------------------------------- ceilings
@@ -95,6 +96,23 @@ def time_and_peak(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 
     for t in case.leaves:
         t.grad = None
     return ms, peak
+
+
+def saved_bytes(fn: Callable, case: Case) -> int:
+    """Bytes saved for backward by one forward: storages deduplicated, parameters (``case.params``) excluded."""
+    storages: dict[int, int] = {}
+    excluded = {t.untyped_storage().data_ptr() for t in case.params}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in excluded and not isinstance(t, torch.nn.Parameter):
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*case.leaves)
+    del out
+    return sum(storages.values())
 
 
 # ------------------------------------------------------------------------------------------------------------ cases
@@ -234,6 +252,65 @@ def case_linear_cross_entropy(n=16384, h=4096, v=128256, memory="fast") -> Case:
     return case
 
 
+def _peft_linear(x, w, a, b, scaling):
+    """PEFT LoraLayer.forward at p = 0: base in the weight's dtype, branch in lora_A's dtype, cast back once."""
+    result = F.linear(x, w)
+    return (result + F.linear(F.linear(x.to(a.dtype), a), b) * scaling).to(result.dtype)
+
+
+def _lora_params(n_in, n_out, r, dtype, adapter_dtype):
+    w = (torch.randn(n_out, n_in, device="cuda") * n_in**-0.5).to(dtype)
+    a = _rand(r, n_in, dtype=adapter_dtype, scale=n_in**-0.5)
+    b = _rand(n_out, r, dtype=adapter_dtype, scale=r**-0.5)  # non-zero B: every gradient is non-trivial
+    return w, a, b
+
+
+def case_lora_mlp(n=4096, h=4096, i=14336, r=16, adapter_dtype=torch.float32) -> Case:
+    from leantune import ops
+
+    x = _rand(n, h)
+    (wg, ag, bg), (wu, au, bu) = _lora_params(h, i, r, torch.bfloat16, adapter_dtype), \
+        _lora_params(h, i, r, torch.bfloat16, adapter_dtype)
+    wd, ad, bd = _lora_params(i, h, r, torch.bfloat16, adapter_dtype)
+    s = 2.0
+
+    def peft(x, ag, bg, au, bu, ad, bd):
+        return _peft_linear(F.silu(_peft_linear(x, wg, ag, bg, s)) * _peft_linear(x, wu, au, bu, s), wd, ad, bd, s)
+
+    def leantune(x, ag, bg, au, bu, ad, bd):
+        return ops.lora_mlp(x, ops.LoraWeights(wg, ag, bg, s), ops.LoraWeights(wu, au, bu, s),
+                            ops.LoraWeights(wd, ad, bd, s))
+
+    name = "fp32" if adapter_dtype == torch.float32 else "bf16"
+    case = Case(f"lora_mlp[{name} adapters]", f"N{n} H{h} I{i} r{r} bf16", [x, ag, bg, au, bu, ad, bd],
+                [torch.randn_like(x)], flops=2 * n * h * i * 3 * 2, params=[wg, wu, wd, ag, bg, au, bu, ad, bd])
+    case.impls = {"leantune": leantune, "peft eager": peft}
+    return case
+
+
+def case_lora_qkv(n=4096, h=4096, hq=32, hk=8, d=128, r=16, adapter_dtype=torch.float32) -> Case:
+    from leantune import ops
+
+    x = _rand(n, h)
+    (wq, aq, bq), (wk, ak, bk), (wv, av, bv) = (_lora_params(h, o, r, torch.bfloat16, adapter_dtype)
+                                                for o in (hq * d, hk * d, hk * d))
+    s = 2.0
+
+    def peft(x, aq, bq, ak, bk, av, bv):
+        return _peft_linear(x, wq, aq, bq, s), _peft_linear(x, wk, ak, bk, s), _peft_linear(x, wv, av, bv, s)
+
+    def leantune(x, aq, bq, ak, bk, av, bv):
+        return ops.lora_qkv(x, ops.LoraWeights(wq, aq, bq, s), ops.LoraWeights(wk, ak, bk, s),
+                            ops.LoraWeights(wv, av, bv, s))
+
+    name = "fp32" if adapter_dtype == torch.float32 else "bf16"
+    outs = [torch.randn(n, o, device="cuda", dtype=torch.bfloat16) for o in (hq * d, hk * d, hk * d)]
+    case = Case(f"lora_qkv[{name} adapters]", f"N{n} H{h} {hq}/{hk}h r{r} bf16", [x, aq, bq, ak, bk, av, bv], outs,
+                flops=2 * n * h * (hq + 2 * hk) * d * 2, params=[wq, wk, wv, aq, bq, ak, bk, av, bv])
+    case.impls = {"leantune": leantune, "peft eager": peft}
+    return case
+
+
 CASES = {
     "rms_norm": case_rms_norm,
     "rope": case_rope,
@@ -241,6 +318,10 @@ CASES = {
     "cross_entropy": case_cross_entropy,
     "linear_cross_entropy": lambda: case_linear_cross_entropy(memory="fast"),
     "linear_cross_entropy_low": lambda: case_linear_cross_entropy(memory="low"),
+    "lora_mlp": case_lora_mlp,
+    "lora_mlp_bf16": lambda: case_lora_mlp(adapter_dtype=torch.bfloat16),
+    "lora_qkv": case_lora_qkv,
+    "lora_qkv_bf16": lambda: case_lora_qkv(adapter_dtype=torch.bfloat16),
 }
 
 
@@ -266,10 +347,12 @@ def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
                 continue
             try:
                 ms, peak = time_and_peak(fn, case)
+                saved = saved_bytes(fn, case) / GiB
                 error = None
             except Exception as exc:  # a peer failing at a shape is a result, not a crash of the benchmark
-                ms, peak, error = math.nan, math.nan, f"{type(exc).__name__}: {str(exc)[:200]}"
+                ms, peak, saved, error = math.nan, math.nan, math.nan, f"{type(exc).__name__}: {str(exc)[:200]}"
             row = {"op": case.op, "shape": case.shape, "impl": impl, "ms": ms, "extra_peak_gib": peak,
+                   "saved_gib": saved,
                    "floor_ms": floor_ms, "error": error}
             if case.bytes:
                 row["gb_per_s"] = case.bytes / (ms * 1e-3) / 1e9
@@ -294,14 +377,14 @@ def markdown(result: dict) -> str:
         f"this run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flop_per_s'] / 1e12:.0f} "
         "TFLOP/s.",
         "",
-        "| op | shape | impl | fwd+bwd ms | floor ms | % of ceiling | extra peak GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| op | shape | impl | fwd+bwd ms | floor ms | % of ceiling | extra peak GiB | saved GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         pct = r.get("pct_copy_ceiling", r.get("pct_matmul_ceiling", math.nan))
         note = f" ({r['error']})" if r.get("error") else ""
         lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{pct:.0f}% | {r['extra_peak_gib']:.3f} |")
+                     f"{pct:.0f}% | {r['extra_peak_gib']:.3f} | {r['saved_gib']:.3f} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,203 @@
+"""``leantune.patch(model)``: leantune's ops inside a Hugging Face causal LM, on this instance only.
+
+What is swapped (each kind can be switched off), all as ``forward`` methods bound on module instances:
+
+- ``rms_norm``: every ``{Family}RMSNorm`` -> ``ops.rms_norm`` with the family's casting/offset (incl. Gemma's
+  sandwich norms and Qwen3/Gemma3 q/k norms: they are RMSNorm modules of the same class).
+- ``rope``: the attention modules run ``ops.rope`` through a dispatcher put in the family's modeling module while a
+  patched model exists (transformers 5 calls the module-level ``apply_rotary_pos_emb``; no per-instance seam).
+- ``mlp``: ``{Family}MLP`` -> ``ops.swiglu`` / ``ops.geglu``; with LoRA on gate/up/down, ``ops.lora_mlp``.
+- ``lora``: q/k/v -> ``ops.lora_qkv``, o_proj -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at
+  every forward). DoRA, several active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear``
+  bases keep PEFT's own forward (the summary lists them).
+- ``loss``: ``XForCausalLM.forward`` -> base model, then ``ops.linear_cross_entropy`` on the hidden states (labels
+  shifted as HF does, ``num_items_in_batch`` honoured, final-logit softcap as data); ``logits`` is None whenever
+  labels are given. Without labels HF's forward runs, so inference and ``generate`` are unchanged.
+
+Parameters, buffers and ``state_dict`` keys are untouched; :func:`unpatch` deletes the instance forwards. PEFT
+wrappers may come before or after ``patch``: LoRA layers are looked up at forward time.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import types
+
+from torch import nn
+
+from .families import ACTIVATIONS, FAMILIES, Family, family_for
+from .forwards import FORWARDS, ModuleState, acquire_rope, is_leantune_forward, lora_status, release_rope
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("rms_norm", "rope", "mlp", "loss", "lora")
+_STATE_ATTR = "_leantune"  # per-module ModuleState
+_MODEL_ATTR = "_leantune_model"  # on the HF causal LM: (family name, flags) of the current patch
+SUMMARY_ATTR = "leantune_summary"
+
+
+def _hf_model(model) -> nn.Module:
+    """The transformers causal LM inside ``model`` (itself, or the base of a PEFT wrapper)."""
+    from transformers import PreTrainedModel
+
+    inner = model
+    for _ in range(4):  # PeftModel -> LoraModel (a BaseTuner) -> the transformers model
+        if isinstance(inner, PreTrainedModel):
+            return inner
+        if "get_base_model" in dir(type(inner)):
+            inner = inner.get_base_model()
+        elif isinstance(getattr(inner, "model", None), PreTrainedModel):
+            inner = inner.model
+        else:
+            break
+    raise ValueError(f"leantune.patch needs a transformers causal LM (or a PEFT wrapper of one), got "
+                     f"{type(model).__name__}")
+
+
+def _bind(module: nn.Module, state: ModuleState) -> None:
+    module.__dict__[_STATE_ATTR] = state
+    module.forward = types.MethodType(FORWARDS[state.kind], module)
+
+
+def _restore(module: nn.Module) -> None:
+    module.__dict__.pop(_STATE_ATTR, None)
+    if is_leantune_forward(module.__dict__.get("forward")):
+        del module.forward
+
+
+def _foreign_forward(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return forward is not None and not is_leantune_forward(forward)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
+          lora: bool = True):
+    """Make ``model`` run leantune's ops; returns ``model`` (the same object, patched in place).
+
+    Args:
+        model: an instantiated transformers causal LM of a family in :data:`FAMILIES` (llama, mistral, qwen2, qwen3,
+            gemma2, gemma3_text), or a PEFT wrapper of one (``get_peft_model`` may also come after ``patch``).
+        rms_norm, rope, mlp, loss, lora: which kinds to swap (see the module docstring).
+
+    Returns:
+        ``model``. Its summary (counts per kind, and what was left unpatched and why) is logged at INFO and stored as
+        ``leantune_summary`` on the transformers model (reachable through PEFT wrappers). LoRA counts are as of the
+        call: patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time
+        (call ``patch`` again to refresh the summary; patching twice is harmless).
+
+    Raises:
+        ValueError: ``config.model_type`` is not supported (the message lists the supported ones), or ``model`` is
+            not a transformers model.
+    """
+    hf = _hf_model(model)
+    family = family_for(getattr(hf.config, "model_type", None))
+    if _MODEL_ATTR in hf.__dict__:
+        unpatch(model)
+    modeling = importlib.import_module(family.modeling_module)
+    norm_cls = getattr(modeling, family.norm_class)
+    attention_cls = getattr(modeling, family.attention_class)
+    mlp_cls = getattr(modeling, family.mlp_class)
+    act_name = getattr(hf.config, family.activation_attr, None)
+    activation = ACTIVATIONS.get(act_name)
+
+    counts = collections.Counter()
+    left: dict[str, str] = {}
+    for name, module in hf.named_modules():
+        kind = type(module)
+        if kind not in (norm_cls, attention_cls, mlp_cls):
+            continue
+        if _foreign_forward(module):
+            left[name] = "has an instance-level forward (e.g. an accelerate hook): kept"
+            continue
+        if kind is norm_cls and rms_norm:
+            _bind(module, ModuleState("rms_norm", family))
+            counts["rms_norm"] += 1
+        elif kind is attention_cls and (rope or lora):
+            _bind(module, ModuleState("attention", family, rope=rope, lora=lora))
+            counts["rope"] += int(rope)
+        elif kind is mlp_cls and (mlp or lora):
+            use_mlp = mlp and activation is not None
+            if mlp and activation is None:
+                left[name] = f"activation {act_name!r} has no fused op: HF's activation kept"
+            _bind(module, ModuleState("mlp", family, mlp=use_mlp, lora=lora, activation=activation))
+            counts["mlp"] += int(use_mlp)
+        if kind in (attention_cls, mlp_cls) and lora:
+            _count_lora(name, module, counts, left)
+    if loss:
+        if _foreign_forward(hf):
+            left["<causal lm>"] = "has an instance-level forward: HF's loss kept"
+        elif not hasattr(hf, "lm_head") or not hasattr(hf, hf.base_model_prefix):
+            left["<causal lm>"] = f"{type(hf).__name__} has no lm_head/base model: HF's forward kept"
+        else:
+            _bind(hf, ModuleState("causal_lm", family, loss=True))
+            counts["loss"] = 1
+            if type(hf.lm_head) is not nn.Linear:
+                left["lm_head"] = f"{type(hf.lm_head).__name__}: logits formed, loss from ops.cross_entropy"
+    if rope and counts["rope"]:
+        acquire_rope(family, hf)
+    hf.__dict__[_MODEL_ATTR] = (family.name, rope and counts["rope"] > 0)
+    summary = {
+        "family": family.name,
+        "counts": {k: counts[k] for k in ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp")},
+        "off": [k for k, on in zip(KINDS, (rms_norm, rope, mlp, loss, lora)) if not on],
+        "unpatched": left,
+    }
+    hf.__dict__[SUMMARY_ATTR] = summary
+    logger.info("leantune.patch(%s): %s", type(hf).__name__, _describe(summary))
+    return model
+
+
+def _count_lora(name: str, module: nn.Module, counts, left) -> None:
+    fused = []
+    for proj in _PROJECTIONS:
+        child = getattr(module, proj, None)
+        if child is None:
+            continue
+        weights, _, _, reason = lora_status(child)
+        if weights is not None and weights.lora_A is not None:
+            fused.append(proj)
+        elif hasattr(child, "lora_A"):  # a PEFT layer the fused ops cannot reproduce exactly
+            left[f"{name}.{proj}"] = f"PEFT's forward kept: {reason}"
+    counts["lora"] += len(fused)
+    counts["lora_qkv"] += int(any(p in fused for p in ("q_proj", "k_proj", "v_proj")))
+    counts["lora_mlp"] += int(all(p in fused for p in ("gate_proj", "up_proj", "down_proj")))
+
+
+def _describe(summary) -> str:
+    parts = [f"{k}={v}" for k, v in summary["counts"].items()]
+    if summary["off"]:
+        parts.append("off: " + ", ".join(summary["off"]))
+    if summary["unpatched"]:
+        items = list(summary["unpatched"].items())
+        shown = "; ".join(f"{k}: {v}" for k, v in items[:5])
+        parts.append(f"unpatched ({len(items)}): {shown}" + (" ..." if len(items) > 5 else ""))
+    return ", ".join(parts)
+
+
+def unpatch(model):
+    """Undo :func:`patch` on ``model`` (instance forwards removed, RoPE dispatcher released); returns ``model``.
+
+    Harmless on a model that was never patched.
+    """
+    hf = _hf_model(model)
+    for module in hf.modules():
+        if _STATE_ATTR in module.__dict__:
+            _restore(module)
+    recorded = hf.__dict__.pop(_MODEL_ATTR, None)
+    if recorded is not None and recorded[1]:
+        release_rope(FAMILIES[recorded[0]], hf)
+    hf.__dict__.pop(SUMMARY_ATTR, None)
+    return model
+
+
+def is_patched(model) -> bool:
+    """True when ``model`` (or the transformers model inside a PEFT wrapper) is patched."""
+    return _MODEL_ATTR in _hf_model(model).__dict__
+
+
+__all__ = ["FAMILIES", "KINDS", "Family", "family_for", "is_patched", "patch", "unpatch"]

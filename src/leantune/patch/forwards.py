@@ -1,0 +1,365 @@
+"""The replacement forwards that :func:`leantune.patch` binds onto module instances, one per kind, family-agnostic.
+
+Each patched module carries a small plain state object (``module._leantune``: the family row and the switches); the
+original forward is the class's. Nothing here holds a reference to a module, so ``copy.deepcopy`` of a patched
+model gives a working patched copy.
+
+LoRA projections are read from PEFT at every forward (never cached), so ``patch`` before ``get_peft_model``,
+adapter switching and ``disable_adapter()`` all do what PEFT would. A projection is fused only when the fused op
+computes exactly what PEFT's ``lora.Linear.forward`` would (:func:`lora_weights`); otherwise PEFT's forward runs.
+
+RoPE has no per-instance seam in transformers 5 (the attention forward calls the module-level
+``apply_rotary_pos_emb``), so the family's modeling module gets a dispatcher while any patched model uses it
+(:func:`acquire_rope` / :func:`release_rope`); it runs ``ops.rope`` only inside the forward of a patched attention
+module (a context variable set there), so an unpatched model keeps HF's exact function.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import importlib
+import weakref
+
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from .families import Family
+
+
+@functools.lru_cache(maxsize=1)
+def _peft_lora_linear():
+    """PEFT's ``lora.Linear`` class, imported on first use (importing PEFT pulls in transformers: slow)."""
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:  # pragma: no cover - PEFT is a dependency; plain models still patch without it
+        return None
+    return Linear
+
+
+# --------------------------------------------------------------------------------------------------- module state
+@dataclasses.dataclass(frozen=True)
+class ModuleState:
+    """What a patched module needs at forward time (plain data: deep-copies with the module)."""
+
+    kind: str  # "rms_norm" | "attention" | "mlp" | "causal_lm"
+    family: Family
+    rope: bool = False
+    lora: bool = False
+    mlp: bool = False
+    loss: bool = False
+    activation: str | None = None  # "swiglu" | "geglu_tanh" | "geglu_erf"
+
+
+def _call_original(module, *args, **kwargs):
+    return type(module).forward(module, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------ PEFT LoRA
+def _has_hooks(module: nn.Module) -> bool:
+    """Hooks or an instance-level forward (accelerate, PEFT's mixed-batch ``adapter_names``): bypassing is unsafe."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def _frozen_linear(module) -> bool:
+    """A plain ``nn.Linear`` whose weight and bias are frozen (the fused ops give no base gradients)."""
+    return (type(module) is nn.Linear and not module.weight.requires_grad
+            and (module.bias is None or not module.bias.requires_grad) and not _has_hooks(module))
+
+
+def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None]:
+    """``(weights, dropout_p, training, reason)`` for one projection as the fused LoRA ops would consume it.
+
+    ``weights`` is None when the fused ops cannot reproduce the module's forward exactly; ``reason`` then says why
+    (and is None for a projection that is simply not a linear layer leantune knows). A plain frozen ``nn.Linear``
+    gives ``LoraWeights(weight, None, None, 0.0, bias)``. For a PEFT ``lora.Linear`` this mirrors
+    ``peft.tuners.lora.layer.Linear.forward``: one active adapter, not merged, adapters enabled, no variant (DoRA),
+    no ``lora_bias``, a frozen ``nn.Linear`` base; scaling, dropout p and the base bias come from PEFT's module.
+    """
+    if _frozen_linear(module):
+        return ops.LoraWeights(module.weight, None, None, 0.0, module.bias), 0.0, False, None
+    if not hasattr(module, "lora_A") or type(module) is not _peft_lora_linear():
+        if type(module) is nn.Linear:
+            return None, 0.0, False, "trainable or hooked nn.Linear"
+        return None, 0.0, False, f"{type(module).__name__} is not a PEFT lora.Linear"
+    if module.disable_adapters:
+        return None, 0.0, False, "adapters disabled"
+    if module.merged:
+        return None, 0.0, False, "merged adapter"
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if len(active) != 1:
+        return None, 0.0, False, f"{len(active)} active adapters"
+    name = active[0]
+    if name in module.lora_variant or getattr(module, "use_dora", {}).get(name, False):
+        return None, 0.0, False, "DoRA / LoRA variant"
+    if module.fan_in_fan_out or not getattr(module, "cast_input_dtype_enabled", True):
+        return None, 0.0, False, "fan_in_fan_out or input casting disabled"
+    lora_A, lora_B = module.lora_A[name], module.lora_B[name]
+    if type(lora_A) is not nn.Linear or type(lora_B) is not nn.Linear or lora_B.bias is not None:
+        return None, 0.0, False, "non-linear adapter or lora_bias"
+    if _has_hooks(module) or _has_hooks(lora_A) or _has_hooks(lora_B):
+        return None, 0.0, False, "forward hooks"
+    base = module.base_layer
+    if not _frozen_linear(base):
+        return None, 0.0, False, f"base layer {type(base).__name__} is not a frozen, unhooked nn.Linear"
+    dropout = module.lora_dropout[name]
+    if isinstance(dropout, nn.Dropout):
+        p, training = float(dropout.p), dropout.training
+    elif isinstance(dropout, nn.Identity):
+        p, training = 0.0, False
+    else:
+        return None, 0.0, False, f"dropout {type(dropout).__name__}"
+    weights = ops.LoraWeights(base.weight, lora_A.weight, lora_B.weight, module.scaling[name], base.bias)
+    return weights, p, training, None
+
+
+def _has_lora(weights: ops.LoraWeights) -> bool:
+    return weights.lora_A is not None
+
+
+def carries_fusable_lora(module) -> bool:
+    """True when ``module`` is a PEFT LoRA projection that ``ops.lora_linear`` reproduces exactly."""
+    weights = lora_status(module)[0]
+    return weights is not None and _has_lora(weights)
+
+
+def _fused_group(modules) -> tuple[list[ops.LoraWeights], float, bool] | None:
+    """LoraWeights for projections that read one input, when one fused call can serve all of them exactly."""
+    found = [lora_status(m) for m in modules]
+    if any(w is None for w, _, _, _ in found) or not any(_has_lora(w) for w, _, _, _ in found):
+        return None
+    with_lora = [(p, t) for w, p, t, _ in found if _has_lora(w)]
+    if len(set(with_lora)) != 1:  # one dropout p / mode for the whole group
+        return None
+    p, training = with_lora[0]
+    return [w for w, _, _, _ in found], p, training
+
+
+def _project(module, x, lora: bool):
+    """``module(x)``, through ``ops.lora_linear`` when it carries LoRA the fused op serves exactly."""
+    if lora:
+        weights, p, training, _ = lora_status(module)
+        if weights is not None and _has_lora(weights):
+            return ops.lora_linear(x, *weights, dropout=p, training=training)
+    return module(x)
+
+
+# ----------------------------------------------------------------------------------------------------------- RoPE
+_ROPE_ACTIVE = contextvars.ContextVar("leantune_rope_active", default=False)
+_rope_users: dict[str, weakref.WeakSet] = {}
+_rope_originals: dict[str, object] = {}
+
+
+def _rope_fits(q, k, cos, sin) -> bool:
+    if q.dim() != 4 or k.dim() != 4 or cos.shape != sin.shape or cos.dim() not in (2, 3):
+        return False
+    rotary_dim = cos.shape[-1]
+    if rotary_dim % 2 or rotary_dim > q.shape[-1] or q.shape[-1] != k.shape[-1]:
+        return False
+    if cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0]):
+        return False
+    return cos.shape[-2] == q.shape[-2] == k.shape[-2]
+
+
+def _make_rope_dispatch(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if _ROPE_ACTIVE.get() and unsqueeze_dim == 1 and _rope_fits(q, k, cos, sin):
+            if cos.dim() == 3 and cos.shape[0] == 1 and q.shape[0] != 1:
+                cos, sin = cos[0], sin[0]  # one position row for the whole batch: [S, R]
+            return ops.rope(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.__doc__ = f"leantune dispatcher: ops.rope inside patched attention, else {original!r}."
+    apply_rotary_pos_emb._leantune_original = original
+    return apply_rotary_pos_emb
+
+
+def acquire_rope(family: Family, model) -> None:
+    """Install the dispatcher in the family's modeling module (if needed) and register ``model`` as a user."""
+    module = importlib.import_module(family.modeling_module)
+    users = _rope_users.setdefault(family.modeling_module, weakref.WeakSet())
+    current = module.apply_rotary_pos_emb
+    if getattr(current, "_leantune_original", None) is None:
+        _rope_originals[family.modeling_module] = current
+        module.apply_rotary_pos_emb = _make_rope_dispatch(current)
+    if model not in users:
+        users.add(model)
+        # A patched model dropped without unpatch also counts out (when it is collected).
+        weakref.finalize(model, _restore_if_unused, family.modeling_module)
+
+
+def release_rope(family: Family, model) -> None:
+    """Unregister ``model``; the last user out restores HF's function (unless someone replaced ours since)."""
+    users = _rope_users.get(family.modeling_module)
+    if users is not None:
+        users.discard(model)
+        _restore_if_unused(family.modeling_module)
+
+
+def _restore_if_unused(modeling_module: str) -> None:
+    if any(True for _ in _rope_users.get(modeling_module, ())):  # iteration skips models being collected
+        return
+    module = importlib.import_module(modeling_module)
+    original = _rope_originals.pop(modeling_module, None)
+    if original is not None and getattr(module.apply_rotary_pos_emb, "_leantune_original", None) is original:
+        module.apply_rotary_pos_emb = original
+
+
+def rope_installed(family: Family) -> bool:
+    """True while the family's modeling module holds leantune's dispatcher (tests)."""
+    module = importlib.import_module(family.modeling_module)
+    return getattr(module.apply_rotary_pos_emb, "_leantune_original", None) is not None
+
+
+# ------------------------------------------------------------------------------------------------------ forwards
+def rms_norm_forward(self, hidden_states):
+    """HF ``*RMSNorm.forward`` as ``ops.rms_norm`` with the family's casting and offset."""
+    family = self._leantune.family
+    eps = getattr(self, family.norm_eps_attr)
+    return ops.rms_norm(hidden_states, self.weight, eps, offset=family.norm_offset, casting=family.norm_casting)
+
+
+def _glu(gate, up, activation: str):
+    if activation == "swiglu":
+        return ops.swiglu(gate, up)
+    return ops.geglu(gate, up, approximate="tanh" if activation == "geglu_tanh" else "none")
+
+
+def mlp_forward(self, x):
+    """``down(act(gate(x)) * up(x))``: ``ops.lora_mlp`` when gate/up/down carry fusable LoRA (and the MLP kind is
+    on), else per projection (``ops.lora_linear`` where fusable) around ``ops.swiglu``/``ops.geglu``."""
+    state = self._leantune
+    if state.lora and state.mlp:
+        group = _fused_group((self.gate_proj, self.up_proj, self.down_proj))
+        if group is not None:
+            (gate, up, down), p, training = group
+            return ops.lora_mlp(x, gate, up, down, activation=state.activation, dropout=p, training=training)
+    gate = _project(self.gate_proj, x, state.lora)
+    up = _project(self.up_proj, x, state.lora)
+    hidden = _glu(gate, up, state.activation) if state.mlp else self.act_fn(gate) * up
+    return _project(self.down_proj, hidden, state.lora)
+
+
+def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                      **kwargs):
+    """The family's attention with ``ops.rope`` (through the dispatcher, when the rope kind is on). When any of
+    q/k/v/o carries fusable LoRA, leantune's copy of the attention runs (``ops.lora_qkv`` for q/k/v when all three
+    can be served in one call, ``ops.lora_linear`` per projection otherwise); else HF's own forward runs."""
+    state = self._leantune
+    token = _ROPE_ACTIVE.set(state.rope)
+    try:
+        if state.lora and any(carries_fusable_lora(m) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)):
+            return _fused_attention(self, state.family, hidden_states, position_embeddings, attention_mask,
+                                    past_key_values, **kwargs)
+        return _call_original(self, hidden_states, position_embeddings=position_embeddings,
+                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+    finally:
+        _ROPE_ACTIVE.reset(token)
+
+
+def _fused_attention(self, family: Family, hidden_states, position_embeddings, attention_mask, past_key_values,
+                     **kwargs):
+    # Mirrors e.g. transformers/models/qwen3/modeling_qwen3.py Qwen3Attention.forward; family differences are data.
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    modeling = importlib.import_module(family.modeling_module)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    group = _fused_group((self.q_proj, self.k_proj, self.v_proj))
+    if group is not None:
+        (q_w, k_w, v_w), p, training = group
+        query, key, value = ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training)
+    else:  # e.g. only o_proj fusable, or q/k/v with different dropout: one projection at a time
+        query, key, value = (_project(m, hidden_states, True) for m in (self.q_proj, self.k_proj, self.v_proj))
+    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
+    if family.qk_norm:
+        query, key = self.q_norm(query), self.k_norm(key)  # on the head dim: same before or after the transpose
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      modeling.eager_attention_forward)
+    extra = {}
+    if family.sliding_window == "config":
+        extra["sliding_window"] = getattr(self.config, "sliding_window", None)
+    elif family.sliding_window == "module":
+        extra["sliding_window"] = self.sliding_window
+    if family.attn_softcap:
+        extra["softcap"] = self.attn_logit_softcapping
+    attn_output, attn_weights = interface(
+        self, query, key, value, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return _project(self.o_proj, attn_output, True), attn_weights
+
+
+def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    """``XForCausalLM.forward`` with the loss from ``ops.linear_cross_entropy``: with labels (or ``shift_labels``)
+    no [tokens, vocab] logits exist and ``logits`` is None; without them HF's forward runs unchanged.
+
+    Labels are shifted as HF's ``ForCausalLMLoss`` does (pad with ignore_index, drop the first);
+    ``num_items_in_batch`` becomes the op's ``num_items``; the family's final-logit softcap is applied in the op.
+    """
+    shift_labels = kwargs.get("shift_labels")
+    wants_loss = labels is not None or shift_labels is not None
+    if not wants_loss or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        return _call_original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                              use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    family = self._leantune.family
+    base = getattr(self, self.base_model_prefix)
+    outputs = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden_states = outputs.last_hidden_state
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.reshape(-1).to(hidden_states.device)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    softcap = getattr(self.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
+    lm_head = self.lm_head
+    if _plain_linear(lm_head):
+        loss = ops.linear_cross_entropy(hidden, lm_head.weight, shift_labels, lm_head.bias,
+                                        ignore_index=ignore_index, softcap=softcap, num_items=num_items)
+    else:  # e.g. LoRA on lm_head or modules_to_save: its logits are needed, the loss still fused with the softcap
+        logits = lm_head(hidden)
+        loss = ops.cross_entropy(logits, shift_labels, ignore_index=ignore_index, softcap=softcap,
+                                 num_items=num_items)
+    output = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                    hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return output if return_dict else output.to_tuple()
+
+
+def _plain_linear(module) -> bool:
+    return type(module) is nn.Linear and not _has_hooks(module)
+
+
+FORWARDS = {
+    "rms_norm": rms_norm_forward,
+    "attention": attention_forward,
+    "mlp": mlp_forward,
+    "causal_lm": causal_lm_forward,
+}
+for _kind, _fn in FORWARDS.items():
+    _fn._leantune_kind = _kind
+
+
+def is_leantune_forward(fn) -> bool:
+    return getattr(getattr(fn, "__func__", None), "_leantune_kind", None) is not None
+
+
+__all__ = ["FORWARDS", "ModuleState", "acquire_rope", "carries_fusable_lora", "is_leantune_forward", "lora_status",
+           "release_rope", "rope_installed"]

@@ -1,0 +1,133 @@
+"""Training configuration: one dataclass, filled from defaults, then a TOML file, then command-line flags.
+
+Precedence (lowest to highest): the defaults below, ``--config run.toml`` (keys are the field names, with ``_`` or
+``-``), explicit flags. ``leantune train --help`` shows every field with its default (built from this dataclass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class LeantuneError(Exception):
+    """A user-facing error: the CLI prints ``leantune: error: <message>`` on one line and exits non-zero."""
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of ``leantune train``. Help strings live in ``metadata["help"]`` and feed ``--help``."""
+
+    model: str | None = field(default=None, metadata={"help": "HF model folder, .gguf file, or config.json "
+                              "(random init of that shape)"})
+    data: str | None = field(default=None, metadata={"help": "JSONL (text | messages | prompt/completion), .json "
+                             "(chitchat format or a list of records) or .txt"})
+    output: str = field(default="runs/train", metadata={"help": "output directory"})
+    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides --epochs)"})
+    epochs: float = field(default=1.0, metadata={"help": "passes over the training split"})
+    seq_len: int = field(default=1024, metadata={"help": "tokens per packed sequence"})
+    batch_size: int = field(default=4, metadata={"help": "packed sequences per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
+    warmup_steps: int | None = field(default=None, metadata={"help": "linear warmup steps before the cosine "
+                                     "decay"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of --lr"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (0: off)"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling = alpha / r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout probability"})
+    target_modules: str = field(default="all-linear", metadata={"help": "all-linear, or comma-separated module "
+                                "names (e.g. q_proj,v_proj)"})
+    gradient_checkpointing: str = field(default="off", metadata={"help": "on|off: recompute activations in "
+                                        "backward"})
+    eval_every: int = field(default=50, metadata={"help": "eval every N steps (0: only at start and end)"})
+    eval_size: int = field(default=32, metadata={"help": "held-out packed sequences for eval"})
+    save_every: int = field(default=100, metadata={"help": "checkpoint every N steps (0: never)"})
+    max_examples: int | None = field(default=None, metadata={"help": "use at most N examples of the data file "
+                                     "(after a seeded shuffle)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in --output"})
+    overwrite: bool = field(default=False, metadata={"help": "replace a run already in --output"})
+    seed: int = field(default=0, metadata={"help": "seed for init, data order and dropout"})
+    patch: str = field(default="on", metadata={"help": "on|off: apply leantune.patch (the Triton/fused ops)"})
+    device: str | None = field(default=None, metadata={"help": "cpu or cuda"})
+
+    def validate(self) -> None:
+        """Raise LeantuneError for values no run can use."""
+        positive = ("seq_len", "batch_size", "grad_accum", "lora_r", "eval_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise LeantuneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise LeantuneError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise LeantuneError(f"--max-examples must be >= 1, got {self.max_examples}")
+        if self.epochs <= 0:
+            raise LeantuneError(f"--epochs must be > 0, got {self.epochs}")
+        if not self.lr > 0:
+            raise LeantuneError(f"--lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise LeantuneError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        for name in ("eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise LeantuneError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("gradient_checkpointing", "patch"):
+            if getattr(self, name) not in ("on", "off"):
+                raise LeantuneError(f"--{name.replace('_', '-')} must be on or off, got {getattr(self, name)!r}")
+        if self.resume and self.overwrite:
+            raise LeantuneError("--resume and --overwrite exclude each other")
+        if self.device not in (None, "cpu", "cuda"):
+            raise LeantuneError(f"--device must be cpu or cuda, got {self.device!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+# What --help shows for defaults that are None (resolved at run time).
+NONE_DEFAULTS = {"model": "the embedded SmolLM2-135M-Instruct", "data": "the embedded chitchat dataset",
+                 "max_steps": "from --epochs", "warmup_steps": "5%% of the steps, at least 1",
+                 "max_examples": "all", "device": "cuda when available"}
+
+
+def load_toml(path: str | Path) -> dict:
+    """Read a TOML run file into ``{field: value}``; unknown keys and unreadable files raise LeantuneError."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise LeantuneError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise LeantuneError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise LeantuneError(f"malformed TOML in {path}: {exc}") from None
+    values = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise LeantuneError(f"unknown key {key!r} in {path}")
+        values[name] = value
+    return values
+
+
+def make_config(file_values: dict | None = None, flag_values: dict | None = None,
+                base: TrainConfig | None = None) -> TrainConfig:
+    """Merge defaults (or ``base``), TOML values and flags (``None`` in ``flag_values`` means: not given)."""
+    merged = dataclasses.asdict(base or TrainConfig())
+    merged.update(file_values or {})
+    merged.update({k: v for k, v in (flag_values or {}).items() if v is not None})
+    config = TrainConfig(**merged)
+    for name in ("seq_len", "batch_size", "grad_accum", "lora_r", "eval_every", "eval_size", "save_every", "seed"):
+        if not isinstance(getattr(config, name), int) or isinstance(getattr(config, name), bool):
+            raise LeantuneError(f"{name} must be an integer, got {getattr(config, name)!r}")
+    config.validate()
+    return config

@@ -1,0 +1,456 @@
+"""The training loop of ``leantune train``, read top to bottom: load, wrap in LoRA, patch, train, evaluate, save.
+
+Gradient accumulation: the K micro-batches of a step share one divisor, the number of target tokens of the whole
+step (``num_items_in_batch`` at the model boundary), so the summed micro-batch losses are the token mean over the
+step and the gradients equal those of one batch K times larger (``accumulate_gradients``).
+
+Data order: step s of epoch e = s // steps_per_epoch takes rows ``perm_e[i*B*K:(i+1)*B*K]`` of a permutation seeded
+with ``seed + e``, so the data position is the step number and a resumed run sees exactly the rows it would have.
+
+Reproducibility: on CPU (fp32) a run, and a run resumed from any checkpoint, ends with bit-identical weights for the
+same thread count. On CUDA, bf16 results are reproducible up to the run-to-run noise of atomic adds (weight-gradient
+reductions in the Triton kernels and in cuBLAS split-K) and of SDPA's backward; the data order and LoRA init stay
+exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import checkpoint
+from .config import LeantuneError, TrainConfig
+from .data import PackedData, chitchat_path, load_dataset
+from .metrics import MetricsLog, plot_losses
+
+RUN_FILES = ("adapter", "tokenizer", "checkpoints", "metrics.jsonl", "loss.png", "summary.json", "run.json")
+
+
+def _say(message: str) -> None:
+    """A status or warning line on stderr that does not break the progress bar."""
+    tqdm.write(message, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model loading
+
+
+def resolve_model(spec: str | None) -> tuple[str, Path]:
+    """Classify ``--model``: ``("hf", folder)``, ``("gguf", file)`` or ``("config", config.json)``.
+
+    ``None`` is the embedded SmolLM2-135M-Instruct (converted once from its GGUF by ``leantune.assets``).
+    Raises LeantuneError for a missing path or one that is none of the three kinds.
+    """
+    if spec is None:
+        from .. import assets
+
+        try:
+            return "hf", assets.smollm2_path()
+        except (FileNotFoundError, ImportError) as exc:
+            raise LeantuneError(f"the embedded model is unavailable: {exc}") from None
+    path = Path(spec)
+    if not path.exists():
+        raise LeantuneError(f"model not found: {spec}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise LeantuneError(f"unsupported model folder {spec}: no config.json (expected a Hugging Face folder)")
+        return "hf", path
+    if path.suffix == ".gguf":
+        return "gguf", path
+    if path.suffix == ".json":
+        return "config", path
+    raise LeantuneError(f"unsupported model path {spec}: expected a Hugging Face folder, a .gguf file or a config.json")
+
+
+def load_tokenizer(kind: str, path: Path):
+    """The tokenizer that goes with ``resolve_model``'s result; a bare config.json borrows the default one."""
+    from transformers import AutoTokenizer
+
+    try:
+        if kind == "gguf":
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        elif kind == "config" and not any((path.parent / n).is_file() for n in ("tokenizer.json",
+                                                                                  "tokenizer_config.json")):
+            tokenizer = load_tokenizer(*resolve_model(None))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path if kind == "hf" else path.parent)
+    except (OSError, ValueError, KeyError) as exc:
+        raise LeantuneError(f"cannot load a tokenizer for {path}: {str(exc).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int):
+    """A causal LM on ``device`` in ``dtype``; a config.json is initialised randomly (seeded) directly on device.
+
+    Raises LeantuneError for an unsupported model type or unreadable weights.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if kind == "config":
+            config = AutoConfig.from_pretrained(path)
+            torch.manual_seed(seed)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        elif kind == "gguf":
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (ValueError, KeyError) as exc:
+        raise LeantuneError(f"unsupported model type in {path}: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise LeantuneError(f"cannot load model {path}: {str(exc).splitlines()[0]}") from None
+    return model.to(device)
+
+
+def wrap_lora(model, config: TrainConfig):
+    """PEFT LoRA on ``config.target_modules`` (adapters in fp32, PEFT's default), then ``leantune.patch``."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = config.target_modules
+    if targets != "all-linear":
+        targets = [name.strip() for name in targets.split(",") if name.strip()]
+    model.config.use_cache = False
+    if config.gradient_checkpointing == "on":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    torch.manual_seed(config.seed)
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        raise LeantuneError(f"cannot apply LoRA: {str(exc).splitlines()[0]}") from None
+    if config.patch == "on":
+        import leantune
+
+        patch = getattr(leantune, "patch", None)
+        if patch is not None and not callable(patch):  # the subpackage, when __init__ does not re-export it
+            patch = getattr(patch, "patch", None)
+        if patch is None:
+            _say("leantune: warning: leantune.patch is not available; training with the unpatched modules")
+        else:
+            try:
+                model = patch(model)
+                model._leantune_patched = True
+            except ValueError as exc:  # a family without a patch table still trains, with HF's modules
+                _say(f"leantune: warning: not patched ({str(exc).splitlines()[0]}); training with HF's modules")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One step
+
+
+def accumulate_gradients(model, micro_batches: list[PackedData], device: str) -> float:
+    """Forward and backward every micro-batch, each loss divided by the step's total target tokens.
+
+    Gradients accumulate in ``.grad``; returns the step's mean loss per target token (the sum of the micro losses).
+    With K micro-batches of B rows this equals one batch of K*B rows (loss and gradients; tested).
+    """
+    num_items = sum(batch.num_targets() for batch in micro_batches)
+    num_items_t = torch.tensor(max(num_items, 1), device=device)
+    total = 0.0
+    for batch in micro_batches:
+        loss = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                     labels=batch.labels.to(device), num_items_in_batch=num_items_t, use_cache=False).loss
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, data: PackedData, batch_size: int, device: str) -> float:
+    """Mean loss per target token over ``data`` (no dropout)."""
+    was_training = model.training
+    model.eval()
+    num_items = torch.tensor(max(data.num_targets(), 1), device=device)
+    total = 0.0
+    for start in range(0, len(data), batch_size):
+        batch = data.select(slice(start, start + batch_size))
+        total += model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                       labels=batch.labels.to(device), num_items_in_batch=num_items, use_cache=False).loss.item()
+    model.train(was_training)
+    return total
+
+
+def cosine_schedule(optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float):
+    """Linear warmup from lr/warmup to lr, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps``."""
+
+    def factor(step: int) -> float:  # step = optimizer steps taken so far
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def step_rows(step: int, n_rows: int, rows_per_step: int, seed: int) -> torch.Tensor:
+    """Row indices of optimizer step ``step`` (data position = step; see the module docstring)."""
+    steps_per_epoch = n_rows // rows_per_step
+    epoch, index = divmod(step, steps_per_epoch)
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    return perm[index * rows_per_step:(index + 1) * rows_per_step]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run
+
+
+class _GracefulInterrupt:
+    """First Ctrl-C: finish the current step, save a checkpoint, stop. Second Ctrl-C: abort at once."""
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        _say("leantune: interrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+@dataclass
+class RunResult:
+    """What ``train`` returns: the summary dict, whether it stopped early, and the output directory."""
+
+    summary: dict
+    interrupted: bool = False
+    output: Path = field(default_factory=Path)
+    model: object = None  # the trained PeftModel (for callers in the same process, e.g. tests)
+
+
+def holds_run(output: Path) -> bool:
+    return output.is_dir() and any((output / name).exists() for name in RUN_FILES)
+
+
+def check_output(config: TrainConfig) -> Path | None:
+    """Refuse to clobber a run; returns the checkpoint to resume from (None for a fresh run)."""
+    output = Path(config.output)
+    if output.exists() and not output.is_dir():
+        raise LeantuneError(f"output path {output} exists and is not a directory")
+    if config.resume:
+        found = checkpoint.latest_checkpoint(output)
+        if found is None:
+            raise LeantuneError(f"nothing to resume: no checkpoint in {output}")
+        return found
+    if holds_run(output) and not config.overwrite:
+        raise LeantuneError(f"output dir {output} already holds a run; pass --overwrite to replace it or --resume "
+                            "to continue it")
+    return None
+
+
+def _peak_memory_gib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB; process peak RSS
+
+
+def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunResult:
+    """Run ``leantune train`` with ``config`` (already validated); see the module docstring.
+
+    ``on_step(step)`` is called after each optimizer step (tests use it to simulate Ctrl-C). Raises LeantuneError
+    for every user error before anything in ``config.output`` is written or removed.
+    """
+    output = Path(config.output)
+    resume_from = check_output(config)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LeantuneError("--device cuda: no CUDA device is available")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    kind, model_path = resolve_model(config.model)
+    tokenizer = load_tokenizer(kind, model_path)
+    data_path = Path(config.data) if config.data else chitchat_path()
+    train_data, eval_data, data_info = load_dataset(data_path, tokenizer, config.seq_len, config.eval_size,
+                                                    config.seed, config.max_examples)
+    rows_per_step = config.batch_size * config.grad_accum
+    steps_per_epoch = len(train_data) // rows_per_step
+    if steps_per_epoch == 0:
+        raise LeantuneError(f"the training split has {len(train_data)} sequences of {config.seq_len} tokens, fewer "
+                            f"than one step's --batch-size x --grad-accum = {rows_per_step}")
+    total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
+    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, round(0.05 * total_steps))
+    model = load_model(kind, model_path, dtype, device, config.seed)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise LeantuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
+                            f"{model.get_input_embeddings().num_embeddings}")
+    model = wrap_lora(model, config)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
+                                  fused=device == "cuda")
+    scheduler = cosine_schedule(optimizer, total_steps, warmup, config.min_lr_ratio)
+
+    # Everything the user could get wrong has been checked: from here on the output dir is ours.
+    if config.overwrite and output.exists():
+        for name in RUN_FILES:
+            target = output / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    output.mkdir(parents=True, exist_ok=True)
+    if data_info["truncated"]:
+        _say(f"leantune: warning: {data_info['truncated']} of {data_info['examples']} examples were longer "
+                   f"than --seq-len {config.seq_len} and were truncated")
+    run_info = {"config": config.to_dict(), "model_kind": kind, "model_path": str(model_path),
+                "data_path": str(data_path), "data": data_info, "device": device, "dtype": str(dtype),
+                "total_steps": total_steps, "warmup_steps": warmup}
+    (output / "run.json").write_text(json.dumps(run_info, indent=2))
+
+    start_step = 0
+    metrics = MetricsLog(output / "metrics.jsonl")
+    if resume_from is not None:
+        state = checkpoint.load_checkpoint(resume_from, model, optimizer, scheduler)
+        start_step = state["step"]
+        metrics.truncate(state["metrics_lines"])
+        _say(f"leantune: resuming from {resume_from} (step {start_step} of {total_steps})")
+    else:
+        metrics.reset()
+        torch.manual_seed(config.seed)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    if start_step == 0:
+        metrics.log({"type": "eval", "step": 0, "eval_loss": evaluate(model, eval_data, config.batch_size, device)})
+    train_tokens, train_seconds, interrupted = 0, 0.0, False
+    bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress,
+               dynamic_ncols=True)
+    with _GracefulInterrupt() as interrupt:
+        for step in range(start_step, total_steps):
+            t0 = time.perf_counter()
+            rows = step_rows(step, len(train_data), rows_per_step, config.seed)
+            micro_batches = [train_data.select(rows[k * config.batch_size:(k + 1) * config.batch_size])
+                             for k in range(config.grad_accum)]
+            loss = accumulate_gradients(model, micro_batches, device)
+            grad_norm = (torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm).item()
+                         if config.max_grad_norm > 0 else float("nan"))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            tokens = sum(b.input_ids.numel() for b in micro_batches)
+            train_tokens += tokens
+            train_seconds += seconds
+            done = step + 1
+            metrics.log({"type": "train", "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                         "tokens": tokens, "tokens_per_s": tokens / seconds})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
+            if config.eval_every and done % config.eval_every == 0 and done < total_steps:
+                eval_loss = evaluate(model, eval_data, config.batch_size, device)
+                metrics.log({"type": "eval", "step": done, "eval_loss": eval_loss})
+                _say(f"step {done}: eval loss {eval_loss:.4f}")
+            if on_step is not None:
+                on_step(done)
+            if interrupt.requested:
+                checkpoint.save_checkpoint(output, done, model, optimizer, scheduler, metrics.lines)
+                interrupted = True
+                break
+            if config.save_every and done % config.save_every == 0 and done < total_steps:
+                checkpoint.save_checkpoint(output, done, model, optimizer, scheduler, metrics.lines)
+    bar.close()
+    if interrupted:
+        _say(f"leantune: stopped at step {done}; checkpoint saved in {output / checkpoint.CHECKPOINTS}; "
+                   "continue with --resume")
+        return RunResult({"steps": done}, interrupted=True, output=output, model=model)
+
+    final_eval = evaluate(model, eval_data, config.batch_size, device)
+    metrics.log({"type": "eval", "step": total_steps, "eval_loss": final_eval})
+    checkpoint.save_checkpoint(output, total_steps, model, optimizer, scheduler, metrics.lines)
+    model.save_pretrained(output / "adapter", save_embedding_layers=False)
+    tokenizer.save_pretrained(output / "tokenizer")
+    records = metrics.read()
+    evals = [r for r in records if r["type"] == "eval"]
+    summary = {
+        "steps": total_steps,
+        "initial_eval_loss": evals[0]["eval_loss"],
+        "final_eval_loss": final_eval,
+        "tokens_per_s": train_tokens / train_seconds if train_seconds else None,
+        "peak_memory_gib": _peak_memory_gib(device),
+        "peak_memory_kind": "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",
+        "train_tokens_this_session": train_tokens,
+        "train_seconds_this_session": train_seconds,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "patched": getattr(model, "_leantune_patched", False),
+        "model": str(model_path),
+        "data": str(data_path),
+        **{k: data_info[k] for k in ("train_rows", "eval_rows", "truncated")},
+    }
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_losses(records, output / "loss.png")
+    print(f"leantune: eval loss {summary['initial_eval_loss']:.4f} -> {final_eval:.4f} after {total_steps} "
+               f"steps; wrote {output}")
+    return RunResult(summary, output=output, model=model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
+    """Merge a trained adapter into its base model and save a standalone HF folder (model + tokenizer).
+
+    ``adapter`` is a run directory (holding ``run.json`` and ``adapter/``) or its ``adapter/`` folder. The base is
+    rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed). Raises
+    LeantuneError for a missing adapter or an ``out`` that is not empty (without ``overwrite``).
+    """
+    from peft import PeftModel
+
+    src = Path(adapter)
+    run_dir = src if (src / "run.json").is_file() else src.parent
+    adapter_dir = src / "adapter" if (src / "adapter").is_dir() else src
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise LeantuneError(f"no adapter in {adapter}: expected a run directory or its adapter/ folder")
+    if not (run_dir / "run.json").is_file():
+        raise LeantuneError(f"no run.json next to {adapter_dir}: export needs the run directory that made it")
+    target = Path(out)
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise LeantuneError(f"export target {target} is not empty; pass --overwrite to replace it")
+    run = json.loads((run_dir / "run.json").read_text())
+    kind, model_path = run["model_kind"], Path(run["model_path"])
+    if not model_path.exists():
+        raise LeantuneError(f"the base model of this run is gone: {model_path}")
+    tokenizer_dir = run_dir / "tokenizer"
+    from transformers import AutoTokenizer
+
+    tokenizer = (AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir.is_dir()
+                 else load_tokenizer(kind, model_path))
+    base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    if target.exists():
+        shutil.rmtree(target)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    merged.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)
+    return target

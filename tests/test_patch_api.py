@@ -1,0 +1,248 @@
+"""leantune.patch as an API: instance scope, unpatch, idempotence, fallbacks, HF loss conventions, memory, Trainer,
+and the real SmolLM2-135M from leantune.assets."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+from reference import rel_err
+from test_patch_families import assert_grads_close, batch, lora_config, loss_and_grads, tiny_peft_model
+
+import leantune
+from leantune import assets, ops
+from leantune.patch import is_patched
+
+pytestmark = pytest.mark.usefixtures("torch_backend")
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+
+
+def _instance_forwards(model):
+    return [name for name, module in model.named_modules() if "forward" in module.__dict__]
+
+
+def test_unpatched_model_keeps_exact_hf_behaviour(monkeypatch):
+    """While a patched model exists (RoPE dispatcher installed), an unpatched one calls no leantune op and gives
+    HF's loss and gradients bit for bit."""
+    calls = collections.Counter()
+    for name in ("rms_norm", "rope", "lora_qkv", "lora_mlp", "lora_linear", "linear_cross_entropy"):
+        original = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, __o=original, __n=name, **k: calls.update([__n]) or __o(*a, **k))
+    plain = tiny_peft_model("llama")
+    patched = copy.deepcopy(plain)
+    input_ids, labels = batch()
+    ref_loss, _, ref_grads = loss_and_grads(plain, input_ids, labels)
+    leantune.patch(patched)
+    loss_and_grads(patched, input_ids, labels)
+    assert calls["rope"] > 0 and calls["rms_norm"] > 0
+    calls.clear()
+    loss, _, grads = loss_and_grads(plain, input_ids, labels)
+    assert not calls, f"unpatched model called leantune ops: {dict(calls)}"
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    leantune.unpatch(patched)
+
+
+def test_unpatch_restores_twice_is_harmless_state_dict_unchanged():
+    model = tiny_peft_model("qwen2")  # q/k/v bias
+    keys = list(model.state_dict().keys())
+    input_ids, labels = batch()
+    ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
+    leantune.patch(model)
+    first = copy.deepcopy(model.leantune_summary)
+    forwards_once = _instance_forwards(model)
+    leantune.patch(model)
+    assert model.leantune_summary == first and _instance_forwards(model) == forwards_once
+    # 5 norms + 2 attention + 2 MLP + the causal LM
+    assert len(forwards_once) == 10 and is_patched(model)
+    assert list(model.state_dict().keys()) == keys
+    loss, _, grads = loss_and_grads(model, input_ids, labels)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+    leantune.unpatch(model)
+    leantune.unpatch(model)
+    assert _instance_forwards(model) == [] and not is_patched(model)
+    assert not any("_leantune" in m.__dict__ for m in model.modules())
+    loss, _, grads = loss_and_grads(model, input_ids, labels)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+def test_every_peft_level_reaches_the_same_model():
+    """PeftModel, its LoraModel and the transformers model inside all patch (and unpatch) the same model."""
+    peft_model = tiny_peft_model("mistral")
+    hf = peft_model.get_base_model()
+    for wrapper in (peft_model, peft_model.base_model, hf):
+        assert leantune.patch(wrapper) is wrapper
+        assert is_patched(hf) and hf.leantune_summary["counts"]["lora"] == 14
+        assert "forward" in hf.__dict__ and "forward" not in peft_model.base_model.__dict__
+        leantune.unpatch(wrapper)
+        assert not is_patched(hf) and _instance_forwards(peft_model) == []
+
+
+def test_unsupported_model_type_names_it():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16))
+    with pytest.raises(ValueError, match=r"'gpt2'.*supported: .*gemma2.*llama.*mistral.*qwen3"):
+        leantune.patch(model)
+    with pytest.raises(ValueError, match="transformers causal LM"):
+        leantune.patch(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("case", ["dora", "two_adapters", "merged", "disabled"])
+def test_peft_forward_kept_where_fused_ops_cannot_serve(case):
+    """DoRA, several active adapters and merged adapters keep PEFT's forward (and the summary says so); a disabled
+    adapter gives the base model. The loss stays HF's either way."""
+    model = tiny_peft_model("llama", use_dora=(case == "dora"))
+    if case == "two_adapters":
+        model.add_adapter("second", lora_config())
+        model.base_model.set_adapter(["default", "second"])
+    input_ids, labels = batch()
+    if case == "merged":
+        model.merge_adapter()
+    if case == "disabled":
+        with model.disable_adapter():
+            ref_loss = model(input_ids=input_ids, labels=labels).loss.detach()
+            leantune.patch(model)
+            loss = model(input_ids=input_ids, labels=labels).loss.detach()
+        assert rel_err(loss, ref_loss) <= 1e-5
+        assert model.leantune_summary["counts"]["lora"] == 0
+        assert all("adapters disabled" in why for why in model.leantune_summary["unpatched"].values())
+        with torch.no_grad():
+            enabled_loss = model(input_ids=input_ids, labels=labels).loss
+        assert rel_err(enabled_loss, ref_loss) > 1e-3, "re-enabled adapters must count again"
+        return
+    if case == "merged":
+        with torch.no_grad():
+            ref_loss = model(input_ids=input_ids, labels=labels).loss
+        leantune.patch(model)
+        with torch.no_grad():
+            loss = model(input_ids=input_ids, labels=labels).loss
+        assert rel_err(loss, ref_loss) <= 1e-5
+        reason = "merged adapter"
+    else:
+        ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
+        leantune.patch(model)
+        loss, _, grads = loss_and_grads(model, input_ids, labels)
+        assert rel_err(loss, ref_loss) <= 1e-5
+        assert_grads_close(grads, ref_grads)
+        reason = "DoRA" if case == "dora" else "2 active adapters"
+    summary = model.leantune_summary
+    assert summary["counts"]["lora"] == 0 and len(summary["unpatched"]) == 14
+    assert all(reason in why for why in summary["unpatched"].values()), summary["unpatched"]
+    assert summary["counts"]["rms_norm"] == 5 and summary["counts"]["loss"] == 1
+
+
+def test_hf_loss_conventions_num_items_shift_labels_return_dict():
+    """num_items_in_batch divides the summed loss (as HF); shift_labels replaces the shift; return_dict=False."""
+    model = tiny_peft_model("gemma2")
+    input_ids, labels = batch()
+    num_items = torch.tensor(7)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    with torch.no_grad():
+        ref_sum = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
+        ref_mean = model(input_ids=input_ids, labels=labels).loss
+    leantune.patch(model)
+    with torch.no_grad():
+        loss_sum = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
+        loss_shift = model(input_ids=input_ids, shift_labels=shifted).loss
+        as_tuple = model(input_ids=input_ids, labels=labels, return_dict=False)
+    assert rel_err(loss_sum, ref_sum) <= 1e-5
+    assert rel_err(loss_shift, ref_mean) <= 1e-5
+    assert isinstance(as_tuple, tuple) and rel_err(as_tuple[0], ref_mean) <= 1e-5
+
+
+def _largest_saved(model, input_ids, labels) -> int:
+    """numel of the largest non-parameter tensor saved for backward during one forward."""
+    params = {p.data_ptr() for p in model.parameters()}
+    sizes = [0]
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=input_ids, labels=labels)
+    return max(sizes)
+
+
+def test_no_logits_sized_tensor_saved_with_labels():
+    model = tiny_peft_model("llama").train()
+    input_ids, labels = batch()
+    logits_numel = input_ids.numel() * model.config.vocab_size
+    assert _largest_saved(model, input_ids, labels) >= logits_numel, "the probe must see HF's saved logits"
+    leantune.patch(model)
+    largest = _largest_saved(model, input_ids, labels)
+    assert largest < logits_numel // 4, f"a tensor of {largest} elements (logits: {logits_numel}) was saved"
+
+
+def test_one_hf_trainer_step(tmp_path, monkeypatch):
+    from transformers import Trainer, TrainingArguments
+
+    seen = []
+    original = ops.linear_cross_entropy
+    monkeypatch.setattr(ops, "linear_cross_entropy", lambda *a, **k: seen.append(k.get("num_items")) or original(*a, **k))
+    model = leantune.patch(tiny_peft_model("llama"))
+    rows = []
+    for _ in range(4):
+        input_ids, labels = batch(rows=1, seq=9, pad_last=2)
+        rows.append({"input_ids": input_ids[0], "labels": labels[0], "attention_mask": torch.ones(9, dtype=torch.long)})
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, learning_rate=1e-2, use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=1, remove_unused_columns=False, disable_tqdm=True,
+    )
+    result = Trainer(model=model, args=args, train_dataset=rows).train()
+    assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))
+    assert seen and all(n is not None for n in seen), "the fused loss must get the Trainer's num_items_in_batch"
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert len(changed) == len(before), "every LoRA matrix must have moved"
+
+
+# ------------------------------------------------------------------------------------------- real SmolLM2-135M
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = assets.load_smollm2()
+    return model.eval(), tokenizer
+
+
+def test_real_smollm2_same_loss_patched(smollm2, monkeypatch):
+    model, tokenizer = smollm2
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    text = "The quick brown fox jumps over the lazy dog, and then it runs back into the forest to sleep."
+    input_ids = tokenizer(text, return_tensors="pt").input_ids
+    assert input_ids.shape[1] > 10
+    with torch.no_grad():
+        ref = model(input_ids=input_ids, labels=input_ids).loss
+    assert 0.5 < ref.item() < 8.0, f"implausible loss {ref.item()} for a real model on English"
+    leantune.patch(model)
+    try:
+        summary = model.leantune_summary
+        assert summary["counts"]["rms_norm"] == 61 and summary["counts"]["rope"] == 30
+        with torch.no_grad():
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+    finally:
+        leantune.unpatch(model)
+    assert rel_err(loss, ref) <= 1e-5, f"patched {loss.item()} vs HF {ref.item()}"
+
+
+def test_trainable_base_bias_keeps_peft_forward():
+    """PEFT bias="all" makes the q/k/v biases trainable: those projections are not fused, and their gradients
+    still match HF's (the rest of the model stays patched)."""
+    model = tiny_peft_model("qwen2", bias="all")
+    input_ids, labels = batch()
+    ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
+    assert any(name.endswith("bias") for name in ref_grads)
+    leantune.patch(model)
+    unpatched = model.leantune_summary["unpatched"]
+    assert len(unpatched) == 6 and all("not a frozen" in why for why in unpatched.values())
+    loss, _, grads = loss_and_grads(model, input_ids, labels)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)

@@ -1,0 +1,273 @@
+"""leantune train: data masking and packing, the packed attention mask, GA invariance, resume, adapter reload.
+
+Every test uses a tiny random Llama (2 layers, hidden 64) and a byte-level tokenizer with a ChatML template written
+into a temp folder, so nothing is downloaded and the file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+from reference import assert_close
+from safetensors.torch import load_file
+
+from leantune.train import data as data_mod
+from leantune.train.config import TrainConfig, make_config
+from leantune.train.data import IGNORE_INDEX, Document, pack
+from leantune.train.loop import accumulate_gradients, load_model, load_tokenizer, train, wrap_lora
+
+
+def close(out, ref, name):
+    assert_close(name, out, ref, torch.float32)  # fp32: relative error <= 1e-5
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "big", "red", "house", "with", "blue", "door"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two cores shared by several jobs: one OpenMP thread avoids spin-wait stalls (and is still bit-deterministic).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def write_tiny_model(folder, *, model_type=None):
+    """A byte-level BPE tokenizer (259 tokens, ChatML template) and a 2-layer Llama config.json in ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=template)
+    fast.save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    config.save_pretrained(folder)
+    if model_type is not None:
+        raw = json.loads((folder / "config.json").read_text())
+        raw["model_type"] = model_type
+        (folder / "config.json").write_text(json.dumps(raw))
+    return folder / "config.json"
+
+
+def write_chat_jsonl(path, n=120, seed=0):
+    rng = random.Random(seed)
+    with path.open("w") as fh:
+        for _ in range(n):
+            messages = []
+            for _ in range(rng.randint(1, 2)):
+                messages.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(2, 5)))})
+                messages.append({"role": "assistant",
+                                 "content": " ".join(sorted(rng.choices(WORDS, k=rng.randint(2, 5))))})
+            fh.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"model": write_tiny_model(root / "model"), "data": write_chat_jsonl(root / "chat.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return load_tokenizer("config", tiny["model"])
+
+
+def tiny_config(tiny, output, **overrides):
+    values = {"model": str(tiny["model"]), "data": str(tiny["data"]), "output": str(output), "seq_len": 64,
+              "batch_size": 2, "max_steps": 4, "eval_every": 2, "eval_size": 4, "save_every": 2, "lr": 3e-3,
+              "patch": "off", "device": "cpu"}
+    values.update(overrides)
+    return make_config(flag_values=values)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def test_messages_mask_only_assistant_turns(tokenizer):
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "red cat"},
+                {"role": "user", "content": "and?"}, {"role": "assistant", "content": "blue dög"}]
+    doc = data_mod.tokenize_messages(tokenizer, messages)
+    assert len(doc.input_ids) == len(doc.target)
+    assert doc.input_ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    targets = tokenizer.decode([t for t, keep in zip(doc.input_ids, doc.target) if keep])
+    assert targets == "red cat<|im_end|>\nblue dög<|im_end|>\n"
+    prompt = tokenizer.decode([t for t, keep in zip(doc.input_ids, doc.target) if not keep])
+    assert "hi there" in prompt and "and?" in prompt and "red" not in prompt
+
+
+def test_prompt_completion_and_text_masks(tokenizer):
+    doc = data_mod.tokenize_record(tokenizer, {"prompt": "Q: 2+2?", "completion": " 4"})
+    n_prompt = len(tokenizer("Q: 2+2?", add_special_tokens=False)["input_ids"])
+    assert doc.target == [False] * n_prompt + [True] * (len(doc.input_ids) - n_prompt)
+    assert tokenizer.decode(doc.input_ids[n_prompt:]) == " 4<|im_end|>"
+    text = data_mod.tokenize_record(tokenizer, {"text": "abc"})
+    assert all(text.target) and text.input_ids[-1] == tokenizer.eos_token_id
+
+
+def test_pack_position_ids_labels_and_padding():
+    docs = [Document([11, 12, 13], [False, True, True]), Document([21, 22, 23, 24], [True, False, True, True]),
+            Document([31, 32, 33, 34, 35], [True] * 5)]
+    packed = pack(docs, seq_len=8, pad_id=0)
+    assert packed.input_ids.tolist() == [[11, 12, 13, 21, 22, 23, 24, 0], [31, 32, 33, 34, 35, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]]
+    x = IGNORE_INDEX
+    # first token of each document never a target; after HF's shift, each document's last position predicts -100
+    assert packed.labels.tolist() == [[x, 12, 13, x, x, 23, 24, x], [x, 32, 33, 34, 35, x, x, x]]
+    assert packed.num_targets() == 8
+
+
+def test_chitchat_format_maps_senders_to_roles(tmp_path):
+    raw = {"c1": {"messages": [[{"text": "Hello", "sender": "a"}, {"text": "how are you", "sender": "a"}],
+                               [{"text": "fine", "sender": "b"}], [{"text": "good", "sender": "a"}]]}}
+    path = tmp_path / "dataset.json"
+    path.write_text(json.dumps(raw))
+    assert data_mod.read_records(path) == [{"messages": [{"role": "user", "content": "Hello\nhow are you"},
+                                                         {"role": "assistant", "content": "fine"},
+                                                         {"role": "user", "content": "good"}]}]
+
+
+def test_txt_is_cut_into_windows(tmp_path, tokenizer):
+    path = tmp_path / "book.txt"
+    path.write_text("x" * 150)
+    docs, truncated = data_mod.build_documents(data_mod.read_records(path), tokenizer, seq_len=64)
+    assert truncated == 0 and [len(d.input_ids) for d in docs] == [64, 64, 23]
+
+
+def test_packed_rows_attend_only_within_documents(tiny, tokenizer):
+    """transformers 5 builds a block-diagonal causal mask from restarting position ids (no attention_mask)."""
+    torch.manual_seed(0)
+    for attn in ("sdpa", "eager"):
+        model = load_model("config", tiny["model"], torch.float32, "cpu", seed=0)
+        model.config._attn_implementation = attn
+        model.eval()
+        a, b = torch.randint(0, 250, (1, 7)), torch.randint(0, 250, (1, 9))
+        packed_ids = torch.cat([a, b], dim=1)
+        position_ids = torch.cat([torch.arange(7), torch.arange(9)])[None]
+        with torch.no_grad():
+            packed = model(input_ids=packed_ids, position_ids=position_ids, use_cache=False).logits
+            alone_a = model(input_ids=a, use_cache=False).logits
+            alone_b = model(input_ids=b, use_cache=False).logits
+            leaky = model(input_ids=packed_ids, use_cache=False).logits  # one sequence: b sees a
+        close(packed[:, :7], alone_a, f"{attn} doc a")
+        close(packed[:, 7:], alone_b, f"{attn} doc b")
+        assert (leaky[:, 7:] - alone_b).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+
+
+@pytest.mark.parametrize("patch", ["off", "on"])
+def test_grad_accumulation_matches_one_big_batch(tiny, tokenizer, patch):
+    """K=4 micro-batches of 1 row == 1 batch of 4 rows (loss and every LoRA gradient, fp32 <= 1e-5)."""
+    config = tiny_config(tiny, "unused", patch=patch)
+    train_data, _, _ = data_mod.load_dataset(tiny["data"], tokenizer, 64, 4, seed=0)
+    rows = train_data.select(slice(0, 4))
+    model = wrap_lora(load_model("config", tiny["model"], torch.float32, "cpu", 0), config)
+    assert getattr(model, "_leantune_patched", False) == (patch == "on")
+    for p in model.parameters():  # PEFT starts lora_B at zero: make every gradient non-trivial
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    results = []
+    for k in (1, 4):
+        size = 4 // k
+        loss = accumulate_gradients(model, [rows.select(slice(i * size, (i + 1) * size)) for i in range(k)], "cpu")
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        results.append((loss, grads))
+    (loss1, grads1), (loss4, grads4) = results
+    assert abs(loss1 - loss4) <= 1e-5 * abs(loss1)
+    assert len(grads1) == 2 * 7 * 2  # A and B of 7 linears per layer, 2 layers
+    for name in grads1:
+        assert grads1[name].abs().max() > 0
+        close(grads4[name], grads1[name], name)
+
+
+def test_train_writes_run_and_adapter_reloads(tiny, tmp_path):
+    from peft import PeftModel
+
+    result = train(tiny_config(tiny, tmp_path / "run", max_steps=6, eval_every=3, patch="on"), progress=False)
+    assert result.summary["patched"]
+    out = tmp_path / "run"
+    for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "tokenizer/tokenizer.json",
+                 "metrics.jsonl", "loss.png", "summary.json", "run.json"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("steps", "initial_eval_loss", "final_eval_loss", "tokens_per_s", "peak_memory_gib"):
+        assert summary[key] is not None, key
+    assert summary["steps"] == 6 and summary["final_eval_loss"] < summary["initial_eval_loss"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 3, 6]
+    assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, 7))
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    ids = torch.randint(0, 250, (2, 20))
+    with torch.no_grad():
+        trained = result.model.eval()(input_ids=ids, use_cache=False).logits
+        base = load_model("config", tiny["model"], torch.float32, "cpu", seed=0)
+        plain = base(input_ids=ids, use_cache=False).logits
+        reloaded = PeftModel.from_pretrained(base, out / "adapter").eval()(input_ids=ids, use_cache=False).logits
+    close(reloaded, trained, "reloaded adapter")
+    assert (plain - trained).abs().max() > 1e-4  # the adapter changed the model
+
+    from leantune.cli import main
+
+    assert main(["export", "--adapter", str(out), "--out", str(tmp_path / "merged")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        close(merged(input_ids=ids, use_cache=False).logits, trained, "merged export")
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+
+
+def test_ctrl_c_then_resume_gives_the_same_weights(tiny, tmp_path):
+    """Uninterrupted 6 steps == interrupted (SIGINT after step 3, checkpoint, exit) + --resume, bit for bit."""
+    common = {"max_steps": 6, "eval_every": 2, "save_every": 2, "lora_dropout": 0.1}
+    full = train(tiny_config(tiny, tmp_path / "full", **common), progress=False)
+    assert not full.interrupted
+
+    def interrupt(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    stopped = train(tiny_config(tiny, tmp_path / "split", **common), progress=False, on_step=interrupt)
+    assert stopped.interrupted and stopped.summary["steps"] == 3
+    assert [p.name for p in (tmp_path / "split" / "checkpoints").iterdir()] == ["step-000003"]
+    assert not (tmp_path / "split" / "adapter").exists()
+    resumed = train(tiny_config(tiny, tmp_path / "split", resume=True, **common), progress=False)
+    assert not resumed.interrupted
+    a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "split" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    lines = lambda run: [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+                         for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert lines("full") == lines("split")
+
+
+def test_config_toml_then_flags(tmp_path):
+    from leantune.train.config import load_toml
+
+    path = tmp_path / "run.toml"
+    path.write_text('seq-len = 128\nlr = 0.001\nlora_r = 8\n')
+    config = make_config(load_toml(path), {"lr": 5e-4, "lora_r": None})
+    assert (config.seq_len, config.lr, config.lora_r, config.batch_size) == (128, 5e-4, 8, TrainConfig().batch_size)
