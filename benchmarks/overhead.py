@@ -27,13 +27,15 @@ for name in names:
         # GPU time with launch gaps removed: CUDA graph replay is not possible for every impl; use do_bench median
         ms = do_bench(call, return_mode="median")
         print(f"{name:<24}{impl:<16} host {host_us:8.1f} us/call   do_bench {ms * 1e3:8.1f} us")
-        if impl == "leantune":
+        if True:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     call()
                 torch.cuda.synchronize()
-            for evt in prof.key_averages():
+            events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+            print(f"    kernels total {sum(e.device_time_total for e in events) / 10:8.1f} us/call")
+            for evt in events[:12]:
                 if evt.device_time_total > 0:
                     print(f"    kernel {evt.key[:60]:<60} {evt.device_time_total / 10:8.1f} us/call  x{evt.count // 10}")
