@@ -2,7 +2,7 @@
 
 Subcommands: ``train`` (LoRA fine-tuning), ``demo`` (``train`` with the embedded defaults, a short CPU-sized run
 into runs/demo), ``export`` (merge an adapter into a standalone HF folder), ``check`` (every op against a float64
-reference). User errors print one line, ``leantune: error: ...``, to stderr and exit 1 without a traceback.
+reference), ``bench ops|e2e|max-context|report`` (GPU benchmarks; ``report`` rebuilds tables anywhere). User errors print one line, ``leantune: error: ...``, to stderr and exit 1 without a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import types
 import typing
+from pathlib import Path
 
 # Demo defaults: measured to finish within 10 minutes on 2 CPU cores including the one-time GGUF conversion,
 # with the held-out loss falling (see README). Everything else is TrainConfig's default.
@@ -88,6 +89,138 @@ def _export(args) -> int:
     return 0
 
 
+def _bench_ops(args) -> int:
+    from .bench.e2e import require_cuda
+    from .bench.ops import CASES, run_isolated
+
+    names = _comma(args.ops)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        from .train.config import LeantuneError
+
+        raise LeantuneError(f"unknown op(s) {', '.join(unknown)}; expected some of {', '.join(CASES)}")
+    require_cuda()
+    run_isolated(names, args.impls, Path(args.out), args.budget_s)
+    return 0
+
+
+def _bench_e2e(args) -> int:
+    from .bench.e2e import require_cuda, run_e2e
+    from .bench.report import write_report
+
+    impls, gcs = _impls(args.impls), _gc_list(args.gc)
+    require_cuda()
+    run_e2e(_comma(args.configs), impls, gcs, Path(args.out), seq=args.seq, batch=args.batch, warmup=args.warmup,
+            steps=args.steps, seed=args.seed, layers=args.layers, budget_s=args.budget_s,
+            matmul_tflops=args.matmul_tflops)
+    write_report(Path(args.out), compare_ratios=args.compare)
+    return 0
+
+
+def _bench_max_context(args) -> int:
+    from .bench.e2e import require_cuda, run_max_context
+    from .bench.report import write_report
+
+    impls = _impls(args.impls)
+    require_cuda()
+    run_max_context(args.config, impls, Path(args.out), lo=args.lo, hi=args.hi, step=args.step, seed=args.seed,
+                    layers=args.layers, budget_s=args.budget_s)
+    write_report(Path(args.out), compare_ratios=args.compare)
+    return 0
+
+
+def _bench_report(args) -> int:
+    from .bench.report import write_report
+    from .train.config import LeantuneError
+
+    if not Path(args.out).is_dir():
+        raise LeantuneError(f"no results directory {args.out}")
+    write_report(Path(args.out), compare_ratios=args.compare)
+    return 0
+
+
+def _comma(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _impls(text: str) -> list[str]:
+    from .bench.e2e import IMPLS
+    from .train.config import LeantuneError
+
+    impls = _comma(text)
+    bad = [i for i in impls if i not in IMPLS]
+    if bad or not impls:
+        raise LeantuneError(f"unknown implementation(s) {', '.join(bad) or '(none)'}; expected some of "
+                            f"{', '.join(IMPLS)}")
+    return impls
+
+
+def _gc_list(text: str) -> list[bool]:
+    from .train.config import LeantuneError
+
+    values = _comma(text)
+    if not values or any(v not in ("on", "off") for v in values):
+        raise LeantuneError(f"--gc takes on, off or on,off; got {text!r}")
+    return [v == "on" for v in values]
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="GPU benchmarks: ops, e2e, max-context (CUDA only); report (anywhere)",
+                           description="Benchmarks of leantune vs HF+PEFT (+Liger) on a CUDA GPU. Every "
+                                       "configuration runs in its own process; results accumulate as JSON in --out.")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    all_impls = "hf+peft,hf+peft+liger,leantune"
+
+    def common(p, budget=True):
+        p.add_argument("--out", default="bench-results", metavar="DIR",
+                       help="output directory: JSON per run, results.md, PNGs (default: bench-results)")
+        if budget:
+            p.add_argument("--budget-s", type=float, default=540.0, metavar="S",
+                           help="wall-clock budget of this invocation; no run starts that is not expected to end "
+                                "within it (default: 540)")
+
+    ops = bsub.add_parser("ops", help="every op fwd+bwd, leantune vs eager / torch.compile / Liger / CCE")
+    ops.add_argument("--ops", default="rms_norm,rope,swiglu", help="comma list of ops (default: rms_norm,rope,swiglu)")
+    ops.add_argument("--impls", default=None, help="comma list of implementations (default: all)")
+    common(ops)
+    ops.set_defaults(func=_bench_ops)
+
+    e2e = bsub.add_parser("e2e", help="LoRA training steps of random-init models: tokens/s, peak GiB, MFU/HFU")
+    e2e.add_argument("--configs", required=True, metavar="DIRS",
+                     help="comma list of model folders (or config.json files), random init (required)")
+    e2e.add_argument("--impls", default=all_impls, help=f"comma list (default: {all_impls})")
+    e2e.add_argument("--gc", default="on,off", metavar="on|off|on,off",
+                     help="gradient checkpointing settings to run (default: on,off)")
+    e2e.add_argument("--seq", type=int, default=None, help="sequence length (default: 4096 for 8B-class, 8192 below)")
+    e2e.add_argument("--batch", type=int, default=None, help="batch size (default: 1 for 8B-class, 2 below)")
+    e2e.add_argument("--warmup", type=int, default=2, help="untimed steps after the agreement step (default: 2)")
+    e2e.add_argument("--steps", type=int, default=5, help="timed steps (default: 5)")
+    e2e.add_argument("--seed", type=int, default=0, help="seed of weights, adapters and tokens (default: 0)")
+    e2e.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default: the config's)")
+    e2e.add_argument("--matmul-tflops", type=float, default=None, metavar="TF",
+                     help="bf16 matmul ceiling to use instead of measuring it (default: measured once per call)")
+    e2e.add_argument("--compare", action="store_true", help="print ratios vs hf+peft (default: False)")
+    common(e2e)
+    e2e.set_defaults(func=_bench_e2e)
+
+    mc = bsub.add_parser("max-context", help="longest batch-1 sequence whose GC-on LoRA step fits (bisection)")
+    mc.add_argument("--config", required=True, metavar="DIR", help="model folder or config.json (required)")
+    mc.add_argument("--impls", default=all_impls, help=f"comma list (default: {all_impls})")
+    mc.add_argument("--lo", type=int, default=4096, help="shortest length to consider (default: 4096)")
+    mc.add_argument("--hi", type=int, default=262144, help="longest length to consider (default: 262144)")
+    mc.add_argument("--step", type=int, default=4096, help="lengths are multiples of this (default: 4096)")
+    mc.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    mc.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default: the config's)")
+    mc.add_argument("--compare", action="store_true", help="print ratios vs hf+peft (default: False)")
+    common(mc)
+    mc.set_defaults(func=_bench_max_context)
+
+    report = bsub.add_parser("report", help="rebuild results.md and the PNGs from the JSON in --out (any machine)")
+    report.add_argument("--compare", action="store_true", help="print ratios vs hf+peft (default: False)")
+    common(report, budget=False)
+    report.set_defaults(func=_bench_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leantune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="run every op once against a float64 reference and print the errors")
     check.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     check.set_defaults(func=_check)
+
+    _add_bench(sub)
     return parser
 
 

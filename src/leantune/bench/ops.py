@@ -388,6 +388,45 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_isolated(op_names: list[str], impl_filter: str | None, out_dir, budget_s: float = 540.0,
+                 log=print) -> dict:
+    """Each op in its own process (``python -m leantune.bench.ops --ops NAME --out DIR/ops_NAME.json``, which
+    measures its own ceilings), merged into DIR/ops.json and DIR/ops.md. Rows keep the percentages computed against
+    their own process's ceilings; the merged header shows the first op's. Ops the budget leaves out are listed."""
+    from pathlib import Path
+
+    from .e2e import Budget, run_child
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    budget = Budget(budget_s)
+    merged: dict = {}
+    for name in op_names:
+        if name not in CASES:
+            raise ValueError(f"unknown op {name!r}; expected one of {', '.join(CASES)}")
+    for name in op_names:
+        if not budget.can_start():
+            log(f"not run (budget of {budget_s:.0f} s spent): {name}")
+            continue
+        path = out_dir / f"ops_{name}.json"
+        args = ["--ops", name, "--out", str(path)] + (["--impls", impl_filter] if impl_filter else [])
+        result = run_child(args, path, out_dir / f"ops_{name}.log", budget.left(), module="leantune.bench.ops")
+        budget.record(result.get("wall_s", 0.0))
+        if "rows" not in result:
+            log(f"{name}: {result.get('status')} {result.get('error', '')}")
+            continue
+        if not merged:
+            merged = {k: v for k, v in result.items() if k not in ("rows", "wall_s")}
+            merged["rows"], merged["ceilings_per_op"] = [], {}
+        merged["rows"] += result["rows"]
+        merged["ceilings_per_op"][name] = result["ceilings"]
+    if merged:
+        (out_dir / "ops.json").write_text(json.dumps(merged, indent=1))
+        (out_dir / "ops.md").write_text(markdown(merged) + "\n")
+        log(markdown(merged))
+    return merged
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="rms_norm,rope,swiglu", help=f"comma list of {', '.join(CASES)}")

@@ -1,0 +1,412 @@
+"""Bookkeeping of `leantune bench` on CPU: FLOP formulas, MFU/HFU, frozen-weight bytes, ratios, agreement flags, the
+markdown table, the bisection, the CLI's CPU error, and a dry run of the e2e child step on a tiny Llama."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from leantune.bench import e2e, report
+from leantune.bench.e2e import (
+    RunSpec,
+    attention_flops_per_token,
+    bisect_max_fitting,
+    frozen_weight_bytes,
+    hardware_flops_per_token,
+    matmul_params,
+    model_flops_per_token,
+    utilization,
+)
+from leantune.cli import main as cli_main
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    LlamaConfig(**TINY, tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
+    return str(tmp_path / "tiny")
+
+
+# ------------------------------------------------------------------------------------------------------------ FLOPs
+def test_flops_llama3_8b_by_hand():
+    config = LlamaConfig(**LLAMA3_8B)
+    h, i, kv, v, layers = 4096, 14336, 1024, 128256, 32
+    per_layer = h * h + h * kv + h * kv + h * h + 3 * h * i  # q, k, v, o, gate, up, down
+    p_layers = layers * per_layer
+    assert p_layers == 6_979_321_856
+    assert matmul_params(config, lm_head=False) == p_layers
+    assert matmul_params(config) == p_layers + v * h == 7_504_658_432  # "P = 7.50e9"
+    a = 2 * 4096 * 32 * 128 * 32
+    assert attention_flops_per_token(config, 4096) == a == 1_073_741_824
+    assert model_flops_per_token(config, 4096) == 4 * 7_504_658_432 + 3 * a == 33_239_859_200
+    assert hardware_flops_per_token(config, 4096, False) == 33_239_859_200
+    assert hardware_flops_per_token(config, 4096, True) == 33_239_859_200 + 2 * p_layers + a == 48_272_244_736
+    # attention grows linearly per token with S; P does not
+    assert model_flops_per_token(config, 8192) - model_flops_per_token(config, 4096) == 3 * a
+
+
+def test_flops_tied_lm_head_and_default_head_dim():
+    config = LlamaConfig(**TINY, tie_word_embeddings=True)  # head_dim = 64 / 4 = 16
+    per_layer = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 96
+    assert matmul_params(config) == 2 * per_layer + 97 * 64  # tied lm_head is still a matmul
+    assert attention_flops_per_token(config, 10) == 2 * 10 * 4 * 16 * 2
+
+
+def test_utilization_math():
+    assert utilization(6198.0, 33_239_859_200, 7.0e14) == pytest.approx(6198 * 33_239_859_200 / 7.0e14, rel=1e-12)
+    assert utilization(1000.0, 1e9, 1e12) == pytest.approx(1.0)
+    for args in ((None, 1e9, 1e12), (1000.0, 1e9, None), (1000.0, None, 1e12), (0.0, 1e9, 1e12)):
+        assert math.isnan(utilization(*args))
+
+
+def test_default_shape():
+    assert e2e.default_shape(LlamaConfig(**LLAMA3_8B)) == (4096, 1)
+    assert e2e.default_shape(LlamaConfig(**TINY)) == (8192, 2)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_frozen_weight_bytes_tiny_peft_model(tied):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = LlamaConfig(**TINY, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=e2e.TARGETS, init_lora_weights=False))
+    h, i, kv, v = 64, 96, 32, 97
+    layer = h * h + 2 * h * kv + h * h + 3 * h * i + 2 * h  # projections + two norms
+    elements = v * h + 2 * layer + h + (0 if tied else v * h)  # embedding, layers, final norm, lm_head
+    assert frozen_weight_bytes(model) == 2 * elements  # bf16; adapters (fp32, trainable) excluded
+
+
+def test_seeded_init_depends_on_seed_and_names_only():
+    from transformers import AutoModelForCausalLM
+
+    def draw(torch_seed, seed):
+        torch.manual_seed(torch_seed)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.bfloat16)
+        e2e.seeded_init(model, seed, trainable_only=False, std=0.02)
+        return model.state_dict()
+
+    a, b, c = draw(1, 7), draw(2, 7), draw(1, 8)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    matrices = [n for n in a if a[n].dim() == 2]
+    assert all(not torch.equal(a[n], c[n]) for n in matrices)
+    w = a["model.layers.0.mlp.down_proj.weight"].float()
+    assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
+    assert torch.equal(a["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------------- bisection
+@pytest.mark.parametrize("threshold", [0, 4096, 8192, 45056, 49152, 65535, 262144, 10**7])
+def test_bisection_finds_the_largest_fitting_multiple(threshold):
+    calls = []
+
+    def fits(seq):
+        calls.append(seq)
+        return seq <= threshold
+
+    found = bisect_max_fitting(fits, 4096, 262144, 4096)
+    expected = threshold // 4096 * 4096
+    expected = min(expected, 262144) if expected >= 4096 else None
+    assert found["best"] == expected
+    assert found["complete"]
+    assert len(calls) == len(set(calls)) <= math.ceil(math.log2(64 + 1))
+    assert all(s % 4096 == 0 and 4096 <= s <= 262144 for s in calls)
+    assert found["probes"] == [[s, s <= threshold] for s in calls]
+    if expected is not None and expected < 262144:
+        assert found["first_fail"] == expected + 4096
+    if expected == 262144:
+        assert found["first_fail"] is None
+
+
+def test_bisection_rounds_inward_and_rejects_empty_ranges():
+    found = bisect_max_fitting(lambda s: s <= 5000, 1000, 10000, 1024)  # candidates 1024 .. 9216
+    assert found["best"] == 4096 and found["first_fail"] == 5120
+    with pytest.raises(ValueError, match="no multiple of 4096"):
+        bisect_max_fitting(lambda s: True, 5000, 8000, 4096)
+    with pytest.raises(ValueError, match="step must be positive"):
+        bisect_max_fitting(lambda s: True, 4096, 8192, 0)
+
+
+def test_bisection_stops_on_budget_and_on_failed_probe():
+    budget = iter([False, False, True])  # two probes allowed
+    found = bisect_max_fitting(lambda s: s <= 100_000, 4096, 262144, 4096, stop=lambda: next(budget))
+    assert len(found["probes"]) == 2 and not found["complete"]
+    assert found["probes"] == [[131072, False], [65536, True]]
+    assert found["best"] == 65536 and found["first_fail"] == 131072  # the bracket to resume from
+    found = bisect_max_fitting(lambda s: None, 4096, 262144, 4096)  # a crash/timeout ends the search
+    assert found["probes"] == [[131072, None]] and not found["complete"] and found["best"] is None
+
+
+def test_budget_with_fake_clock():
+    now = [0.0]
+    budget = e2e.Budget(100.0, clock=lambda: now[0])
+    assert budget.can_start()
+    now[0] = 30.0
+    budget.record(50.0)
+    assert budget.left() == 70.0 and budget.can_start()
+    now[0] = 60.0
+    assert not budget.can_start()  # 40 s left < longest child (50 s)
+
+
+# ------------------------------------------------------------------------------------------- agreement, ratios, table
+def _row(impl, gc=True, loss=2.0, grad=1.0, tps=1000.0, peak=10.0, frozen=4.0, model="m", seq=4096, status="ok"):
+    return {"impl": impl, "model": model, "layers": None, "seq": seq, "batch": 1, "gc": gc, "status": status,
+            "name": f"{model}_{impl}_{gc}", "first_loss": loss, "grad_norm": grad, "tokens_per_s": tps,
+            "peak_gib": peak, "peak_minus_frozen_gib": peak - frozen, "median_step_ms": 4096 / tps * 1e3,
+            "mfu": 0.25, "hfu": 0.5, "error": None if status == "ok" else "boom"}
+
+
+def test_agreement_flags():
+    rows = [_row("hf+peft", gc=True, loss=2.0, grad=1.0),
+            _row("leantune", gc=True, loss=2.0 * (1 + 0.009), grad=1.0 * (1 - 0.029)),  # inside both tolerances
+            _row("hf+peft+liger", gc=True, loss=2.0 * 1.011, grad=1.0),  # loss out
+            _row("leantune", gc=False, loss=2.0, grad=1.031),  # grad out; reference from the other gc setting
+            _row("leantune", gc=True, loss=math.nan, model="m2"),  # no reference model
+            _row("hf+peft", gc=True, model="m3"), _row("leantune", gc=True, model="m3", loss=math.nan),
+            _row("leantune", gc=True, model="m4", status="oom")]
+    report.flag_agreement(rows)
+    assert [r["agreement"] for r in rows] == [
+        "reference", "ok", "FLAG: loss rel 1.10e-02 > 0.01", "FLAG: grad-norm rel 3.10e-02 > 0.03", "no reference",
+        "reference", "FLAG: loss rel nan > 0.01", None]
+    assert rows[1]["loss_rel_diff"] == pytest.approx(0.009) and rows[1]["grad_norm_rel_diff"] == pytest.approx(0.029)
+
+
+def test_agreement_prefers_the_same_checkpointing_setting():
+    rows = [_row("hf+peft", gc=False, loss=3.0), _row("hf+peft", gc=True, loss=2.0), _row("leantune", gc=True)]
+    report.flag_agreement(rows)
+    assert rows[2]["agreement"] == "ok"
+
+
+def test_compare_ratios():
+    rows = [_row("hf+peft", tps=6198.0, peak=24.0, frozen=15.0), _row("leantune", tps=9297.0, peak=18.0, frozen=15.0),
+            _row("hf+peft+liger", status="error"), _row("leantune", gc=False, tps=1.0)]  # no gc-off baseline
+    (c,) = report.compare(rows)
+    assert c["impl"] == "leantune"
+    assert c["tokens_per_s"] == pytest.approx(1.5) and c["peak_gib"] == pytest.approx(0.75)
+    assert c["peak_minus_frozen_gib"] == pytest.approx(3.0 / 9.0)
+    assert math.isnan(report.ratio(1.0, 0.0)) and math.isnan(report.ratio(None, 1.0))
+    maxctx = [{"model": "m", "layers": None, "impl": "hf+peft", "best": 49152},
+              {"model": "m", "layers": None, "impl": "leantune", "best": 163840},
+              {"model": "m", "layers": None, "impl": "hf+peft+liger", "best": None}]
+    mx = report.compare_max_context(maxctx)
+    assert mx[("m", None, "leantune")] == pytest.approx(163840 / 49152) and mx[("m", None, "hf+peft")] == 1.0
+    assert math.isnan(mx[("m", None, "hf+peft+liger")])
+    text = report.format_compare(rows, maxctx)
+    assert "tokens/s x1.50, peak GiB x0.75" in text and "max context m leantune: x3.33" in text
+
+
+def test_markdown_table():
+    rows = [_row("hf+peft", tps=6198.0, peak=24.0, frozen=15.0), _row("leantune", tps=9297.0, peak=18.0, frozen=15.0),
+            _row("hf+peft+liger", status="oom")]
+    rows[0].update(date="2026-01-01", gpu="H200", versions={"torch": "2.x"}, matmul_flop_per_s=7.0e14)
+    report.flag_agreement(rows)
+    maxctx = [{"model": "m", "layers": None, "impl": "hf+peft", "best": 49152, "first_fail": 53248,
+               "complete": True, "hi": 262144, "probes": [[49152, True], [53248, False]]},
+              {"model": "m", "layers": None, "impl": "leantune", "best": 163840, "first_fail": None,
+               "complete": False, "hi": 262144, "probes": [[163840, True], [200000, None]]}]
+    text = report.markdown(rows, maxctx)
+    lines = text.splitlines()
+    assert lines[0].startswith("2026-01-01, H200, torch 2.x. bf16 matmul ceiling 700 TFLOP/s")
+    table = [line for line in lines if line.startswith("| m |")]
+    assert table[0] == ("| m | 4096 x 1 | on | hf+peft | 6198 | — | 24.00 | 9.00 | 25.0% | 50.0% | 661 | 2.0000 "
+                        "| 1 | reference |")
+    assert table[1] == ("| m | 4096 x 1 | on | leantune | 9297 | 1.50 | 18.00 | 3.00 | 25.0% | 50.0% | 441 | "
+                        "2.0000 | 1 | ok |")
+    assert table[2].startswith("| m | 4096 x 1 | on | hf+peft+liger | oom: boom |")
+    assert all(line.count("|") == 15 for line in table[:3])  # 14 columns in every e2e row
+    assert table[3] == "| m | hf+peft | 49152 | 53248 | 1.00 | 49152: y, 53248: n |"
+    assert table[4] == "| m | leantune | 163840 (incomplete) | — | 3.33 | 163840: y, 200000: ? |"
+
+
+def test_report_cli_writes_table_and_pngs(tmp_path, capsys):
+    rows = [_row("hf+peft"), _row("leantune", tps=1500.0)]
+    for r in rows:
+        (tmp_path / f"{r['name']}.json").write_text(json.dumps(r))
+    (tmp_path / "ceilings.json").write_text(json.dumps({"matmul_flop_per_s": 1.0}))
+    assert cli_main(["bench", "report", "--out", str(tmp_path), "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s x1.50" in out
+    assert "| m | 4096 x 1 | on | leantune | 1500 | 1.50 |" in (tmp_path / "results.md").read_text()
+    for name in ("tokens_per_s.png", "peak_gib.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------------------- the CLI
+@pytest.mark.parametrize("argv", [["e2e", "--configs", "x"], ["max-context", "--config", "x"], ["ops"]])
+def test_cli_needs_cuda(argv, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = cli_main(["bench", *argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.strip() == ("leantune: error: `leantune bench` needs a CUDA GPU (none is visible); `leantune bench "
+                           "report` works anywhere")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [(["e2e", "--configs", "x", "--impls", "hf,leantune"],
+                                            "unknown implementation(s) hf"),
+                                           (["e2e", "--configs", "x", "--gc", "maybe"], "--gc takes on, off"),
+                                           (["ops", "--ops", "rms_norm,nope"], "unknown op(s) nope"),
+                                           (["report", "--out", "/nonexistent/dir"], "no results directory")])
+def test_cli_option_errors(argv, message, capsys):
+    code = cli_main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and message in err
+
+
+# --------------------------------------------------------------------------------------------- parent orchestration
+def test_run_e2e_with_fake_children(tiny_config, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_child(args, result, log, timeout_s, **kw):
+        calls.append(args)
+        if args == ["--ceilings"]:
+            return {"matmul_flop_per_s": 1e12, "wall_s": 1.0}
+        spec = json.loads(args[1])
+        return {"status": "ok", "first_loss": 2.0, "grad_norm": 1.0, "tokens_per_s": 100.0, "peak_gib": 1.0,
+                "peak_minus_frozen_gib": 0.5, "model_flops_per_token": 1e9, "hardware_flops_per_token": 2e9,
+                "median_step_ms": 1.0, "wall_s": 2.0, **({"first_loss": 9.0} if spec["impl"] == "leantune" else {})}
+
+    monkeypatch.setattr(e2e, "run_child", fake_child)
+    results = e2e.run_e2e([tiny_config], ["hf+peft", "leantune"], [True, False], tmp_path, steps=3,
+                          log=lambda *a: None)
+    assert len(results) == 4 and len(calls) == 5
+    specs = [json.loads(a[1]) for a in calls[1:]]
+    assert {(s["impl"], s["gc"], s["seq"], s["batch"], s["steps"]) for s in specs} == {
+        (i, g, 8192, 2, 3) for i in ("hf+peft", "leantune") for g in (True, False)}
+    assert results[0]["mfu"] == pytest.approx(100 * 1e9 / 1e12) and results[0]["hfu"] == pytest.approx(0.2)
+    rows, _ = report.load_results(tmp_path)
+    report.flag_agreement(rows)
+    assert sorted(r["agreement"] for r in rows) == ["FLAG: loss rel 3.50e+00 > 0.01"] * 2 + ["reference"] * 2
+
+
+def test_run_e2e_respects_the_budget(tiny_config, tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e, "run_child", lambda args, *a, **k: {"status": "ok", "wall_s": 1e6})
+    logged = []
+    results = e2e.run_e2e([tiny_config], ["hf+peft", "leantune"], [True], tmp_path, matmul_tflops=700.0,
+                          budget_s=1000.0, log=logged.append)
+    assert len(results) == 1  # the first child took longer than the budget left: the second is not started
+    assert any(line.startswith("not run (budget") and "leantune" in line for line in logged)
+
+
+def test_run_max_context_with_fake_children(tiny_config, tmp_path, monkeypatch):
+    limits = {"hf+peft": 49152, "leantune": 180000}
+
+    def fake_child(args, result, log, timeout_s, **kw):
+        spec = json.loads(args[1])
+        assert spec["batch"] == 1 and spec["gc"] and spec["steps"] == 1 and spec["warmup"] == 0
+        return {"status": "ok" if spec["seq"] <= limits[spec["impl"]] else "oom", "wall_s": 1.0}
+
+    monkeypatch.setattr(e2e, "run_child", fake_child)
+    results = e2e.run_max_context(tiny_config, ["hf+peft", "leantune"], tmp_path, lo=4096, hi=262144, step=4096,
+                                  log=lambda *a: None)
+    assert [(r["best"], r["first_fail"], r["complete"]) for r in results] == [(49152, 53248, True),
+                                                                             (176128, 180224, True)]
+    _, maxctx = report.load_results(tmp_path)
+    assert [r["impl"] for r in maxctx] == ["hf+peft", "leantune"]
+    assert "| tiny | leantune | 176128 | 180224 | 3.58 |" in report.markdown([], maxctx)
+
+
+# ------------------------------------------------------------------------------------------- the child, dry run on CPU
+def test_child_dry_run_on_cpu_agrees_between_implementations(tiny_config):
+    rows = []
+    for impl in ("hf+peft", "leantune"):
+        for gc in (False, True):
+            r = e2e.run_one_safe(RunSpec(impl, tiny_config, seq=24, batch=2, gc=gc, warmup=1, steps=2, device="cpu"))
+            assert r["status"] == "ok", r.get("error")
+            assert len(r["step_ms"]) == 2 and r["tokens_per_s"] > 0 and math.isfinite(r["last_loss"])
+            assert r["lora_params"] == 2 * 16 * (128 + 96 + 96 + 128 + 3 * 160)  # r=16 on all 7 projections
+            rows.append(r)
+    hf_off, hf_on, lt_off, lt_on = rows
+    # the first-step loss is that of the freshly built model (the optimizer priming left the weights unchanged)
+    model, config = e2e.build(RunSpec("hf+peft", tiny_config, seq=24, batch=2, gc=False, device="cpu"))
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=ids).loss.item() == hf_off["first_loss"]
+    assert hf_off["first_loss"] == hf_on["first_loss"]  # checkpointing does not change the math
+    assert hf_off["grad_norm"] == pytest.approx(hf_on["grad_norm"], rel=1e-6)
+    assert 0 < lt_off["first_loss"] and lt_off["grad_norm"] > 0
+    assert lt_on["leantune_summary"] is not None and hf_on["leantune_summary"] is None
+    report.flag_agreement(rows)
+    assert [r["agreement"] for r in rows] == ["reference", "reference", "ok", "ok"]
+    # a different seed changes weights and tokens: the agreement check can fail
+    other = e2e.run_one_safe(RunSpec("leantune", tiny_config, seq=24, batch=2, gc=False, warmup=0, steps=1,
+                                     device="cpu", seed=1))
+    assert other["first_loss"] != lt_off["first_loss"]
+
+
+def test_child_skips_liger_when_not_importable(tiny_config, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)  # import fails even if installed
+    r = e2e.run_one_safe(RunSpec("hf+peft+liger", tiny_config, seq=8, batch=1, gc=False, device="cpu"))
+    assert r["status"] == "skipped" and "liger_kernel not importable" in r["error"]
+
+
+def test_child_errors_are_results(tiny_config, tmp_path):
+    r = e2e.run_one_safe(RunSpec("hf+peft", str(tmp_path / "missing"), seq=8, batch=1, gc=False, device="cpu"))
+    assert r["status"] == "error" and "model config not found" in r["error"]
+    with pytest.raises(e2e.BenchError, match="unknown implementation 'hf'"):
+        RunSpec("hf", tiny_config, seq=8, batch=1, gc=False)
+
+
+def test_child_process_protocol(tiny_config, tmp_path):
+    """One real subprocess: the spec goes in as JSON, the result comes back through the file."""
+    spec = RunSpec("leantune", tiny_config, seq=16, batch=1, gc=True, warmup=0, steps=1, device="cpu")
+    import dataclasses
+
+    r = e2e.run_child(["--one", json.dumps(dataclasses.asdict(spec))], tmp_path / "r.json", tmp_path / "r.log",
+                      timeout_s=120)
+    assert r["status"] == "ok", (r, (tmp_path / "r.log").read_text()[-2000:])
+    assert r["name"] == "tiny_leantune_s16_b1_gcon" and r["wall_s"] > 0
+    crashed = e2e.run_child(["-c", "raise SystemExit('boom')"], tmp_path / "c.json", tmp_path / "c.log",
+                            timeout_s=60, module="leantune.no_such_module")
+    assert crashed["status"] == "crashed" and "exit 1" in crashed["error"] and "No module named" in crashed["error"]
+
+
+@pytest.mark.parametrize("command", ["ops", "e2e", "max-context", "report"])
+def test_bench_help_shows_every_default(command, capsys):
+    from leantune.cli import build_parser
+
+    bench = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
+    sub = next(a for a in bench._actions if a.dest == "bench_command").choices[command]
+    options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert options
+    for action in options:
+        assert "(default: " in action.help or "(required)" in action.help, action.option_strings
+
+
+def test_ops_each_op_in_its_own_child_merged(tmp_path, monkeypatch):
+    from leantune.bench import ops
+
+    calls = []
+
+    def fake_child(args, result, log, timeout_s, module):
+        calls.append((module, args))
+        op = args[1]
+        if op == "rope":
+            return {"status": "crashed", "error": "exit 1: boom", "wall_s": 1.0}
+        row = {"op": op, "shape": "s", "impl": "leantune", "ms": 2.0, "extra_peak_gib": 0.5, "saved_gib": 0.25,
+               "floor_ms": 1.0, "error": None, "pct_copy_ceiling": 50.0}
+        return {"date": "d", "gpu": "H200", "versions": {"torch": "t", "triton": "tr", "transformers": "tf"},
+                "ceilings": {"copy_bytes_per_s": 4e12, "matmul_flop_per_s": 7e14}, "rows": [row], "wall_s": 1.0}
+
+    monkeypatch.setattr(e2e, "run_child", fake_child)
+    merged = ops.run_isolated(["rms_norm", "rope", "swiglu"], "leantune", tmp_path, log=lambda *a: None)
+    assert [c[0] for c in calls] == ["leantune.bench.ops"] * 3
+    assert calls[0][1] == ["--ops", "rms_norm", "--out", str(tmp_path / "ops_rms_norm.json"), "--impls", "leantune"]
+    assert [r["op"] for r in merged["rows"]] == ["rms_norm", "swiglu"] and set(merged["ceilings_per_op"]) == {
+        "rms_norm", "swiglu"}
+    table = (tmp_path / "ops.md").read_text()
+    assert "| rms_norm | s | leantune | 2.000 | 1.000 | 50% | 0.500 | 0.250 |" in table
+    assert json.loads((tmp_path / "ops.json").read_text())["rows"] == merged["rows"]
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        ops.run_isolated(["nope"], None, tmp_path)
