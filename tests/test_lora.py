@@ -561,3 +561,112 @@ def test_errors(index):
     call, match = _bad_calls()[index]
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ------------------------------------------------------------------------------------------ skinny Triton kernels
+# Small blocks so the interpreter's tiny shapes still take several row tiles, split-K/split-M partials and tails.
+SMALL = dict(block_m=16, block_k=32)
+
+
+@pytest.mark.parametrize("rank", [1, 8, 16, 64])
+@pytest.mark.parametrize("factor_dtype", [torch.float32, LOW], ids=str)
+def test_skinny_kernels_match_float64(monkeypatch, rank, factor_dtype):
+    """C = s (m*A) @ B and C = s P^T @ (m*X) for bf16/fp16/fp32 activations read as stored (no upcast copy), with
+    and without the dropout mask (drawn in registers: must equal dropout_mask), both precisions."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    rows, width, p, seed = 37, 150, 0.3, 12345
+    mask = lora.dropout_mask(seed, (rows, width), p, DEVICE).to(F64)
+    seeds = torch.tensor([7, seed], device=DEVICE)
+    cases = [(LOW, "auto")]
+    if rank == 16:  # every activation dtype and both precisions at one rank (interpreter time)
+        cases += [(torch.float16, "auto"), (torch.float32, "auto"), (LOW, "ieee")]
+    for act_dtype, precision in cases:
+        a = torch.randn(rows, width, device=DEVICE).to(act_dtype)
+        b = torch.randn(rank, width, device=DEVICE).to(factor_dtype)  # lora_A layout: the kernel reads b.T
+        lhs = torch.randn(rows, rank, device=DEVICE).to(factor_dtype)
+        for drop in (False, True):
+            m = mask if drop else 1.0
+            kw = dict(seeds=seeds, index=1, p=p) if drop else {}
+            c = lora._skinny_matmul(a, b.T, 0.5, precision=precision, **SMALL, **kw)
+            assert c.dtype == torch.float32 and c.shape == (rows, rank)
+            assert rel_err(c, 0.5 * (a.to(F64) * m) @ b.to(F64).T) <= 1e-6, (act_dtype, precision, drop)
+            t = lora._skinny_tn(lhs, a, 2.0, precision=precision, **SMALL, **kw)
+            assert t.dtype == torch.float32 and t.shape == (rank, width)
+            assert rel_err(t, 2.0 * lhs.to(F64).T @ (a.to(F64) * m)) <= 1e-6, (act_dtype, precision, drop)
+
+
+def test_skinny_kernels_strided_outputs_and_splits(monkeypatch):
+    """dB's transposed output view, out-dtype casts, a strided factor slice, one split and many; empty shapes."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    x = torch.randn(23, 70, device=DEVICE).to(LOW)
+    xa_cat = torch.randn(23, 12, device=DEVICE)
+    xa = xa_cat[:, 4:9]  # a column slice of the concatenated xa (row stride 12)
+    ref = 3.0 * xa.double().T @ x.double()
+    for per_sm, block_m in ((1, 64), (4, 16)):  # splits == 1 writes the view directly; > 1 sums partials
+        d_b = torch.full((70, 5), float("nan"), device=DEVICE)
+        out = lora._skinny_tn(xa, x, 3.0, out=d_b.T, block_m=block_m, block_k=32, per_sm=per_sm)
+        assert out.data_ptr() == d_b.data_ptr()
+        assert rel_err(d_b.T, ref) <= 1e-6
+    factor = torch.randn(70, 12, device=DEVICE)[:, 4:9]  # strided factor, bf16 result cast once
+    c = lora._skinny_matmul(x, factor, out_dtype=LOW, **SMALL)
+    assert c.dtype == LOW and rel_err(c, x.double() @ factor.double()) <= 1e-2
+    assert lora._skinny_matmul(x[:0], torch.randn(70, 4, device=DEVICE)).shape == (0, 4)
+    assert torch.equal(lora._skinny_tn(torch.randn(0, 4, device=DEVICE), x[:0]), torch.zeros(4, 70, device=DEVICE))
+    with pytest.raises(ValueError, match="precision must be"):
+        lora._skinny_matmul(x, torch.randn(70, 4, device=DEVICE), precision="tf32")
+
+
+class _CopyRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shapes of dtype conversions (aten._to_copy) that run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and "dtype" in (kwargs or {}):
+            self.copies.append(tuple(args[0].shape))
+        return out
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_triton_path_makes_no_activation_dtype_copies(monkeypatch, p):
+    """fp32 adapters under a bf16 base (PEFT's default): neither x, h nor any dY is converted to fp32 as a whole
+    tensor on the Triton path (the skinny kernels upcast tiles in registers); the result is still the formula."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    rows, inter = 19, 100
+    x = torch.randn(rows, IN, device=DEVICE).to(LOW).requires_grad_()
+    projs = [_proj(IN, 48, 8, LOW, torch.float32), _proj(IN, 16, 4, LOW, torch.float32),
+             _proj(IN, 16, 4, LOW, torch.float32)]
+    mlp = [_proj(IN, inter, 8, LOW, torch.float32), _proj(IN, inter, 4, LOW, torch.float32),
+           _proj(inter, IN, 8, LOW, torch.float32)]
+    big = {(rows, IN), (rows, inter), (rows, 48), (rows, 16)}
+    with _CopyRecorder() as rec:
+        outs = ops.lora_qkv(x, *projs, dropout=p)
+        y = ops.lora_mlp(x, *mlp, dropout=p)
+        torch.autograd.backward([*outs, y], [torch.randn_like(o) for o in (*outs, y)])
+    assert not big & set(rec.copies), f"activation-sized dtype copies: {sorted(big & set(rec.copies))}"
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (x, *_leaves(mlp[0]), *_leaves(projs[0])))
+
+
+def test_mlp_fuses_lowrank_into_glu_on_triton(monkeypatch):
+    """With adapters on gate and up, the Triton path adds their B terms inside the GLU pass (glu_forward and the
+    per-projection low-rank add are not called in forward); the result is the float64 formula."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    calls = []
+    glu_forward = lora.glu_forward
+    monkeypatch.setattr(lora, "glu_forward", lambda *a: calls.append("glu_forward") or glu_forward(*a))
+    for rank, ldt in ((64, torch.float32), (16, LOW)):
+        x = torch.randn(2, 9, IN, device=DEVICE).to(LOW).requires_grad_()
+        gate, up, down = _proj(IN, 100, rank, LOW, ldt), _proj(IN, 100, 1, LOW, ldt), _proj(100, IN, 8, LOW, ldt)
+        calls.clear()
+        y = ops.lora_mlp(x, gate, up, down, activation="geglu_tanh")
+        assert calls == [], "forward must not call glu_forward on the fused path"
+        leaves = [x] + [t for pr in (gate, up, down) for t in _leaves(pr)]
+        dy = torch.randn_like(y)
+        ref, ref_grads = grads64(_mlp_ref(x, gate, up, down, "geglu_tanh", [None] * 3), leaves, dy)
+        assert rel_err(y, ref) <= 3e-2
+        for g, r in zip(torch.autograd.grad(y, leaves, dy), ref_grads):
+            assert rel_err(g, r) <= 3e-2
+        assert calls == ["glu_forward"]  # backward recomputes h from the saved (already summed) gate/up

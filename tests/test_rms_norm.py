@@ -92,7 +92,11 @@ def test_mixed_dtypes_promote_as_hf(backend):
         hf.weight.copy_(w)
     ref = hf(x)
     assert y.dtype == ref.dtype == torch.float32
-    assert_close("y", y, ref, torch.float32)
+    # x_hat is rounded to x's dtype before the fp32 multiply (as HF): a different fp32 summation order may flip that
+    # rounding by one ulp on an element, so compare as the bitwise test does, not at the fp32 tolerance.
+    same = (y == ref).float().mean().item()
+    assert same >= 0.99, f"only {same:.2%} of elements equal HF's"
+    assert_close("y", y, ref, low)
     dx, dw = torch.autograd.grad(y, [x, w], torch.ones_like(y))
     assert dx.dtype == low and dw.dtype == torch.float32
 

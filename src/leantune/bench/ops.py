@@ -229,7 +229,7 @@ def case_cross_entropy(n=16384, v=128256) -> Case:
     return case
 
 
-def case_linear_cross_entropy(n=16384, h=4096, v=128256, memory="fast") -> Case:
+def case_linear_cross_entropy(n=16384, h=4096, v=128256, memory="fast", chunk_bytes=None) -> Case:
     from leantune import ops
 
     hidden, weight = _rand(n, h), _rand(v, h, scale=h**-0.5)
@@ -241,8 +241,10 @@ def case_linear_cross_entropy(n=16384, h=4096, v=128256, memory="fast") -> Case:
     liger, cce_exact, cce_filtered = _liger("linear_cross_entropy"), _cce(None), _cce("high")
     flops = (8 if memory == "low" else 6) * n * h * v
     case = Case(f"linear_cross_entropy[{memory}]", f"N{n} H{h} V{v} bf16", [hidden, weight], None, flops=flops)
-    case.impls = {"leantune": lambda a, b: ops.linear_cross_entropy(a, b, y, memory=memory)}
-    if memory == "fast":
+    extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+    label = "leantune" if chunk_bytes is None else f"leantune (chunk_bytes={chunk_bytes >> 20} MiB)"
+    case.impls = {label: lambda a, b: ops.linear_cross_entropy(a, b, y, memory=memory, **extra)}
+    if memory == "fast" and chunk_bytes is None:
         case.impls.update({"eager": eager, "torch.compile": torch.compile(eager),
                            "liger": None if liger is None else (lambda a, b: liger(a, b, y))})
     else:
@@ -318,6 +320,7 @@ CASES = {
     "cross_entropy": case_cross_entropy,
     "linear_cross_entropy": lambda: case_linear_cross_entropy(memory="fast"),
     "linear_cross_entropy_low": lambda: case_linear_cross_entropy(memory="low"),
+    "linear_cross_entropy_512m": lambda: case_linear_cross_entropy(memory="fast", chunk_bytes=512 << 20),
     "lora_mlp": case_lora_mlp,
     "lora_mlp_bf16": lambda: case_lora_mlp(adapter_dtype=torch.bfloat16),
     "lora_qkv": case_lora_qkv,

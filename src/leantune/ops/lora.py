@@ -35,6 +35,21 @@ Otherwise one Triton kernel (``_lowrank_add_kernel``) forms base + s * m * (P @ 
 fp32 registers, casts once and stores in place (in backward it also writes m*x for dA, so the mask is generated once
 per pass); ``_dropout_kernel`` applies the mask in forward. Masks are ``tl.rand(seed, row * width + col)`` on the
 Triton path and ``torch.rand`` with a seeded ``torch.Generator`` on the torch path (the two differ, as DESIGN allows).
+
+Skinny products (Triton path). With PEFT's fp32 adapters under a bf16/fp16 base, xa = x A^T, g = s dY B,
+dA = g^T (m*x) and dB = s dY^T xa would need fp32 copies of x (or h) and of every dY ([N, in], [N, out]: the bulk of
+the LoRA branch's traffic). ``_skinny_matmul_kernel`` (C[M, r] = A[M, K] @ B[K, r], split-K) and
+``_skinny_tn_kernel`` (C[r, K] = P[M, r]^T @ X[M, K], split-M) read the activation tile as stored and form the
+product in fp32 registers: bf16 x fp32 as three bf16 tensor-core dots against an exact three-way bf16 split of the
+fp32 factor (every bf16 product is exact in fp32, accumulation is fp32), fp16/fp32 x fp32 as an IEEE fp32 dot;
+``precision="ieee"`` forces the latter. Partials of the splits are summed by torch in a fixed order (deterministic).
+They also take dropout: the mask is regenerated in registers from the seed and applied as a 0/1 select, so m*x is
+never stored. Used where the upcast to the LoRA dtype is exact (one dtype, or fp32 adapters); otherwise (autocast
+to bf16 from fp32 inputs) the LoRA branch rounds its inputs first, as autocast does, through torch.
+
+GLU fusion (Triton path, gate and up both with adapters): the B terms of gate and up are added inside the GLU
+forward pass (:func:`leantune.ops.glu.glu_forward_lowrank`), which writes the summed gate/up in place (saved for
+backward) and h from them, instead of a low-rank add over each [N, I] output followed by a GLU pass.
 """
 
 from __future__ import annotations
@@ -48,7 +63,7 @@ import triton
 import triton.language as tl
 
 from . import _runtime
-from .glu import ACTIVATIONS, glu_backward, glu_forward
+from .glu import ACTIVATIONS, glu_backward, glu_forward, glu_forward_lowrank
 
 
 class LoraWeights(NamedTuple):
@@ -123,6 +138,123 @@ def _lowrank_add_kernel(
         tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], x.to(XD.dtype.element_ty), mask=mask)
 
 
+# Skinny products of the LoRA branch. One operand is a wide activation tile (x, h or dY: [M, K], any float dtype,
+# loaded as stored), the other the small fp32/bf16 factor (A^T, B, xa or g). The mixed product is formed without a
+# materialised upcast copy: DOT_MODE 0 upcasts both tiles to fp32 and uses an IEEE dot (exact fp32 FMA); 1 (low tile
+# bf16, factor fp32) splits the factor into three bf16 parts hi + mid + lo that sum to it exactly (8 + 8 + 8 bits),
+# so three bf16 tensor-core dots with fp32 accumulation give the fp32 product (every bf16 x bf16 product is exact in
+# fp32); 2 (both tiles of one 16-bit dtype) is one native dot. UPCAST (the interpreter, whose bf16 dot is garbage)
+# feeds the dots fp32 copies of the same parts. The dropout mask is a 0/1 select on the stored values (exact in any
+# dtype); 1 / (1 - p) rides on the final scale.
+@triton.jit
+def _split3(w):
+    hi = w.to(tl.bfloat16)
+    rem = w - hi.to(tl.float32)
+    mid = rem.to(tl.bfloat16)
+    lo = (rem - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _mixed_dot(acc, lhs, rhs, LOW_LEFT: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + lhs @ rhs in fp32; the low-precision tile is lhs when LOW_LEFT, else rhs (the other is the factor)."""
+    if DOT_MODE == 0:
+        acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="ieee")
+    elif DOT_MODE == 1:
+        if LOW_LEFT:
+            hi, mid, lo = _split3(rhs.to(tl.float32))
+            low = lhs
+        else:
+            hi, mid, lo = _split3(lhs.to(tl.float32))
+            low = rhs
+        if UPCAST:
+            low = low.to(tl.float32)
+            hi, mid, lo = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32)
+        if LOW_LEFT:  # smallest part first
+            acc = tl.dot(low, lo, acc)
+            acc = tl.dot(low, mid, acc)
+            acc = tl.dot(low, hi, acc)
+        else:
+            acc = tl.dot(lo, low, acc)
+            acc = tl.dot(mid, low, acc)
+            acc = tl.dot(hi, low, acc)
+    else:
+        if UPCAST:
+            acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(lhs, rhs, acc)
+    return acc
+
+
+@triton.jit
+def _skinny_matmul_kernel(
+    A, B, C, SEEDS, seed_index,
+    stride_am, stride_bk, stride_br, stride_cs, stride_cm,
+    n_rows, n_inner, rank, k_per_split, scale, p,
+    HAS_MASK: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """C[split, M, R] = scale * (keep * A)[M, Ks] @ B[Ks, R] over this program's K slice Ks (split-K partials)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    rows64 = rows.to(tl.int64)
+    row_ok = rows < n_rows
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < rank
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, n_inner)
+    if HAS_MASK:
+        seed = tl.load(SEEDS + seed_index)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        a = tl.load(A + rows64[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_MASK:
+            a = tl.where(_keep(seed, rows64, ks, n_inner, p), a, 0.0).to(A.dtype.element_ty)
+        b = tl.load(B + ks.to(tl.int64)[:, None] * stride_bk + rr[None, :] * stride_br,
+                    mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = _mixed_dot(acc, a, b, True, DOT_MODE, UPCAST)
+    out = acc * scale
+    tl.store(C + split.to(tl.int64) * stride_cs + rows64[:, None] * stride_cm + rr[None, :],
+             out.to(C.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _skinny_tn_kernel(
+    P, X, C, SEEDS, seed_index,
+    stride_pm, stride_xm, stride_cs, stride_cr, stride_ck,
+    n_rows, n_cols, rank, m_per_split, scale, p,
+    HAS_MASK: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """C[split, R, K] = scale * P[Ms, R]^T @ (keep * X)[Ms, K] over this program's row slice Ms (split-M partials)."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    split = tl.program_id(1)
+    col_ok = cols < n_cols
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < rank
+    m_start = split * m_per_split
+    m_end = tl.minimum(m_start + m_per_split, n_rows)
+    if HAS_MASK:
+        seed = tl.load(SEEDS + seed_index)
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
+        m_ok = rows < m_end
+        x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :], other=0.0)
+        if HAS_MASK:
+            x = tl.where(_keep(seed, rows64, cols, n_cols, p), x, 0.0).to(X.dtype.element_ty)
+        # P^T tile loaded transposed ([R, BLOCK_M]): no tl.trans needed
+        pt = tl.load(P + rows64[None, :] * stride_pm + rr[:, None], mask=r_ok[:, None] & m_ok[None, :], other=0.0)
+        acc = _mixed_dot(acc, pt, x, False, DOT_MODE, UPCAST)
+    out = acc * scale
+    tl.store(C + split.to(tl.int64) * stride_cs + rr[:, None].to(tl.int64) * stride_cr
+             + cols[None, :].to(tl.int64) * stride_ck, out.to(C.dtype.element_ty),
+             mask=r_ok[:, None] & col_ok[None, :])
+
+
 # ----------------------------------------------------------------------------------------------------- launchers
 _BLOCK_N, _BLOCK_K = 64, 128
 
@@ -163,6 +295,109 @@ def _lowrank_add_triton(base, lhs, rhs, scale, out_dtype, seeds, index, p, x):
         BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, BLOCK_R=block_r, num_warps=4,
     )
     return out, xd
+
+
+def _dot_mode(low_dtype, factor_dtype, precision):
+    """DOT_MODE for a product of a stored activation tile (low_dtype) and a factor tile (factor_dtype); see kernels."""
+    if precision not in ("auto", "ieee"):
+        raise ValueError(f"precision must be 'auto' or 'ieee', got {precision!r}")
+    if precision == "ieee" or low_dtype == torch.float32:
+        return 0
+    if factor_dtype == low_dtype:
+        return 2
+    if low_dtype == torch.bfloat16 and factor_dtype == torch.float32:
+        return 1
+    return 0  # fp16 activations with fp32 factors: no exact fp16 split (range), fp32 FMA
+
+
+def _splits(device, n_tiles, n_inner, block, per_sm):
+    """(splits, inner length per split): enough programs to fill the card (a few per SM) when the tile grid alone
+    does not; each split a whole number of blocks."""
+    target = _runtime.persistent_programs(device, 1 << 30, per_sm)
+    splits = max(1, min(triton.cdiv(n_inner, block), triton.cdiv(target, n_tiles)))
+    per_split = triton.cdiv(triton.cdiv(n_inner, splits), block) * block
+    return triton.cdiv(n_inner, per_split), per_split
+
+
+def _sum_partials(partials, out):
+    """out = sum over the first dim of the fp32 partials (fixed order: deterministic); out may be a strided view."""
+    if out.dtype == torch.float32 and out.is_contiguous():
+        torch.sum(partials, 0, out=out)
+    else:
+        total = _runtime.empty(partials.shape[1:], dtype=torch.float32, device=partials.device)
+        out.copy_(torch.sum(partials, 0, out=total))
+
+
+def _block_r(rank):
+    return max(16, _runtime.next_power_of_2(rank))
+
+
+def _skinny_matmul(a, b, scale=1.0, *, out_dtype=torch.float32, seeds=None, index=0, p=0.0, precision="auto",
+                   block_m=64, block_k=128, num_warps=4, per_sm=4):
+    """C [M, R] = scale * (m * a) @ b in fp32, cast once to ``out_dtype``; a [M, K] any float dtype with unit column
+    stride (x, h or dY, read as stored: no upcast copy), b [K, R] (any strides, R <= 64; e.g. lora_A.T, lora_B).
+    m is the dropout mask of ``seeds[index]`` over a's elements (None: no dropout). Split-K with fp32 partials
+    summed by torch (deterministic) when the row tiles alone do not fill the card."""
+    n_rows, n_inner = a.shape
+    rank = b.shape[1]
+    out = _runtime.empty((n_rows, rank), dtype=out_dtype, device=a.device)
+    if n_rows == 0:
+        return out
+    if n_inner == 0:
+        return out.zero_()
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    n_tiles = triton.cdiv(n_rows, block_m)
+    splits, per_split = _splits(a.device, n_tiles, n_inner, block_k, per_sm)
+    dest = out if splits == 1 else _runtime.empty((splits, n_rows, rank), dtype=torch.float32, device=a.device)
+    has_mask = seeds is not None
+    _skinny_matmul_kernel[(n_tiles, splits)](
+        a, b, dest, seeds if has_mask else a, index,
+        a.stride(0), b.stride(0), b.stride(1), dest.stride(0) if splits > 1 else 0, dest.stride(-2),
+        n_rows, n_inner, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
+        HAS_MASK=has_mask, DOT_MODE=_dot_mode(a.dtype, b.dtype, precision), UPCAST=_runtime.interpreting(),
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(rank), num_warps=num_warps,
+    )
+    if splits > 1:
+        _sum_partials(dest, out)
+    return out
+
+
+def _skinny_tn(lhs, x, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=None, index=0, p=0.0,
+               precision="auto", block_m=64, block_k=128, num_warps=4, per_sm=4):
+    """C [R, K] = scale * lhs^T @ (m * x) in fp32, cast once; lhs [M, R] (fp32 xa or g; unit column stride),
+    x [M, K] any float dtype with unit column stride, read as stored. ``out`` may be any [R, K]-shaped view (e.g. the
+    transpose of a [K, R] buffer for dB). Split-M partials in fp32, summed by torch (deterministic)."""
+    n_rows, n_cols = x.shape
+    rank = lhs.shape[1]
+    if out is None:
+        out = _runtime.empty((rank, n_cols), dtype=out_dtype, device=x.device)
+    if n_cols == 0:
+        return out
+    if n_rows == 0:
+        return out.zero_()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if rank > 1 and lhs.stride(1) != 1:
+        lhs = lhs.contiguous()
+    n_tiles = triton.cdiv(n_cols, block_k)
+    splits, per_split = _splits(x.device, n_tiles, n_rows, block_m, per_sm)
+    if splits == 1:
+        dest, strides = out, (0, out.stride(0), out.stride(1))
+    else:
+        dest = _runtime.empty((splits, rank, n_cols), dtype=torch.float32, device=x.device)
+        strides = dest.stride()
+    has_mask = seeds is not None
+    _skinny_tn_kernel[(n_tiles, splits)](
+        lhs, x, dest, seeds if has_mask else x, index,
+        lhs.stride(0), x.stride(0), *strides,
+        n_rows, n_cols, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
+        HAS_MASK=has_mask, DOT_MODE=_dot_mode(x.dtype, lhs.dtype, precision), UPCAST=_runtime.interpreting(),
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(rank), num_warps=num_warps,
+    )
+    if splits > 1:
+        _sum_partials(dest, out)
+    return out
 
 
 def _torch_mask(seed, shape, p, device):
@@ -234,8 +469,16 @@ class _Meta(NamedTuple):
     impl: str
 
 
-def _group_forward(x2d, projs, meta, seeds, first_seed):
-    """Outputs ``[N, out_j]`` (compute dtype) and xa_j of the projections sharing ``x2d``; seeds[first_seed:] are theirs."""
+def _skinny_ok(meta, act_dtype):
+    """Whether the Triton skinny kernels form the LoRA products of an activation stored in ``act_dtype``: on the
+    Triton path when the upcast to the LoRA dtype is exact (one dtype, or PEFT's fp32 adapters under a 16-bit base),
+    so reading the stored tile and upcasting in registers is the same product as ``act.to(lora_dtype)``."""
+    return meta.impl == "triton" and (act_dtype == meta.lora_dtype or meta.lora_dtype == torch.float32)
+
+
+def _group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True):
+    """Outputs ``[N, out_j]`` (compute dtype) and xa_j of the projections sharing ``x2d``; seeds[first_seed:] are
+    theirs. ``add_lowrank=False`` leaves the s xa B^T terms out of the outputs (the caller fuses them)."""
     cdt, ldt = meta.compute_dtype, meta.lora_dtype
     xc = x2d.to(cdt)
     ys = [F.linear(xc, w.to(cdt), None if b is None else b.to(cdt)) for w, _, _, b in projs]
@@ -243,9 +486,13 @@ def _group_forward(x2d, projs, meta, seeds, first_seed):
     xas = [None] * len(projs)
     if not lora:
         return ys, xas
+    skinny = _skinny_ok(meta, x2d.dtype)
     if seeds is None:
         a_cat = torch.cat([projs[j][1].to(ldt) for j in lora]) if len(lora) > 1 else projs[lora[0]][1].to(ldt)
-        xa_cat = x2d.to(ldt) @ a_cat.T  # x read once for every adapter of the group
+        if skinny and x2d.dtype != ldt:  # x read as stored, upcast in registers: no [N, in] copy in ldt
+            xa_cat = _skinny_matmul(x2d, a_cat.T, out_dtype=ldt)
+        else:
+            xa_cat = x2d.to(ldt) @ a_cat.T  # x read once for every adapter of the group
         start = 0
         for j in lora:
             rank = projs[j][1].shape[0]
@@ -253,9 +500,14 @@ def _group_forward(x2d, projs, meta, seeds, first_seed):
             start += rank
     else:
         for k, j in enumerate(lora):
-            xas[j] = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt) @ projs[j][1].to(ldt).T
-    for j in lora:
-        _lowrank_add(ys[j], xas[j], projs[j][2].to(ldt).T, meta.scalings[j], cdt, meta.impl)
+            if skinny:  # mask applied in registers: no m*x buffer
+                xas[j] = _skinny_matmul(x2d, projs[j][1].to(ldt).T, out_dtype=ldt, seeds=seeds,
+                                        index=first_seed + k, p=meta.p)
+            else:
+                xas[j] = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt) @ projs[j][1].to(ldt).T
+    if add_lowrank:
+        for j in lora:
+            _lowrank_add(ys[j], xas[j], projs[j][2].to(ldt).T, meta.scalings[j], cdt, meta.impl)
     return ys, xas
 
 
@@ -279,17 +531,30 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
     if not lora:
         return dx, grads
     gs = {}
+    skinny_dy = _skinny_ok(meta, cdt) and cdt != ldt  # dY read as stored: no [N, out] copy in ldt
     for j in lora:
         _, a, bmat, _ = projs[j]
+        scaling = meta.scalings[j]
+        if skinny_dy:
+            gs[j] = _skinny_matmul(dys[j], bmat.to(ldt), scaling, out_dtype=ldt)  # g = s dY B  [N, r]
+            if proj_needs[j][2]:  # dB = s dY^T xa, written as [out, r] through a transposed view
+                d_b = _runtime.empty(bmat.shape, dtype=bmat.dtype, device=bmat.device)
+                grads[j][2] = d_b
+                _skinny_tn(xas[j], dys[j], scaling, out=d_b.T)
+            continue
         dyl = dys[j].to(ldt)
-        gs[j] = (dyl @ bmat.to(ldt)).mul_(meta.scalings[j])  # g = s dY B  [N, r]
+        gs[j] = (dyl @ bmat.to(ldt)).mul_(scaling)  # g = s dY B  [N, r]
         if proj_needs[j][2]:
-            grads[j][2] = (dyl.T @ xas[j]).mul_(meta.scalings[j]).to(bmat.dtype)
+            grads[j][2] = (dyl.T @ xas[j]).mul_(scaling).to(bmat.dtype)
+    skinny_x = _skinny_ok(meta, x2d.dtype)
     if seeds is None:
         g_cat = torch.cat([gs[j] for j in lora], 1) if len(lora) > 1 else gs[lora[0]]
         a_cat = torch.cat([projs[j][1].to(ldt) for j in lora]) if len(lora) > 1 else projs[lora[0]][1].to(ldt)
         if any(proj_needs[j][1] for j in lora):
-            da_cat = g_cat.T @ x2d.to(ldt)  # x read once for every adapter's dA
+            if skinny_x and x2d.dtype != ldt:  # x read once for every adapter's dA, as stored
+                da_cat = _skinny_tn(g_cat, x2d, out_dtype=ldt)
+            else:
+                da_cat = g_cat.T @ x2d.to(ldt)  # x read once for every adapter's dA
             start = 0
             for j in lora:
                 rank = projs[j][1].shape[0]
@@ -301,6 +566,13 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
     else:
         for k, j in enumerate(lora):
             a = projs[j][1]
+            if skinny_x:  # the mask is regenerated in registers by both kernels: no m*x buffer
+                if need_x:
+                    dx, _ = _lowrank_add(dx, gs[j], a.to(ldt), 1.0, cdt, meta.impl, seeds, first_seed + k, meta.p)
+                if proj_needs[j][1]:
+                    grads[j][1] = _skinny_tn(gs[j], x2d, out_dtype=a.dtype, seeds=seeds, index=first_seed + k,
+                                             p=meta.p)
+                continue
             if need_x:  # one pass: dx += m * (g A) and m * x for dA, the mask drawn once
                 dx, xd = _lowrank_add(dx, gs[j], a.to(ldt), 1.0, cdt, meta.impl, seeds, first_seed + k, meta.p, x2d)
             else:
@@ -368,9 +640,17 @@ class LoraMLPFunction(torch.autograd.Function):
         n_lora = sum(a is not None for _, a, _, _ in projs)
         seeds = dropout_seeds(n_lora, x.device) if meta_gu.p > 0 and n_lora else None
         n_gu_lora = sum(a is not None for _, a, _, _ in projs[:2])
+        # Triton path with adapters on gate and up: their B terms are added inside the GLU pass (one pass over
+        # gate/up instead of a low-rank add per projection and then the GLU)
+        fuse = meta_gu.impl == "triton" and projs[0][1] is not None and projs[1][1] is not None
         with _no_autocast(x.device):
-            (gate, up), xas_gu = _group_forward(x2d, projs[:2], meta_gu, seeds, 0)
-            h = glu_forward(gate, up, activation)
+            (gate, up), xas_gu = _group_forward(x2d, projs[:2], meta_gu, seeds, 0, add_lowrank=not fuse)
+            if fuse:
+                ldt = meta_gu.lora_dtype
+                h = glu_forward_lowrank(gate, up, xas_gu[0], projs[0][2].to(ldt), meta_gu.scalings[0],
+                                        xas_gu[1], projs[1][2].to(ldt), meta_gu.scalings[1], activation)
+            else:
+                h = glu_forward(gate, up, activation)
             (y,), xas_down = _group_forward(h, projs[2:], meta_down, seeds, n_gu_lora)
         del h  # recomputed in backward
         ctx.save_for_backward(x2d, gate, up, seeds, *tensors, *xas_gu, *xas_down)
