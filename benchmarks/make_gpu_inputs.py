@@ -1,0 +1,35 @@
+"""Build .gpu/ (git-ignored, carried to the device machine): Llama-3-8B and Llama-3.2-1B shaped config folders with
+SmolLM2's tokenizer beside them, and a 2,500-conversation chitchat subset. Run here (CPU) from the repo root:
+
+    .venv/bin/python benchmarks/make_gpu_inputs.py
+"""
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+from transformers import LlamaConfig
+
+from leantune import assets
+
+OUT = Path(".gpu")
+COMMON = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+              max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, tie_word_embeddings=False),
+    "llama32-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                       tie_word_embeddings=True),
+}
+
+tokenizer_dir = Path(assets.smollm2_path())
+for name, shape in SHAPES.items():
+    folder = OUT / name
+    folder.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(**shape, **COMMON).save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / f).exists():
+            shutil.copy(tokenizer_dir / f, folder / f)
+data = json.loads((Path(importlib.util.find_spec("chitchat_dataset").submodule_search_locations[0])
+                   / "dataset.json").read_text())
+(OUT / "chitchat.json").write_text(json.dumps({k: data[k] for k in list(data)[:2500]}))
+print("wrote", sorted(str(p) for p in OUT.iterdir()))
