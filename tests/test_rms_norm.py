@@ -166,6 +166,8 @@ def test_errors_before_any_kernel(backend):
         ops.rms_norm(torch.ones(4, 64, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="weight must be float32"):
         ops.rms_norm(x, torch.ones(64, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+        ops.rms_norm(x, eps=-1e-6)
     with pytest.raises(ValueError, match="casting"):
         ops.rms_norm(x, casting="t5")
     with pytest.raises(ValueError, match="offset must be 0"):

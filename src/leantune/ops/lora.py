@@ -706,7 +706,9 @@ def _check_projection(name, proj, in_features, device):
         if lora_A.dim() != 2 or lora_A.shape[0] < 1:
             raise ValueError(f"{name}lora_A must be 2-D [r, in] with r >= 1, got shape {tuple(lora_A.shape)}")
         rank = lora_A.shape[0]
-        _runtime.check_shape(f"{name}lora_A", lora_A, (rank, in_features), "[r, in] with in = x's last dim")
+        if lora_A.shape[1] != in_features:
+            raise ValueError(f"{name}lora_A must have shape (r, {in_features}) ([r, in] with in = x's last dim, PEFT's "
+                             f"layout), got {tuple(lora_A.shape)}")
         _runtime.check_shape(f"{name}lora_B", lora_B, (out_features, rank), "[out, r] with out = weight's rows")
         if lora_A.dtype != lora_B.dtype:
             raise ValueError(f"{name}lora_A and {name}lora_B must share a dtype, got {lora_A.dtype} and "

@@ -217,12 +217,14 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
 
     Raises:
         ValueError: non-float or unsupported dtype, weight not ``[H]``, tensors on different devices, unknown
-            ``casting``, a non-zero ``offset`` with ``casting="llama"``, or H > 65536.
+            ``casting``, a non-zero ``offset`` with ``casting="llama"``, eps negative or not finite, or H > 65536.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension [..., H], got a 0-dim tensor")
+    if not (isinstance(eps, (int, float)) and 0.0 <= float(eps) < float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
     if casting == "llama" and offset != 0.0:
