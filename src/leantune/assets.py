@@ -113,6 +113,8 @@ def smollm2_path() -> Path:
         _convert_gguf(gguf, tmp)
         (tmp / _COMPLETE_MARKER).write_text(f"converted from {gguf.name}\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # safetensors writes its file 0600 through a temporary file
         if final.exists() and not (final / _COMPLETE_MARKER).is_file():
             shutil.rmtree(final, ignore_errors=True)  # leftover of an older, interrupted layout
         try:
