@@ -170,3 +170,216 @@ def test_export_help(capsys):
         main(["export", "--help"])
     out = capsys.readouterr().out
     assert "--adapter" in out and "--out" in out and "--overwrite" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# New-user test findings (issue 6): every bad value is refused up front, nothing of the user's is lost.
+
+
+def files_of(folder):
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def strict_json(text):
+    def refuse(constant):
+        raise ValueError(f"non-JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("line, fragments", [
+    ('overwrite = "no"', ["config key 'overwrite'", "boolean", "'no'"]),
+    ('resume = "yes"', ["config key 'resume'", "boolean", "'yes'"]),
+    ('lr = "fast"', ["config key 'lr'", "must be a number", "'fast'"]),
+    ('max_steps = "2"', ["config key 'max_steps'", "must be an integer", "'2'"]),
+    ("max_steps = 2.7", ["config key 'max_steps'", "must be an integer", "2.7"]),
+    ("seq_len = true", ["config key 'seq_len'", "must be an integer"]),
+    ("data = 5", ["config key 'data'", "must be a string", "5"]),
+    ('gradient_checkpointing = "maybe"', ["--gradient-checkpointing", "on or off", "'maybe'"]),
+    ("target_modules = [1, 2]", ["config key 'target_modules'", "list of module names"]),
+    ("lr = inf", ["--lr", "finite"]),
+    ("weight-decay = nan", ["--weight-decay", "finite"]),
+])
+def test_toml_values_are_type_checked_before_anything_runs(tiny, tmp_path, capsys, line, fragments):
+    """A TOML value of the wrong type (e.g. the truthy string overwrite = "no") is an error naming the key; an
+    existing run is left as it was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    (out / "summary.json").write_text("{}")  # a finished run: --overwrite would be needed to replace it
+    before = files_of(out)
+    toml = tmp_path / "run.toml"
+    toml.write_text(line + "\n")
+    code, err = run_cli(capsys, *train_args(tiny, out, "--config", toml))
+    assert_error(code, err, *fragments)
+    assert files_of(out) == before
+
+
+def test_toml_lists_and_booleans_that_are_natural_in_toml(tiny, tmp_path, capsys):
+    """target_modules as a list; gradient_checkpointing / patch as true/false; "after 1 step" (singular)."""
+    toml = tmp_path / "run.toml"
+    toml.write_text('target_modules = ["q_proj", "v_proj"]\ngradient_checkpointing = true\npatch = false\n'
+                    "lora_alpha = 16\n")
+    out = tmp_path / "out"
+    code = main([str(a) for a in train_args(tiny, out, "--config", toml)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "after 1 step;" in captured.out
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert (config["target_modules"], config["gradient_checkpointing"], config["patch"]) == ("q_proj,v_proj", "on",
+                                                                                             "off")
+    assert config["lora_alpha"] == 16.0
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("flag, value, fragment", [
+    ("--lr", "inf", "--lr must be a finite number"),
+    ("--lr", "nan", "--lr must be a finite number"),
+    ("--lr", "0", "--lr must be > 0"),
+    ("--weight-decay", "inf", "--weight-decay must be a finite number"),
+    ("--weight-decay", "-1", "--weight-decay must be >= 0"),
+    ("--lora-alpha", "inf", "--lora-alpha must be a finite number"),
+    ("--lora-alpha", "0", "--lora-alpha must be > 0"),
+    ("--lora-alpha", "-2", "--lora-alpha must be > 0"),
+    ("--epochs", "inf", "--epochs must be a finite number"),
+    ("--max-grad-norm", "nan", "--max-grad-norm must be a finite number"),
+    ("--max-grad-norm", "-1", "--max-grad-norm must be >= 0"),
+    ("--warmup-steps", "-1", "--warmup-steps must be >= 0"),
+    ("--min-lr-ratio", "1.5", "--min-lr-ratio must be in [0, 1]"),
+    ("--min-lr-ratio", "-0.1", "--min-lr-ratio must be in [0, 1]"),
+    ("--seq-len", "1", "--seq-len must be >= 2"),
+])
+def test_out_of_range_and_non_finite_flags(tiny, tmp_path, capsys, flag, value, fragment):
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", flag, value))
+    assert_error(code, err, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_command_line_syntax_errors_are_one_line(tiny, tmp_path, capsys):
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--max-steps", "2.7"))
+    assert code == 2 and "Traceback" not in err and "usage:" not in err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("leantune: error: ")
+    assert "--max-steps" in err and "2.7" in err
+
+
+def test_seq_len_too_short_for_any_target_names_seq_len(tiny, tmp_path, capsys):
+    # a ChatML prompt alone is longer than 4 tokens: every example is cut before its first assistant token
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--seq-len", "4"))
+    assert_error(code, err, "--seq-len 4 is too short", str(tiny["data"]))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_target_module_is_named(tiny, tmp_path, capsys):
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--target-modules", "q_proj,bogus"))
+    assert_error(code, err, "'bogus' not found in the model", "q_proj")  # q_proj listed among the layers
+    assert "'q_proj' not found" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["no-files", "empty-vocab"])
+def test_model_folder_without_tokenizer(tiny, tmp_path, capsys, case):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(tiny["model"].read_text())
+    if case == "empty-vocab":  # loads, but as a 1-token vocabulary (would surface as "empty dataset")
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))).save_pretrained(
+            folder)
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", model=folder))
+    assert_error(code, err, f"no tokenizer in {folder}: expected tokenizer.json or "
+                            "tokenizer.model/tokenizer_config.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_folder_of_other_files_needs_overwrite_and_keeps_them(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert_error(code, err, f"output dir {out} is not empty and holds no leantune run", "--overwrite")
+    assert files_of(out) == {out / "notes.txt": b"mine"}
+    # a user file with the name of a run output is never replaced, not even with --overwrite
+    (out / "metrics.jsonl").write_text("my metrics")
+    code, err = run_cli(capsys, *train_args(tiny, out, "--overwrite"))
+    assert_error(code, err, "metrics.jsonl", "choose another --output")
+    assert files_of(out) == {out / "notes.txt": b"mine", out / "metrics.jsonl": b"my metrics"}
+    (out / "metrics.jsonl").unlink()
+    code, err = run_cli(capsys, *train_args(tiny, out, "--overwrite"))
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "mine" and (out / "adapter").is_dir()
+
+
+def test_run_that_crashed_before_its_first_checkpoint_can_be_rerun(tiny, tmp_path, capsys, monkeypatch):
+    """An unexpected failure after run.json is written leaves an incomplete run, which a plain re-run replaces."""
+    from leantune.train import loop
+
+    out = tmp_path / "out"
+    real_evaluate = loop.evaluate
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(loop, "evaluate", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main([str(a) for a in train_args(tiny, out)])
+    assert (out / "run.json").is_file() and not loop.holds_run(out)
+    monkeypatch.setattr(loop, "evaluate", real_evaluate)
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert code == 0, err
+    assert loop.holds_run(out)
+    code, err = run_cli(capsys, *train_args(tiny, out))  # a finished run still needs --overwrite
+    assert_error(code, err, "already holds a run")
+
+
+def test_diverged_run_writes_strict_json_and_warns(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out, "--max-steps", "2", "--lr", "1e308"))
+    assert code == 0, err
+    assert "leantune: warning: the training loss became non-finite" in err
+    records = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records if r["type"] == "train"][-1] is None
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["final_eval_loss"] is None and summary["initial_eval_loss"] > 0
+    strict_json((out / "run.json").read_text())
+
+
+def test_export_target_checks(tiny, tmp_path, capsys):
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny, run))
+    assert code == 0, err
+    afile = tmp_path / "a-file"
+    afile.write_text("keep")
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", afile)
+    assert_error(code, err, str(afile), "not a directory")
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", afile / "sub")
+    assert_error(code, err, "not a directory")
+    assert afile.read_text() == "keep"
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "thesis.tex").write_text("precious")
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", user)
+    assert_error(code, err, "not empty", "--overwrite")
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", user, "--overwrite")
+    assert_error(code, err, str(user), "not a leantune export")
+    assert files_of(user) == {user / "thesis.tex": b"precious"}
+    merged = tmp_path / "merged"
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", merged)
+    assert code == 0, err
+    assert (merged / "leantune_export.json").is_file() and (merged / "config.json").is_file()
+    weights = (merged / "model.safetensors").read_bytes()
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", merged)
+    assert_error(code, err, "not empty")
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", merged, "--overwrite")  # a previous export
+    assert code == 0, err
+    assert (merged / "model.safetensors").read_bytes() == weights
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_top_level_help_has_no_rst_markup(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "train (LoRA fine-tuning)" in out and "``" not in out

@@ -271,3 +271,28 @@ def test_config_toml_then_flags(tmp_path):
     path.write_text('seq-len = 128\nlr = 0.001\nlora_r = 8\n')
     config = make_config(load_toml(path), {"lr": 5e-4, "lora_r": None})
     assert (config.seq_len, config.lr, config.lora_r, config.batch_size) == (128, 5e-4, 8, TrainConfig().batch_size)
+
+
+def test_make_config_checks_types_of_python_values_too():
+    """The library entry point applies the same strict types as the CLI (flags) and the TOML file."""
+    from leantune.train.config import LeantuneError
+
+    with pytest.raises(LeantuneError, match=r"--max-steps must be an integer, got 2\.7"):
+        make_config(flag_values={"max_steps": 2.7})
+    with pytest.raises(LeantuneError, match=r"config key 'overwrite' must be a boolean .*got 'no'"):
+        make_config({"overwrite": "no"})
+    with pytest.raises(LeantuneError, match="unknown option 'learning_rate'"):
+        make_config({"learning_rate": 1.0})
+    config = make_config({"target_modules": ["q_proj", " v_proj"], "patch": False, "epochs": 2})
+    assert (config.target_modules, config.patch, config.epochs) == ("q_proj,v_proj", "off", 2.0)
+    assert isinstance(config.epochs, float)
+
+
+def test_metrics_are_strict_json_with_null_for_non_finite(tmp_path):
+    from leantune.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.log({"type": "train", "step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert log.read() == [{"type": "train", "step": 1, "loss": None, "grad_norm": None, "lr": 1e-3}]

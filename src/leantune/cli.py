@@ -2,7 +2,9 @@
 
 Subcommands: ``train`` (LoRA fine-tuning), ``demo`` (``train`` with the embedded defaults, a short CPU-sized run
 into runs/demo), ``export`` (merge an adapter into a standalone HF folder), ``check`` (every op against a float64
-reference), ``bench ops|e2e|max-context|report`` (GPU benchmarks; ``report`` rebuilds tables anywhere). User errors print one line, ``leantune: error: ...``, to stderr and exit 1 without a traceback.
+reference), ``bench ops|e2e|max-context|report`` (GPU benchmarks; ``report`` rebuilds tables anywhere).
+User errors print one line, ``leantune: error: ...``, to stderr without a traceback and exit 1 (2 for a
+command-line syntax error).
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import types
-import typing
 from pathlib import Path
 
 # Demo defaults: measured to finish within 10 minutes on 2 CPU cores including the one-time GGUF conversion,
@@ -38,16 +38,20 @@ def _check(args) -> int:
     return 0 if run_check(args.device) else 1
 
 
-def _field_type(field: dataclasses.Field):
-    hint = field.type if not isinstance(field.type, str) else eval(field.type, {}, {})
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
+class _UsageError(Exception):
+    """A command-line syntax error (unknown flag, ``--max-steps 2.7``, ...), reported like every other user error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``leantune: error: ...`` line (exit 2) instead of usage + message."""
+
+    def error(self, message):
+        raise _UsageError(f"{message} (see {self.prog} --help)")
 
 
 def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """One flag per TrainConfig field; the flag's own default is None (= not given), the help shows the real one."""
-    from .train.config import NONE_DEFAULTS, TrainConfig
+    from .train.config import NONE_DEFAULTS, TrainConfig, field_type
 
     parser.add_argument("--config", metavar="TOML", default=None,
                         help="TOML file with any of the options below (keys as the option names); flags override it")
@@ -56,7 +60,7 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
         default = defaults.get(field.name, field.default)
         shown = NONE_DEFAULTS[field.name] if default is None else default
         help_text = f"{field.metadata['help']} (default: {shown})"
-        kind = _field_type(field)
+        kind = field_type(field.name)[0]
         if kind is bool:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
@@ -222,8 +226,8 @@ def _add_bench(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="leantune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="leantune", description=__doc__.replace("``", ""),  # no RST markup in --help
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="LoRA fine-tuning of a causal LM (defaults: the embedded model and data)",
@@ -234,14 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="short training run of the embedded defaults into runs/demo (replaces the "
                                        "previous demo)",
-                          description="`leantune train` with demo defaults sized for 2 CPU cores and 10 minutes; "
+                          description="'leantune train' with demo defaults sized for 2 CPU cores and 10 minutes; "
                                       "every train option can still be given.")
     _add_train_options(demo, DEMO_DEFAULTS)
     demo.set_defaults(func=_train, defaults=DEMO_DEFAULTS)
 
     export = sub.add_parser("export", help="merge a trained adapter into a standalone HF model folder")
     export.add_argument("--adapter", required=True, metavar="DIR",
-                        help="a run directory of `leantune train` or its adapter/ folder (required)")
+                        help="a run directory of 'leantune train' or its adapter/ folder (required)")
     export.add_argument("--out", required=True, metavar="DIR", help="output folder for the merged model (required)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: False)")
     export.set_defaults(func=_export)
@@ -257,7 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .train.config import LeantuneError
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"leantune: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except LeantuneError as exc:

@@ -2,12 +2,18 @@
 
 Precedence (lowest to highest): the defaults below, ``--config run.toml`` (keys are the field names, with ``_`` or
 ``-``), explicit flags. ``leantune train --help`` shows every field with its default (built from this dataclass).
+Every value is checked against its field's type before use (``coerce``: no truthy strings for booleans, no floats
+for integers) and then for range (``TrainConfig.validate``: e.g. every float finite), so a bad value is reported
+before a model is loaded or anything is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,11 +66,16 @@ class TrainConfig:
     device: str | None = field(default=None, metadata={"help": "cpu or cuda"})
 
     def validate(self) -> None:
-        """Raise LeantuneError for values no run can use."""
-        positive = ("seq_len", "batch_size", "grad_accum", "lora_r", "eval_size")
+        """Raise LeantuneError for values no run can use (types are checked by ``make_config``)."""
+        for name in FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise LeantuneError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        positive = ("batch_size", "grad_accum", "lora_r", "eval_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise LeantuneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:  # position 0 of a sequence is never a target: 2 tokens is the least that trains
+            raise LeantuneError(f"--seq-len must be >= 2 (one token to read and one to predict), got {self.seq_len}")
         if self.max_steps is not None and self.max_steps < 1:
             raise LeantuneError(f"--max-steps must be >= 1, got {self.max_steps}")
         if self.max_examples is not None and self.max_examples < 1:
@@ -75,6 +86,16 @@ class TrainConfig:
             raise LeantuneError(f"--lr must be > 0, got {self.lr}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise LeantuneError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.lora_alpha > 0:
+            raise LeantuneError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise LeantuneError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise LeantuneError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.weight_decay < 0:
+            raise LeantuneError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm < 0:
+            raise LeantuneError(f"--max-grad-norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise LeantuneError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -91,6 +112,62 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def field_type(name: str) -> tuple[type, bool]:
+    """``(bool | int | float | str, optional)`` of a TrainConfig field, from its annotation."""
+    hint = FIELDS[name].type
+    if isinstance(hint, str):  # ``from __future__ import annotations``
+        hint = eval(hint, {}, {})
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        hint = next(a for a in args if a is not type(None))
+    return hint, optional
+
+
+FLOAT_FIELDS = tuple(name for name in FIELDS if field_type(name)[0] is float)
+ON_OFF_FIELDS = ("gradient_checkpointing", "patch")
+_KIND_WORDS = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string"}
+
+
+def coerce(name: str, value, label: str):
+    """Check ``value`` against field ``name``'s type; returns it normalised, or raises LeantuneError.
+
+    Strict: an int field takes only an int (not a bool or float), a float field an int or float, a bool field only
+    a real boolean (so TOML ``overwrite = "no"`` is an error, not a truthy string). Conveniences natural in TOML:
+    ``target_modules`` may be a list of names, ``gradient_checkpointing``/``patch`` may be true/false.
+    ``label`` names the source in the message (``--lr`` or ``config key 'lr' in run.toml``).
+    """
+    if name not in FIELDS:
+        raise LeantuneError(f"unknown option {name!r}")
+    kind, optional = field_type(name)
+    if value is None and optional:
+        return None
+    if name == "target_modules" and isinstance(value, list):
+        if not value or not all(isinstance(v, str) and v.strip() for v in value):
+            raise LeantuneError(f"{label} must be a string or a non-empty list of module names, got {value!r}")
+        return ",".join(v.strip() for v in value)
+    if name in ON_OFF_FIELDS and isinstance(value, bool):
+        return "on" if value else "off"
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = _KIND_WORDS[kind]
+        if name in ON_OFF_FIELDS:
+            expected = "on, off, true or false"
+        elif name == "target_modules":
+            expected = "a string or a list of module names"
+        raise LeantuneError(f"{label} must be {expected}, got {value!r}")
+    return value
 
 # What --help shows for defaults that are None (resolved at run time).
 NONE_DEFAULTS = {"model": "the embedded SmolLM2-135M-Instruct", "data": "the embedded chitchat dataset",
@@ -115,7 +192,7 @@ def load_toml(path: str | Path) -> dict:
         name = key.replace("-", "_")
         if name not in FIELDS:
             raise LeantuneError(f"unknown key {key!r} in {path}")
-        values[name] = value
+        values[name] = coerce(name, value, f"config key {key!r} in {path}")
     return values
 
 
@@ -123,11 +200,13 @@ def make_config(file_values: dict | None = None, flag_values: dict | None = None
                 base: TrainConfig | None = None) -> TrainConfig:
     """Merge defaults (or ``base``), TOML values and flags (``None`` in ``flag_values`` means: not given)."""
     merged = dataclasses.asdict(base or TrainConfig())
-    merged.update(file_values or {})
-    merged.update({k: v for k, v in (flag_values or {}).items() if v is not None})
+    for name, value in (file_values or {}).items():
+        merged[name] = coerce(name, value, f"config key {name!r}")
+    for name, value in (flag_values or {}).items():
+        if value is not None:
+            merged[name] = coerce(name, value, f"--{name.replace('_', '-')}")
+    for name, value in merged.items():  # the base too: every field has its declared type before validate()
+        merged[name] = coerce(name, value, f"--{name.replace('_', '-')}")
     config = TrainConfig(**merged)
-    for name in ("seq_len", "batch_size", "grad_accum", "lora_r", "eval_every", "eval_size", "save_every", "seed"):
-        if not isinstance(getattr(config, name), int) or isinstance(getattr(config, name), bool):
-            raise LeantuneError(f"{name} must be an integer, got {getattr(config, name)!r}")
     config.validate()
     return config

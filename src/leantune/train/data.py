@@ -287,6 +287,10 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, eval_size: int, seed
     if max_examples is not None:
         records = records[:max_examples]
     documents, truncated = build_documents(records, tokenizer, seq_len)
+    if not documents and truncated:  # the targets were there, cut off by the sequence length
+        raise LeantuneError(f"--seq-len {seq_len} is too short: no example of {path} keeps a token to train on "
+                            f"within its first {seq_len} tokens ({truncated} of {len(records)} examples were "
+                            "truncated); use a larger --seq-len")
     if not documents:
         raise LeantuneError(f"empty dataset after filtering: no example of {path} has a token to train on")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

@@ -11,6 +11,12 @@ Reproducibility: on CPU (fp32) a run, and a run resumed from any checkpoint, end
 same thread count. On CUDA, bf16 results are reproducible up to the run-to-run noise of atomic adds (weight-gradient
 reductions in the Triton kernels and in cuBLAS split-K) and of SDPA's backward; the data order and LoRA init stay
 exact.
+
+Output dir: every user error is raised before anything in it is written or removed. A run counts as a run (and
+needs ``--overwrite`` or ``--resume``) once it has a checkpoint, the adapter or summary.json; a run that failed
+before its first checkpoint left only run.json/metrics.jsonl, cannot be resumed, and is simply replaced by the next
+run. Only leantune's own files (``RUN_FILES``) are ever replaced; a folder of other files needs ``--overwrite`` and
+keeps them. Non-finite losses are recorded as null (strict JSON) with a warning.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from tqdm.auto import tqdm
 from . import checkpoint
 from .config import LeantuneError, TrainConfig
 from .data import PackedData, chitchat_path, load_dataset
-from .metrics import MetricsLog, plot_losses
+from .metrics import MetricsLog, plot_losses, to_json
 
 RUN_FILES = ("adapter", "tokenizer", "checkpoints", "metrics.jsonl", "loss.png", "summary.json", "run.json")
 
@@ -74,10 +80,26 @@ def resolve_model(spec: str | None) -> tuple[str, Path]:
     raise LeantuneError(f"unsupported model path {spec}: expected a Hugging Face folder, a .gguf file or a config.json")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's whole message on one line (transformers' messages span several lines)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def load_tokenizer(kind: str, path: Path):
-    """The tokenizer that goes with ``resolve_model``'s result; a bare config.json borrows the default one."""
+    """The tokenizer that goes with ``resolve_model``'s result; a bare config.json borrows the default one.
+
+    Raises LeantuneError when the folder has no tokenizer: no tokenizer file, a failed load, or a tokenizer of
+    fewer than 2 tokens (transformers can build an empty one, which would otherwise surface much later as an
+    "empty dataset"), and for a tokenizer that is there but does not load.
+    """
     from transformers import AutoTokenizer
 
+    folder = path if kind == "hf" else path.parent
+    missing = f"no tokenizer in {folder}: expected tokenizer.json or tokenizer.model/tokenizer_config.json"
+    has_files = any((folder / name).is_file() for name in TOKENIZER_FILES)
     try:
         if kind == "gguf":
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -85,9 +107,18 @@ def load_tokenizer(kind: str, path: Path):
                                                                                   "tokenizer_config.json")):
             tokenizer = load_tokenizer(*resolve_model(None))
         else:
-            tokenizer = AutoTokenizer.from_pretrained(path if kind == "hf" else path.parent)
-    except (OSError, ValueError, KeyError) as exc:
-        raise LeantuneError(f"cannot load a tokenizer for {path}: {str(exc).splitlines()[0]}") from None
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+    except LeantuneError:
+        raise
+    except Exception as exc:  # transformers raises many kinds here; none of them is worth a traceback
+        if kind != "gguf" and not has_files:
+            raise LeantuneError(missing) from None
+        raise LeantuneError(f"cannot load the tokenizer of {path}: {_one_line(exc)}") from None
+    if len(tokenizer) < 2:
+        if kind == "gguf":
+            raise LeantuneError(f"no tokenizer in {path}: it holds an empty vocabulary")
+        raise LeantuneError(missing + (f" (the tokenizer files there load as a vocabulary of {len(tokenizer)} "
+                                       "token)" if has_files else ""))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -124,6 +155,15 @@ def wrap_lora(model, config: TrainConfig):
     targets = config.target_modules
     if targets != "all-linear":
         targets = [name.strip() for name in targets.split(",") if name.strip()]
+        names = [name for name, _ in model.named_modules()]
+        # PEFT's rule for a list: a module matches a key when its name is the key or ends with "." + key; PEFT
+        # itself only complains when no key matches, so a typo next to a valid name would be silently dropped.
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched or not targets:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
+            raise LeantuneError(f"--target-modules: {', '.join(repr(t) for t in unmatched) or '(none)'} not found "
+                                f"in the model; its linear layers are {', '.join(linear)}")
     model.config.use_cache = False
     if config.gradient_checkpointing == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -244,11 +284,21 @@ class RunResult:
 
 
 def holds_run(output: Path) -> bool:
-    return output.is_dir() and any((output / name).exists() for name in RUN_FILES)
+    """A leantune run worth keeping: ``run.json`` plus something a crash cannot be the only source of (a complete
+    checkpoint, the adapter or the summary). A run that died before its first checkpoint does not count."""
+    return (output / "run.json").is_file() and (
+        (output / "adapter").exists() or (output / "summary.json").exists()
+        or checkpoint.latest_checkpoint(output) is not None)
 
 
 def check_output(config: TrainConfig) -> Path | None:
-    """Refuse to clobber a run; returns the checkpoint to resume from (None for a fresh run)."""
+    """Refuse to clobber a run or a folder of other files; returns the checkpoint to resume from (None: fresh run).
+
+    A fresh run may go into: a missing or empty folder; an incomplete run (``run.json`` and other leantune files
+    only, from a run that failed before its first checkpoint: there is nothing to resume, so it is replaced without
+    ``--overwrite``); with ``--overwrite``, a finished run, or a folder with other files as long as none of them has
+    the name of a file leantune writes. Only leantune's own files (``RUN_FILES``) are ever replaced.
+    """
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise LeantuneError(f"output path {output} exists and is not a directory")
@@ -257,10 +307,28 @@ def check_output(config: TrainConfig) -> Path | None:
         if found is None:
             raise LeantuneError(f"nothing to resume: no checkpoint in {output}")
         return found
-    if holds_run(output) and not config.overwrite:
-        raise LeantuneError(f"output dir {output} already holds a run; pass --overwrite to replace it or --resume "
-                            "to continue it")
+    if not output.is_dir():
+        return None
+    if holds_run(output):
+        if not config.overwrite:
+            raise LeantuneError(f"output dir {output} already holds a run; pass --overwrite to replace it or "
+                                "--resume to continue it")
+        return None
+    entries = {p.name for p in output.iterdir()}
+    if "run.json" in entries and entries <= set(RUN_FILES):
+        return None  # an incomplete run of ours
+    if entries and not config.overwrite:
+        raise LeantuneError(f"output dir {output} is not empty and holds no leantune run; choose another --output "
+                            "or pass --overwrite to write the run next to its files (they are kept)")
+    clashes = sorted(entries & set(RUN_FILES))
+    if clashes:
+        raise LeantuneError(f"output dir {output} holds files that are not from a leantune run but have the names "
+                            f"of its outputs ({', '.join(clashes)}); choose another --output")
     return None
+
+
+def _loss_text(loss: float | None) -> str:
+    return f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "non-finite"
 
 
 def _peak_memory_gib(device: str) -> float:
@@ -305,8 +373,9 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
                                   fused=device == "cuda")
     scheduler = cosine_schedule(optimizer, total_steps, warmup, config.min_lr_ratio)
 
-    # Everything the user could get wrong has been checked: from here on the output dir is ours.
-    if config.overwrite and output.exists():
+    # Everything the user could get wrong has been checked: from here on the output dir is ours. A fresh run
+    # clears leantune's own files (check_output allowed it: --overwrite or an incomplete run), never others.
+    if resume_from is None and output.is_dir():
         for name in RUN_FILES:
             target = output / name
             if target.is_dir():
@@ -320,7 +389,7 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
     run_info = {"config": config.to_dict(), "model_kind": kind, "model_path": str(model_path),
                 "data_path": str(data_path), "data": data_info, "device": device, "dtype": str(dtype),
                 "total_steps": total_steps, "warmup_steps": warmup}
-    (output / "run.json").write_text(json.dumps(run_info, indent=2))
+    (output / "run.json").write_text(to_json(run_info, indent=2))
 
     start_step = 0
     metrics = MetricsLog(output / "metrics.jsonl")
@@ -337,7 +406,7 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
 
     if start_step == 0:
         metrics.log({"type": "eval", "step": 0, "eval_loss": evaluate(model, eval_data, config.batch_size, device)})
-    train_tokens, train_seconds, interrupted = 0, 0.0, False
+    train_tokens, train_seconds, interrupted, diverged = 0, 0.0, False, False
     bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
     with _GracefulInterrupt() as interrupt:
@@ -362,6 +431,10 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
             done = step + 1
             metrics.log({"type": "train", "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                          "tokens": tokens, "tokens_per_s": tokens / seconds})
+            if not math.isfinite(loss) and not diverged:
+                diverged = True
+                _say(f"leantune: warning: the training loss became non-finite ({loss}) at step {done}; the run "
+                     "diverged (try a lower --lr or --max-grad-norm); metrics record it as null")
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
             if config.eval_every and done % config.eval_every == 0 and done < total_steps:
@@ -406,10 +479,12 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
         "data": str(data_path),
         **{k: data_info[k] for k in ("train_rows", "eval_rows", "truncated")},
     }
-    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    (output / "summary.json").write_text(to_json(summary, indent=2))
     plot_losses(records, output / "loss.png")
-    print(f"leantune: eval loss {summary['initial_eval_loss']:.4f} -> {final_eval:.4f} after {total_steps} "
-               f"steps; wrote {output}")
+    if not math.isfinite(final_eval):
+        _say(f"leantune: warning: the final eval loss is non-finite ({final_eval}); summary.json records null")
+    print(f"leantune: eval loss {_loss_text(evals[0]['eval_loss'])} -> {_loss_text(final_eval)} after "
+          f"{total_steps} step{'s' if total_steps != 1 else ''}; wrote {output}")
     return RunResult(summary, output=output, model=model)
 
 
@@ -417,12 +492,45 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
 # Export
 
 
+EXPORT_MARKER = "leantune_export.json"
+# What save_pretrained of a model and a tokenizer writes: a folder of only these (with config.json and weights) is
+# a previous export even without the marker, so --overwrite may replace it.
+_EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                 EXPORT_MARKER)
+
+
+def _looks_like_export(folder: Path) -> bool:
+    names = {p.name for p in folder.iterdir()}
+    if EXPORT_MARKER in names:
+        return True
+    weights = {n for n in names if n.startswith("model") and n.endswith(".safetensors")}
+    return "config.json" in names and bool(weights) and all(n in _EXPORT_NAMES or n in weights for n in names)
+
+
+def _check_export_target(target: Path, overwrite: bool) -> None:
+    """Refuse a file, a non-empty folder without ``overwrite``, and with it any folder that is not an export."""
+    for parent in (target, *target.parents):
+        if parent.exists() and not parent.is_dir():
+            raise LeantuneError(f"export target {target}: {parent} exists and is not a directory")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not overwrite:
+        raise LeantuneError(f"export target {target} is not empty; pass --overwrite to replace a previous export")
+    if not _looks_like_export(target):
+        raise LeantuneError(f"export target {target} holds files that are not a leantune export; --overwrite only "
+                            "replaces a previous export: choose another --out")
+
+
 def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
     """Merge a trained adapter into its base model and save a standalone HF folder (model + tokenizer).
 
     ``adapter`` is a run directory (holding ``run.json`` and ``adapter/``) or its ``adapter/`` folder. The base is
-    rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed). Raises
-    LeantuneError for a missing adapter or an ``out`` that is not empty (without ``overwrite``).
+    rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed). The folder is
+    written next to ``out`` and renamed into place, with a marker file ``leantune_export.json``. Raises
+    LeantuneError for a missing adapter, an ``out`` that is a file, or an ``out`` that is not empty (without
+    ``overwrite``; with it, only a previous export is replaced, never a folder of other files).
     """
     from peft import PeftModel
 
@@ -434,23 +542,26 @@ def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
     if not (run_dir / "run.json").is_file():
         raise LeantuneError(f"no run.json next to {adapter_dir}: export needs the run directory that made it")
     target = Path(out)
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise LeantuneError(f"export target {target} is not empty; pass --overwrite to replace it")
+    _check_export_target(target, overwrite)
     run = json.loads((run_dir / "run.json").read_text())
     kind, model_path = run["model_kind"], Path(run["model_path"])
     if not model_path.exists():
         raise LeantuneError(f"the base model of this run is gone: {model_path}")
     tokenizer_dir = run_dir / "tokenizer"
-    from transformers import AutoTokenizer
-
-    tokenizer = (AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir.is_dir()
+    tokenizer = (load_tokenizer("hf", tokenizer_dir) if tokenizer_dir.is_dir()
                  else load_tokenizer(kind, model_path))
     base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    if target.exists():
-        shutil.rmtree(target)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    merged.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"adapter": str(adapter_dir.resolve()),
+                                                     "base_model": str(model_path)}, indent=2))
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LeantuneError(f"cannot write the export to {target}: {exc.strerror or exc}") from None
+    if target.exists():  # checked above: empty, or a previous export being replaced
+        shutil.rmtree(target)
     os.replace(tmp, target)
     return target

@@ -1,9 +1,30 @@
-"""Run feedback on disk: ``metrics.jsonl`` (one JSON object per step and per eval) and ``loss.png``."""
+"""Run feedback on disk: ``metrics.jsonl`` (one JSON object per step and per eval) and ``loss.png``.
+
+Both JSON files of a run are strict JSON: a non-finite number (a diverged loss, the grad norm with clipping off) is
+written as ``null`` (``to_json``), since ``NaN``/``Infinity`` are not JSON and break other readers.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+
+def finite_or_none(value):
+    """``value`` with every non-finite float (in nested dicts and lists too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def to_json(value, **kwargs) -> str:
+    """Strict JSON of ``value``: non-finite floats become null."""
+    return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
 
 
 class MetricsLog:
@@ -25,7 +46,7 @@ class MetricsLog:
 
     def log(self, record: dict) -> None:
         with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(to_json(record) + "\n")
         self.lines += 1
 
     def read(self) -> list[dict]:
@@ -39,8 +60,8 @@ def plot_losses(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in records if r["type"] == "train"]
-    evals = [(r["step"], r["eval_loss"]) for r in records if r["type"] == "eval"]
+    train = [(r["step"], r["loss"]) for r in records if r["type"] == "train" and r["loss"] is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r["type"] == "eval" and r["eval_loss"] is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         ax.plot(*zip(*train), label="train loss", color="tab:blue", linewidth=1.2)
