@@ -6,19 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from test_train import write_chat_jsonl, write_tiny_model
 
 from leantune.cli import DEMO_DEFAULTS, main
 from leantune.train.config import FIELDS
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

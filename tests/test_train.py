@@ -28,15 +28,6 @@ def close(out, ref, name):
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "big", "red", "house", "with", "blue", "door"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two cores shared by several jobs: one OpenMP thread avoids spin-wait stalls (and is still bit-deterministic).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def write_tiny_model(folder, *, model_type=None):
     """A byte-level BPE tokenizer (259 tokens, ChatML template) and a 2-layer Llama config.json in ``folder``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
