@@ -282,3 +282,17 @@ def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         ops.rope(q, q, torch.ones(3, 8), torch.zeros(3, 8))
+
+
+def test_unusual_strides_are_handled(backend):
+    """The kernel assumes unit stride along the head dim and one stride set for cos and sin; inputs that break either
+    (q with a strided head dim, cos/sin as strided views of different buffers) give the same result."""
+    batch, seq_len, head_dim = 2, 5, 16
+    q = torch.randn(batch, 4, seq_len, 2 * head_dim, device=DEVICE)[..., ::2].requires_grad_()
+    k = torch.randn(batch, 2, seq_len, head_dim, device=DEVICE).requires_grad_()
+    assert q.stride(-1) == 2
+    cos, sin = _cos_sin(_positions(batch, seq_len, "bsr"), head_dim, torch.float32)
+    cos = torch.cat((cos, cos), dim=-1)[..., ::2]  # values differ from sin's partner now: any cos/sin is allowed
+    sin = sin.transpose(0, 1).contiguous().transpose(0, 1)
+    assert cos.stride(-1) == 2 and sin.stride() != cos.stride()
+    _check(q, k, cos, sin)

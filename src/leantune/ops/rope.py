@@ -42,27 +42,27 @@ MAX_TILE_ELEMENTS = 4096  # elements of one tensor a program holds at once (a he
 # ------------------------------------------------------------------------------------------------------ kernels
 @triton.jit
 def _load_heads(
-    X, b, s, head_start, n_heads, stride_xb, stride_xh, stride_xs, stride_xd, half, rotary_dim, head_dim,
+    X, b, s, head_start, n_heads, stride_xb, stride_xh, stride_xs, half, rotary_dim, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
-    """Heads [head_start, head_start + BLOCK_H) of one (b, s) row: the two rotary halves in fp32 and the
-    pass-through dims >= rotary_dim as stored (all masked off when rotary_dim == head_dim: no memory traffic)."""
+    """Heads [head_start, head_start + BLOCK_H) of one (b, s) row (unit stride along the head dim): the two rotary
+    halves in fp32 and the pass-through dims >= rotary_dim as stored (all masked off when rotary_dim == head_dim)."""
     heads = (head_start + tl.arange(0, BLOCK_H)).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
     pass_cols = rotary_dim + tl.arange(0, BLOCK_PASS)
     head_mask = (heads < n_heads)[:, None]
     mask = head_mask & (cols < half)[None, :]
     x_row = X + b * stride_xb + s * stride_xs + heads[:, None] * stride_xh
-    x1 = tl.load(x_row + cols[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + (cols[None, :] + half) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + (cols[None, :] + half), mask=mask, other=0.0).to(tl.float32)
     pass_mask = head_mask & (pass_cols < head_dim)[None, :]
-    x_pass = tl.load(x_row + pass_cols[None, :] * stride_xd, mask=pass_mask, other=0.0)
+    x_pass = tl.load(x_row + pass_cols[None, :], mask=pass_mask, other=0.0)
     return x1, x2, x_pass
 
 
 @triton.jit
 def _store_heads(
-    Y, y1, y2, y_pass, b, s, head_start, n_heads, stride_yb, stride_yh, stride_ys, stride_yd, half, rotary_dim,
+    Y, y1, y2, y_pass, b, s, head_start, n_heads, stride_yb, stride_yh, stride_ys, half, rotary_dim,
     head_dim, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     """Store what :func:`_load_heads` read (rotated) into Y, each value rounded once to Y's dtype."""
@@ -72,22 +72,21 @@ def _store_heads(
     head_mask = (heads < n_heads)[:, None]
     mask = head_mask & (cols < half)[None, :]
     y_row = Y + b * stride_yb + s * stride_ys + heads[:, None] * stride_yh
-    tl.store(y_row + cols[None, :] * stride_yd, y1.to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_row + (cols[None, :] + half) * stride_yd, y2.to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_row + cols[None, :], y1.to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_row + (cols[None, :] + half), y2.to(Y.dtype.element_ty), mask=mask)
     pass_mask = head_mask & (pass_cols < head_dim)[None, :]
-    tl.store(y_row + pass_cols[None, :] * stride_yd, y_pass.to(Y.dtype.element_ty), mask=pass_mask)
+    tl.store(y_row + pass_cols[None, :], y_pass.to(Y.dtype.element_ty), mask=pass_mask)
 
 
 @triton.jit
 def _rope_kernel(
     Q, K, Q_OUT, K_OUT, COS, SIN,
     seq_len, n_q_heads, n_k_heads, half, rotary_dim, head_dim,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_qob, stride_qoh, stride_qos, stride_qod,
-    stride_kob, stride_koh, stride_kos, stride_kod,
-    stride_cb, stride_cs, stride_cd,
-    stride_sb, stride_ss, stride_sd,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_qob, stride_qoh, stride_qos,
+    stride_kob, stride_koh, stride_kos,
+    stride_cb, stride_cs,
     BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
@@ -97,42 +96,48 @@ def _rope_kernel(
     s = row - b * seq_len
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < half
-    # one load of this row's cos/sin serves every head of the program (stride_cb = 0 for [S, R] or batch 1)
+    # one load of this row's cos/sin serves every head of the program (stride_cb = 0 for [S, R] or batch 1);
+    # the launcher gives cos and sin one layout with unit stride along R
     cos_row = COS + b * stride_cb + s * stride_cs
-    sin_row = SIN + b * stride_sb + s * stride_ss
-    c1 = tl.load(cos_row + cols * stride_cd, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_row + (cols + half) * stride_cd, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_row + cols * stride_sd, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_row + (cols + half) * stride_sd, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    sin_row = SIN + b * stride_cb + s * stride_cs
+    c1 = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + (cols + half), mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + (cols + half), mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if BACKWARD:  # the adjoint is the forward map with (s1, s2) -> (-s2, -s1)
         s1, s2 = -s2, -s1
     q_start = head_block * BLOCK_HQ
     k_start = head_block * BLOCK_HK
     # every load before any store: the compiler cannot know the outputs do not alias the inputs
     q1, q2, q_pass = _load_heads(
-        Q, b, s, q_start, n_q_heads, stride_qb, stride_qh, stride_qs, stride_qd, half, rotary_dim, head_dim,
+        Q, b, s, q_start, n_q_heads, stride_qb, stride_qh, stride_qs, half, rotary_dim, head_dim,
         BLOCK_HQ, BLOCK_HALF, BLOCK_PASS,
     )
     k1, k2, k_pass = _load_heads(
-        K, b, s, k_start, n_k_heads, stride_kb, stride_kh, stride_ks, stride_kd, half, rotary_dim, head_dim,
+        K, b, s, k_start, n_k_heads, stride_kb, stride_kh, stride_ks, half, rotary_dim, head_dim,
         BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
     )
     _store_heads(
         Q_OUT, q1 * c1 - q2 * s1, q2 * c2 + q1 * s2, q_pass, b, s, q_start, n_q_heads,
-        stride_qob, stride_qoh, stride_qos, stride_qod, half, rotary_dim, head_dim, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS,
+        stride_qob, stride_qoh, stride_qos, half, rotary_dim, head_dim, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS,
     )
     _store_heads(
         K_OUT, k1 * c1 - k2 * s1, k2 * c2 + k1 * s2, k_pass, b, s, k_start, n_k_heads,
-        stride_kob, stride_koh, stride_kos, stride_kod, half, rotary_dim, head_dim, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
+        stride_kob, stride_koh, stride_kos, half, rotary_dim, head_dim, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
     )
 
 
 # ----------------------------------------------------------------------------------------------------- launchers
-def _cos_sin_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, seq, dim) strides of cos/sin; batch stride 0 for [S, R] and for a broadcast batch of 1."""
+def _cos_sin_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(batch, seq) strides of cos/sin (unit stride along R); batch stride 0 for [S, R] and a broadcast batch of 1."""
     if t.dim() == 2:
-        return 0, t.stride(0), t.stride(1)
-    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1), t.stride(2)
+        return 0, t.stride(0)
+    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim has unit stride (the kernels' assumption, true for HF's q/k views), else a copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 def _rope_triton(q, k, q_out, k_out, cos, sin, backward):
@@ -155,13 +160,14 @@ def _rope_triton(q, k, q_out, k_out, cos, sin, backward):
     block_hq = _runtime.next_power_of_2(triton.cdiv(n_q_heads, n_blocks))
     block_hk = _runtime.next_power_of_2(triton.cdiv(n_k_heads, n_blocks))
     # an absent tensor: 0 heads, its pointers/strides borrowed from the other one (never dereferenced)
-    q, q_out = (q, q_out) if q is not None else (k, k_out)
-    k, k_out = (k, k_out) if k is not None else (q, q_out)
+    q, q_out = (_unit_last(q), q_out) if q is not None else (k, k_out)
+    k, k_out = (_unit_last(k), k_out) if k is not None else (q, q_out)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():  # one stride set for both (few arguments: cheap launch)
+        cos, sin = cos.contiguous(), sin.contiguous()
     _rope_kernel[(batch * seq_len, n_blocks)](
         q, k, q_out, k_out, cos, sin,
         seq_len, n_q_heads, n_k_heads, half, rotary_dim, head_dim,
-        *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
-        *_cos_sin_strides(cos), *_cos_sin_strides(sin),
+        *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3], *_cos_sin_strides(cos),
         BACKWARD=backward, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
         num_warps=_runtime.num_warps_for(max(block_hq, block_hk) * per_head),
     )
