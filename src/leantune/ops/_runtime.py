@@ -88,6 +88,14 @@ def num_warps_for(block_elements: int) -> int:
     return 32
 
 
+MAX_RANK_BLOCK = 64  # rank columns a low-rank kernel holds per tile; larger ranks loop or split (shared memory)
+
+
+def rank_block(rank: int) -> int:
+    """Tile width over a LoRA rank: a power of two in [16, MAX_RANK_BLOCK] (tl.dot needs >= 16)."""
+    return max(16, min(MAX_RANK_BLOCK, next_power_of_2(rank)))
+
+
 @functools.lru_cache(maxsize=16)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

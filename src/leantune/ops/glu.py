@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from . import _runtime
+from ._dot import mixed_dot
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu_erf")
 APPROXIMATIONS = {"tanh": "geglu_tanh", "none": "geglu_erf"}
@@ -134,17 +135,20 @@ def _glu_backward_kernel(
 
 @triton.jit
 def _lowrank_tile(XA, B, rows64, cols, row_ok, col_ok, stride_xa, stride_b, rank,
-                  DOT_MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr):
-    """xa[rows, :rank] @ B[cols, :rank]^T in fp32 (DOT_MODE 0: fp32 factors, IEEE dot; 2: 16-bit factors, native
-    dot with fp32 accumulation, upcast under the interpreter, whose bf16 dot is garbage)."""
-    rr = tl.arange(0, BLOCK_R)
-    r_ok = rr < rank
-    xa = tl.load(XA + rows64[:, None] * stride_xa + rr[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    bt = tl.load(B + cols.to(tl.int64)[None, :] * stride_b + rr[:, None], mask=r_ok[:, None] & col_ok[None, :],
-                 other=0.0)
-    if DOT_MODE == 0 or UPCAST:
-        return tl.dot(xa.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
-    return tl.dot(xa, bt)
+                  DOT_MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_I: tl.constexpr):
+    """xa[rows, :rank] @ B[cols, :rank]^T in fp32, BLOCK_R rank columns at a time (DOT_MODE 0: fp32 factors; 2:
+    16-bit factors; see _dot.py)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rr < rank
+        xa = tl.load(XA + rows64[:, None] * stride_xa + rr[None, :], mask=row_ok[:, None] & r_ok[None, :],
+                     other=0.0)
+        bt = tl.load(B + cols.to(tl.int64)[None, :] * stride_b + rr[:, None], mask=r_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        acc = mixed_dot(acc, xa, bt, True, DOT_MODE, UPCAST)
+    return acc
 
 
 @triton.jit
@@ -163,12 +167,12 @@ def _glu_forward_lowrank_kernel(
     col_ok = cols < n_cols
     mask = row_ok[:, None] & col_ok[None, :]
     acc_g = _lowrank_tile(XA_G, B_G, rows64, cols, row_ok, col_ok, stride_xag, stride_bg, rank_g,
-                          DOT_MODE, UPCAST, BLOCK_RG)
+                          DOT_MODE, UPCAST, BLOCK_RG, BLOCK_N, BLOCK_I)
     g = tl.load(G + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = (g + scale_g * acc_g).to(G.dtype.element_ty)
     tl.store(G + rows64[:, None] * stride_g + cols[None, :], g, mask=mask)
     acc_u = _lowrank_tile(XA_U, B_U, rows64, cols, row_ok, col_ok, stride_xau, stride_bu, rank_u,
-                          DOT_MODE, UPCAST, BLOCK_RU)
+                          DOT_MODE, UPCAST, BLOCK_RU, BLOCK_N, BLOCK_I)
     u = tl.load(U + rows64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = (u + scale_u * acc_u).to(U.dtype.element_ty)
     tl.store(U + rows64[:, None] * stride_u + cols[None, :], u, mask=mask)
@@ -240,25 +244,15 @@ def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation
     b_g, b_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (b_g, b_u))
     lora_dtype = xa_g.dtype
     dot_mode = 2 if lora_dtype in (torch.float16, torch.bfloat16) else 0
-    block_rg = max(16, _runtime.next_power_of_2(xa_g.shape[1]))
-    block_ru = max(16, _runtime.next_power_of_2(xa_u.shape[1]))
-    while True:
-        grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_i))
-        try:
-            _glu_forward_lowrank_kernel[grid](
-                gate, up, h, xa_g, b_g, xa_u, b_u,
-                gate.stride(0), up.stride(0), h.stride(0), xa_g.stride(0), b_g.stride(0), xa_u.stride(0),
-                b_u.stride(0), n_rows, n_cols, xa_g.shape[1], xa_u.shape[1], float(s_g), float(s_u),
-                ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.interpreting(),
-                BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=block_rg, BLOCK_RU=block_ru, num_warps=num_warps,
-            )
-            break
-        except triton.runtime.errors.OutOfResources:
-            # Large ranks with fp32 (FMA) dots outgrow shared memory (seen on the H200: r=64 fp32 needs 240 KB at
-            # 64x128 tiles); the kernel failed at compile time, before writing anything: retry with narrower tiles.
-            if block_i <= 16:
-                raise
-            block_i //= 2
+    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_i))
+    _glu_forward_lowrank_kernel[grid](
+        gate, up, h, xa_g, b_g, xa_u, b_u,
+        gate.stride(0), up.stride(0), h.stride(0), xa_g.stride(0), b_g.stride(0), xa_u.stride(0), b_u.stride(0),
+        n_rows, n_cols, xa_g.shape[1], xa_u.shape[1], float(s_g), float(s_u),
+        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.interpreting(),
+        BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=_runtime.rank_block(xa_g.shape[1]),
+        BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), num_warps=num_warps,
+    )
     torch.autograd.graph.increment_version(gate)  # written behind autograd's back
     torch.autograd.graph.increment_version(up)
     return h

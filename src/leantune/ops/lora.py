@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from . import _runtime
+from ._dot import mixed_dot
 from .glu import ACTIVATIONS, glu_backward, glu_forward, glu_forward_lowrank
 
 
@@ -138,54 +139,10 @@ def _lowrank_add_kernel(
         tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], x.to(XD.dtype.element_ty), mask=mask)
 
 
-# Skinny products of the LoRA branch. One operand is a wide activation tile (x, h or dY: [M, K], any float dtype,
-# loaded as stored), the other the small fp32/bf16 factor (A^T, B, xa or g). The mixed product is formed without a
-# materialised upcast copy: DOT_MODE 0 upcasts both tiles to fp32 and uses an IEEE dot (exact fp32 FMA); 1 (low tile
-# bf16, factor fp32) splits the factor into three bf16 parts hi + mid + lo that sum to it exactly (8 + 8 + 8 bits),
-# so three bf16 tensor-core dots with fp32 accumulation give the fp32 product (every bf16 x bf16 product is exact in
-# fp32); 2 (both tiles of one 16-bit dtype) is one native dot. UPCAST (the interpreter, whose bf16 dot is garbage)
-# feeds the dots fp32 copies of the same parts. The dropout mask is a 0/1 select on the stored values (exact in any
-# dtype); 1 / (1 - p) rides on the final scale.
-@triton.jit
-def _split3(w):
-    hi = w.to(tl.bfloat16)
-    rem = w - hi.to(tl.float32)
-    mid = rem.to(tl.bfloat16)
-    lo = (rem - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
-
-
-@triton.jit
-def _mixed_dot(acc, lhs, rhs, LOW_LEFT: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + lhs @ rhs in fp32; the low-precision tile is lhs when LOW_LEFT, else rhs (the other is the factor)."""
-    if DOT_MODE == 0:
-        acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="ieee")
-    elif DOT_MODE == 1:
-        if LOW_LEFT:
-            hi, mid, lo = _split3(rhs.to(tl.float32))
-            low = lhs
-        else:
-            hi, mid, lo = _split3(lhs.to(tl.float32))
-            low = rhs
-        if UPCAST:
-            low = low.to(tl.float32)
-            hi, mid, lo = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32)
-        if LOW_LEFT:  # smallest part first
-            acc = tl.dot(low, lo, acc)
-            acc = tl.dot(low, mid, acc)
-            acc = tl.dot(low, hi, acc)
-        else:
-            acc = tl.dot(lo, low, acc)
-            acc = tl.dot(mid, low, acc)
-            acc = tl.dot(hi, low, acc)
-    else:
-        if UPCAST:
-            acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(lhs, rhs, acc)
-    return acc
-
-
+# Skinny products of the LoRA branch: one operand is a wide activation tile (x, h or dY: [M, K], any float dtype,
+# loaded as stored), the other the small fp32/bf16 factor (A^T, B, xa or g), multiplied by ``_dot.mixed_dot`` without
+# a materialised upcast copy. The dropout mask is a 0/1 select on the stored values (exact in any dtype);
+# 1 / (1 - p) rides on the final scale.
 @triton.jit
 def _skinny_matmul_kernel(
     A, B, C, SEEDS, seed_index,
@@ -214,7 +171,7 @@ def _skinny_matmul_kernel(
             a = tl.where(_keep(seed, rows64, ks, n_inner, p), a, 0.0).to(A.dtype.element_ty)
         b = tl.load(B + ks.to(tl.int64)[:, None] * stride_bk + rr[None, :] * stride_br,
                     mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        acc = _mixed_dot(acc, a, b, True, DOT_MODE, UPCAST)
+        acc = mixed_dot(acc, a, b, True, DOT_MODE, UPCAST)
     out = acc * scale
     tl.store(C + split.to(tl.int64) * stride_cs + rows64[:, None] * stride_cm + rr[None, :],
              out.to(C.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
@@ -248,7 +205,7 @@ def _skinny_tn_kernel(
             x = tl.where(_keep(seed, rows64, cols, n_cols, p), x, 0.0).to(X.dtype.element_ty)
         # P^T tile loaded transposed ([R, BLOCK_M]): no tl.trans needed
         pt = tl.load(P + rows64[None, :] * stride_pm + rr[:, None], mask=r_ok[:, None] & m_ok[None, :], other=0.0)
-        acc = _mixed_dot(acc, pt, x, False, DOT_MODE, UPCAST)
+        acc = mixed_dot(acc, pt, x, False, DOT_MODE, UPCAST)
     out = acc * scale
     tl.store(C + split.to(tl.int64) * stride_cs + rr[:, None].to(tl.int64) * stride_cr
              + cols[None, :].to(tl.int64) * stride_ck, out.to(C.dtype.element_ty),
@@ -283,7 +240,7 @@ def _lowrank_add_triton(base, lhs, rhs, scale, out_dtype, seeds, index, p, x):
     rank = lhs.shape[1]
     if lhs.shape[1] > 1 and lhs.stride(1) != 1:
         lhs = lhs.contiguous()
-    block_r = max(16, min(64, _runtime.next_power_of_2(rank)))
+    block_r = _runtime.rank_block(rank)
     has_mask = seeds is not None
     _lowrank_add_kernel[_grid(n_rows, n_cols)](
         base, lhs, rhs, out, x if x is not None else base, xd if xd is not None else base,
@@ -328,19 +285,23 @@ def _sum_partials(partials, out):
         out.copy_(torch.sum(partials, 0, out=total))
 
 
-def _block_r(rank):
-    return max(16, _runtime.next_power_of_2(rank))
-
-
-def _skinny_matmul(a, b, scale=1.0, *, out_dtype=torch.float32, seeds=None, index=0, p=0.0, precision="auto",
-                   block_m=64, block_k=128, num_warps=4, per_sm=4):
+def _skinny_matmul(a, b, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=None, index=0, p=0.0,
+                   precision="auto", block_m=64, block_k=128, num_warps=4, per_sm=4):
     """C [M, R] = scale * (m * a) @ b in fp32, cast once to ``out_dtype``; a [M, K] any float dtype with unit column
-    stride (x, h or dY, read as stored: no upcast copy), b [K, R] (any strides, R <= 64; e.g. lora_A.T, lora_B).
-    m is the dropout mask of ``seeds[index]`` over a's elements (None: no dropout). Split-K with fp32 partials
-    summed by torch (deterministic) when the row tiles alone do not fill the card."""
+    stride (x, h or dY, read as stored: no upcast copy), b [K, R] (any strides; e.g. lora_A.T, lora_B). ``out`` may
+    be an [M, R] view with unit column stride. m is the dropout mask of ``seeds[index]`` over a's elements (None: no
+    dropout). Split-K with fp32 partials summed by torch (deterministic) when the row tiles alone do not fill the
+    card. R beyond ``_runtime.MAX_RANK_BLOCK`` (concatenated adapters) runs in column chunks: bounded tiles."""
     n_rows, n_inner = a.shape
     rank = b.shape[1]
-    out = _runtime.empty((n_rows, rank), dtype=out_dtype, device=a.device)
+    if out is None:
+        out = _runtime.empty((n_rows, rank), dtype=out_dtype, device=a.device)
+    if rank > _runtime.MAX_RANK_BLOCK:
+        for r0 in range(0, rank, _runtime.MAX_RANK_BLOCK):
+            r1 = min(rank, r0 + _runtime.MAX_RANK_BLOCK)
+            _skinny_matmul(a, b[:, r0:r1], scale, out=out[:, r0:r1], seeds=seeds, index=index, p=p,
+                           precision=precision, block_m=block_m, block_k=block_k, num_warps=num_warps, per_sm=per_sm)
+        return out
     if n_rows == 0:
         return out
     if n_inner == 0:
@@ -356,7 +317,7 @@ def _skinny_matmul(a, b, scale=1.0, *, out_dtype=torch.float32, seeds=None, inde
         a.stride(0), b.stride(0), b.stride(1), dest.stride(0) if splits > 1 else 0, dest.stride(-2),
         n_rows, n_inner, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
         HAS_MASK=has_mask, DOT_MODE=_dot_mode(a.dtype, b.dtype, precision), UPCAST=_runtime.interpreting(),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(rank), num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_runtime.rank_block(rank), num_warps=num_warps,
     )
     if splits > 1:
         _sum_partials(dest, out)
@@ -372,6 +333,12 @@ def _skinny_tn(lhs, x, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=No
     rank = lhs.shape[1]
     if out is None:
         out = _runtime.empty((rank, n_cols), dtype=out_dtype, device=x.device)
+    if rank > _runtime.MAX_RANK_BLOCK:  # bounded tiles: wide (concatenated) ranks in row chunks of the output
+        for r0 in range(0, rank, _runtime.MAX_RANK_BLOCK):
+            r1 = min(rank, r0 + _runtime.MAX_RANK_BLOCK)
+            _skinny_tn(lhs[:, r0:r1], x, scale, out=out[r0:r1], seeds=seeds, index=index, p=p, precision=precision,
+                       block_m=block_m, block_k=block_k, num_warps=num_warps, per_sm=per_sm)
+        return out
     if n_cols == 0:
         return out
     if n_rows == 0:
@@ -393,7 +360,7 @@ def _skinny_tn(lhs, x, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=No
         lhs.stride(0), x.stride(0), *strides,
         n_rows, n_cols, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
         HAS_MASK=has_mask, DOT_MODE=_dot_mode(x.dtype, lhs.dtype, precision), UPCAST=_runtime.interpreting(),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(rank), num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_runtime.rank_block(rank), num_warps=num_warps,
     )
     if splits > 1:
         _sum_partials(dest, out)

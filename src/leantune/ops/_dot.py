@@ -1,0 +1,57 @@
+"""Triton device function shared by kernels that multiply a stored activation tile by a small factor tile.
+
+``mixed_dot(acc, lhs, rhs, LOW_LEFT, DOT_MODE, UPCAST)`` returns acc + lhs @ rhs in fp32 without a materialised
+upcast copy of the wide operand (the LoRA skinny products in lora.py, the gate/up low-rank adds in glu.py):
+
+- DOT_MODE 0: both tiles upcast to fp32, IEEE dot (exact fp32 FMA; fp32 factors, or fp16 activations).
+- DOT_MODE 1: low tile bf16, factor fp32. The factor is split into three bf16 parts hi + mid + lo that sum to it
+  exactly (8 + 8 + 8 mantissa bits); every bf16 x bf16 product is exact in fp32, so three bf16 tensor-core dots with
+  fp32 accumulation give the fp32 product up to summation order.
+- DOT_MODE 2: both tiles of one 16-bit dtype: one native dot with fp32 accumulation.
+
+UPCAST (set under Triton's interpreter, whose bf16 dot is garbage) feeds the dots fp32 copies of the same parts.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def split3(w):
+    """fp32 w as bf16 parts hi + mid + lo with hi + mid + lo == w exactly."""
+    hi = w.to(tl.bfloat16)
+    rem = w - hi.to(tl.float32)
+    mid = rem.to(tl.bfloat16)
+    lo = (rem - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def mixed_dot(acc, lhs, rhs, LOW_LEFT: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + lhs @ rhs in fp32; the low-precision tile is lhs when LOW_LEFT, else rhs (the other is the factor)."""
+    if DOT_MODE == 0:
+        acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="ieee")
+    elif DOT_MODE == 1:
+        if LOW_LEFT:
+            hi, mid, lo = split3(rhs.to(tl.float32))
+            low = lhs
+        else:
+            hi, mid, lo = split3(lhs.to(tl.float32))
+            low = rhs
+        if UPCAST:
+            low = low.to(tl.float32)
+            hi, mid, lo = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32)
+        if LOW_LEFT:  # smallest part first
+            acc = tl.dot(low, lo, acc)
+            acc = tl.dot(low, mid, acc)
+            acc = tl.dot(low, hi, acc)
+        else:
+            acc = tl.dot(lo, low, acc)
+            acc = tl.dot(mid, low, acc)
+            acc = tl.dot(hi, low, acc)
+    else:
+        if UPCAST:
+            acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(lhs, rhs, acc)
+    return acc
