@@ -182,7 +182,14 @@ def _describe(summary) -> str:
 def unpatch(model):
     """Undo :func:`patch` on ``model`` (instance forwards removed, RoPE dispatcher released); returns ``model``.
 
-    Harmless on a model that was never patched.
+    Args:
+        model: the model given to :func:`patch` (a transformers causal LM or a PEFT wrapper of one).
+
+    Returns:
+        ``model``, with HF's own forwards (and PEFT's) again; harmless on a model that was never patched.
+
+    Raises:
+        ValueError: ``model`` is neither a transformers model nor a PEFT wrapper of one.
     """
     hf = _hf_model(model)
     for module in hf.modules():
