@@ -410,3 +410,47 @@ def test_ops_each_op_in_its_own_child_merged(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "ops.json").read_text())["rows"] == merged["rows"]
     with pytest.raises(ValueError, match="unknown op 'nope'"):
         ops.run_isolated(["nope"], None, tmp_path)
+
+
+def _maxctx(impl, probes, *, step=8192, lo=None, hi=None, complete=False):
+    fit = [s for s, ok in probes if ok is True]
+    fail = [s for s, ok in probes if ok is False]
+    seqs = [s for s, _ in probes]
+    return {"kind": "max_context", "model": "m", "layers": None, "impl": impl, "step": step,
+            "lo": lo or min(seqs), "hi": hi or max(seqs), "best": max(fit, default=None),
+            "first_fail": min(fail, default=None), "complete": complete, "probes": [list(p) for p in probes],
+            "probe_details": [{"seq": s} for s, _ in probes]}
+
+
+def test_max_context_results_of_several_calls_merge(tmp_path):
+    calls = {"a": [_maxctx("leantune", [(319488, False)])],
+             "b": [_maxctx("leantune", [(262144, True)]), _maxctx("hf+peft", [(65536, True), (73728, False)],
+                                                                   step=4096, complete=True)],
+             "c": [_maxctx("leantune", [(360448, None)], step=16384)]}
+    for sub, results in calls.items():
+        (tmp_path / sub).mkdir()
+        for i, r in enumerate(results):
+            (tmp_path / sub / f"maxctx_{i}.json").write_text(json.dumps(r))
+    _, maxctx = report.load_results(tmp_path)
+    assert [r["impl"] for r in maxctx] == ["hf+peft", "leantune"]
+    lean = maxctx[1]
+    assert (lean["best"], lean["first_fail"], lean["complete"], lean["step"]) == (262144, 319488, False, 8192)
+    assert lean["probes"] == [[262144, True], [319488, False], [360448, None]] and lean["merged_from"] == 3
+    assert len(lean["probe_details"]) == 3
+    assert maxctx[0]["best"] == 65536 and maxctx[0]["complete"]  # a single result is kept as it is
+    # one step apart after merging: closed bracket
+    closed = report.merge_max_context([_maxctx("x", [(196608, True)]), _maxctx("x", [(204800, False)])])
+    assert closed[0]["complete"] and closed[0]["best"] == 196608
+
+
+def test_max_context_merge_rejects_contradicting_probes():
+    with pytest.raises(ValueError, match="262144 fits but 245760 does not"):
+        report.merge_max_context([_maxctx("x", [(262144, True)]), _maxctx("x", [(245760, False)])])
+
+
+def test_report_draws_the_max_context_chart(tmp_path):
+    (tmp_path / "hf.json").write_text(json.dumps(_maxctx("hf+peft", [(65536, True), (73728, False)])))
+    (tmp_path / "lt.json").write_text(json.dumps(_maxctx("leantune", [(262144, True)])))
+    text = report.write_report(tmp_path, log=lambda *_: None)
+    assert "| m | leantune | 262144 (incomplete) | — | 4.00 |" in text
+    assert (tmp_path / "max_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

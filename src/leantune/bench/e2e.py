@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -366,12 +367,15 @@ def environment(device: str) -> dict:
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
                 "python": platform.python_version()}
-    for name in ("triton", "liger_kernel"):
+    for name, dist in (("triton", "triton"), ("liger_kernel", "liger-kernel")):
         try:
             module = __import__(name)
-            versions[name] = getattr(module, "__version__", "?")
         except ImportError:
-            pass
+            continue
+        try:  # liger_kernel has no __version__: ask the installed distribution
+            versions[name] = getattr(module, "__version__", None) or importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "?"
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": gpu, "versions": versions}
 

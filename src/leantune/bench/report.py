@@ -24,9 +24,11 @@ LOSS_RTOL, GRAD_RTOL = 1e-2, 3e-2
 
 # ------------------------------------------------------------------------------------------------------------ input
 def load_results(out: Path) -> tuple[list[dict], list[dict]]:
-    """(e2e run rows, max-context rows) from every ``*.json`` in ``out`` (ceilings and probe scratch skipped)."""
+    """(e2e run rows, max-context rows) from every ``*.json`` in ``out`` and its subfolders (ceilings and probe
+    scratch skipped); max-context results of the same model and implementation from several invocations are merged
+    (:func:`merge_max_context`)."""
     runs, maxctx = [], []
-    for path in sorted(Path(out).glob("*.json")):
+    for path in sorted(Path(out).rglob("*.json")):
         if path.name in ("ceilings.json", "probe.json") or path.name.startswith("ops"):
             continue
         try:
@@ -36,7 +38,37 @@ def load_results(out: Path) -> tuple[list[dict], list[dict]]:
         if not isinstance(data, dict) or "impl" not in data:
             continue
         (maxctx if data.get("kind") == "max_context" else runs).append(data)
-    return sort_rows(runs), sorted(maxctx, key=lambda r: (r["model"], _impl_rank(r["impl"])))
+    return sort_rows(runs), sorted(merge_max_context(maxctx), key=lambda r: (r["model"], _impl_rank(r["impl"])))
+
+
+def merge_max_context(results: list[dict]) -> list[dict]:
+    """One result per (model, layers, impl): the probes of every invocation pooled (each call of the device is
+    time-bounded, so one bisection may span several). best = the longest length that fit, first_fail = the shortest
+    that ran out of memory (probes that neither fit nor failed, e.g. timeouts, decide nothing); complete when they
+    are one step apart (the smallest step among the merged runs) or when a single run says so. Raises ValueError
+    when the pooled probes contradict each other (a length fits that is longer than one that failed)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["model"], r.get("layers"), r["impl"]), []).append(r)
+    merged = []
+    for (model, _layers, impl), group in groups.items():
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        probes = sorted({(int(s), ok) for r in group for s, ok in r["probes"]}, key=lambda p: p[0])
+        fit = [s for s, ok in probes if ok is True]
+        fail = [s for s, ok in probes if ok is False]
+        best, first_fail = max(fit, default=None), min(fail, default=None)
+        if best is not None and first_fail is not None and best >= first_fail:
+            raise ValueError(f"max-context results of {model} {impl} contradict each other: {best} fits but "
+                             f"{first_fail} does not")
+        step = min(r["step"] for r in group)
+        complete = best is not None and first_fail is not None and first_fail - best <= step
+        merged.append({**group[0], "lo": min(r["lo"] for r in group), "hi": max(r["hi"] for r in group),
+                       "step": step, "best": best, "first_fail": first_fail, "complete": complete,
+                       "probes": [[s, ok] for s, ok in probes], "merged_from": len(group),
+                       "probe_details": [d for r in group for d in r.get("probe_details", [])]})
+    return merged
 
 
 def _impl_rank(impl: str) -> int:
@@ -229,6 +261,30 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+def plot_max_context(maxctx: list[dict], out: Path) -> Path | None:
+    """max_context.png: longest fitting sequence per implementation (thousands of tokens), one group per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = [r for r in maxctx if r.get("best")]
+    if not found:
+        return None
+    fig, ax = plt.subplots(figsize=(6.0, 3.5))
+    labels = [f"{_workload(r)}\n{r['impl']}" for r in found]
+    bars = ax.bar(range(len(found)), [r["best"] / 1024 for r in found], 0.6)
+    ax.bar_label(bars, [f"{r['best']:,}" for r in found], fontsize=8)
+    ax.set_xticks(range(len(found)), labels, fontsize=8)
+    ax.set_ylabel("tokens / 1024")
+    ax.set_title("longest fitting sequence, batch 1, GC on (higher is better)")
+    fig.tight_layout()
+    path = Path(out) / "max_context.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_report(out: Path, *, compare_ratios: bool = False, log=print) -> str:
     """Load every result in ``out``, flag agreement, write results.md and the PNGs; returns the markdown."""
     rows, maxctx = load_results(out)
@@ -238,6 +294,7 @@ def write_report(out: Path, *, compare_ratios: bool = False, log=print) -> str:
     log(text)
     try:
         plot(rows, out)
+        plot_max_context(maxctx, out)
     except ImportError as exc:  # the GPU machine may lack matplotlib: `leantune bench report` redraws anywhere
         log(f"PNG charts skipped ({exc}); run `leantune bench report --out {out}` where matplotlib is installed")
     if compare_ratios:
