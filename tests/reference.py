@@ -90,12 +90,15 @@ def swiglu_ref(gate, up):
 
 
 def geglu_ref(gate, up, approximate="tanh"):
-    """gelu(gate) * up; tanh form 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), erf form 0.5 g (1 + erf(g/sqrt 2))."""
+    """gelu(gate) * up; tanh form 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), erf form 0.5 g (1 + erf(g/sqrt 2)).
+
+    Evaluated through identities free of 1 + (nearly -1), which cancels even in float64 once gelu(g) < ~1e-13 |g|
+    (g < ~-6.5): 0.5 (1 + tanh v) = sigmoid(2 v) and 0.5 (1 + erf x) = 0.5 erfc(-x)."""
     g = gate.to(F64)
     if approximate == "tanh":
-        act = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+        act = g * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))
     else:
-        act = 0.5 * g * (1 + torch.erf(g / math.sqrt(2)))
+        act = 0.5 * g * torch.special.erfc(-g / math.sqrt(2))
     return act * up.to(F64)
 
 

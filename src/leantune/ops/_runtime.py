@@ -28,6 +28,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off")
 
 
+# Whether this process's kernels are interpreted: triton.jit decides at decoration time (when leantune.ops is
+# imported), so launch flags that only the interpreter needs read this, not the environment (~3 us per read).
+KERNELS_INTERPRETED = interpreting()
+
+
 def backend(device: torch.device) -> str:
     """The implementation to use for tensors on ``device``: ``"triton"`` or ``"torch"``.
 
@@ -73,6 +78,11 @@ def use_allocator(allocator: Callable[[tuple[int, ...], torch.dtype, torch.devic
 
 
 # ------------------------------------------------------------------------------------------------ launch heuristics
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints; host code uses this, not ``triton.cdiv`` (a constexpr function: ~2 us per host call)."""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

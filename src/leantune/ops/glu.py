@@ -192,7 +192,7 @@ def _layout(*tensors):
 
 
 def _grid(n_rows, n_cols, block):
-    blocks_per_row = triton.cdiv(n_cols, block)
+    blocks_per_row = _runtime.cdiv(n_cols, block)
     return (n_rows * blocks_per_row,), blocks_per_row
 
 
@@ -244,12 +244,12 @@ def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation
     b_g, b_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (b_g, b_u))
     lora_dtype = xa_g.dtype
     dot_mode = 2 if lora_dtype in (torch.float16, torch.bfloat16) else 0
-    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_i))
+    grid = (_runtime.cdiv(n_rows, block_n), _runtime.cdiv(n_cols, block_i))
     _glu_forward_lowrank_kernel[grid](
         gate, up, h, xa_g, b_g, xa_u, b_u,
         gate.stride(0), up.stride(0), h.stride(0), xa_g.stride(0), b_g.stride(0), xa_u.stride(0), b_u.stride(0),
         n_rows, n_cols, xa_g.shape[1], xa_u.shape[1], float(s_g), float(s_u),
-        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.interpreting(),
+        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED,
         BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=_runtime.rank_block(xa_g.shape[1]),
         BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), num_warps=num_warps,
     )

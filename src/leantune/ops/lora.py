@@ -217,7 +217,7 @@ _BLOCK_N, _BLOCK_K = 64, 128
 
 
 def _grid(n_rows, n_cols):
-    return (triton.cdiv(n_rows, _BLOCK_N), triton.cdiv(n_cols, _BLOCK_K))
+    return (_runtime.cdiv(n_rows, _BLOCK_N), _runtime.cdiv(n_cols, _BLOCK_K))
 
 
 def _dropout_triton(x, seeds, index, p, dtype):
@@ -271,9 +271,9 @@ def _splits(device, n_tiles, n_inner, block, per_sm):
     """(splits, inner length per split): enough programs to fill the card (a few per SM) when the tile grid alone
     does not; each split a whole number of blocks."""
     target = _runtime.persistent_programs(device, 1 << 30, per_sm)
-    splits = max(1, min(triton.cdiv(n_inner, block), triton.cdiv(target, n_tiles)))
-    per_split = triton.cdiv(triton.cdiv(n_inner, splits), block) * block
-    return triton.cdiv(n_inner, per_split), per_split
+    splits = max(1, min(_runtime.cdiv(n_inner, block), _runtime.cdiv(target, n_tiles)))
+    per_split = _runtime.cdiv(_runtime.cdiv(n_inner, splits), block) * block
+    return _runtime.cdiv(n_inner, per_split), per_split
 
 
 def _sum_partials(partials, out):
@@ -308,7 +308,7 @@ def _skinny_matmul(a, b, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=
         return out.zero_()
     if a.stride(1) != 1:
         a = a.contiguous()
-    n_tiles = triton.cdiv(n_rows, block_m)
+    n_tiles = _runtime.cdiv(n_rows, block_m)
     splits, per_split = _splits(a.device, n_tiles, n_inner, block_k, per_sm)
     dest = out if splits == 1 else _runtime.empty((splits, n_rows, rank), dtype=torch.float32, device=a.device)
     has_mask = seeds is not None
@@ -316,7 +316,7 @@ def _skinny_matmul(a, b, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=
         a, b, dest, seeds if has_mask else a, index,
         a.stride(0), b.stride(0), b.stride(1), dest.stride(0) if splits > 1 else 0, dest.stride(-2),
         n_rows, n_inner, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
-        HAS_MASK=has_mask, DOT_MODE=_dot_mode(a.dtype, b.dtype, precision), UPCAST=_runtime.interpreting(),
+        HAS_MASK=has_mask, DOT_MODE=_dot_mode(a.dtype, b.dtype, precision), UPCAST=_runtime.KERNELS_INTERPRETED,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_runtime.rank_block(rank), num_warps=num_warps,
     )
     if splits > 1:
@@ -347,7 +347,7 @@ def _skinny_tn(lhs, x, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=No
         x = x.contiguous()
     if rank > 1 and lhs.stride(1) != 1:
         lhs = lhs.contiguous()
-    n_tiles = triton.cdiv(n_cols, block_k)
+    n_tiles = _runtime.cdiv(n_cols, block_k)
     splits, per_split = _splits(x.device, n_tiles, n_rows, block_m, per_sm)
     if splits == 1:
         dest, strides = out, (0, out.stride(0), out.stride(1))
@@ -359,7 +359,7 @@ def _skinny_tn(lhs, x, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=No
         lhs, x, dest, seeds if has_mask else x, index,
         lhs.stride(0), x.stride(0), *strides,
         n_rows, n_cols, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
-        HAS_MASK=has_mask, DOT_MODE=_dot_mode(x.dtype, lhs.dtype, precision), UPCAST=_runtime.interpreting(),
+        HAS_MASK=has_mask, DOT_MODE=_dot_mode(x.dtype, lhs.dtype, precision), UPCAST=_runtime.KERNELS_INTERPRETED,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_runtime.rank_block(rank), num_warps=num_warps,
     )
     if splits > 1:

@@ -110,7 +110,7 @@ def _forward_triton(x, weight, eps, offset, gemma, out_dtype, *, rows=None, num_
         return y, rstd
     block = _runtime.next_power_of_2(n_cols)
     rows = rows or _tile_rows(n_cols)
-    _rms_norm_forward_kernel[(triton.cdiv(n_rows, rows),)](
+    _rms_norm_forward_kernel[(_runtime.cdiv(n_rows, rows),)](
         x, weight if weight is not None else x, y, rstd,
         x.stride(0), y.stride(0), n_rows, n_cols, eps, offset,
         HAS_WEIGHT=weight is not None, GEMMA=gemma, BLOCK=block, ROWS=rows,
@@ -127,9 +127,9 @@ def _backward_triton(dy, x, weight, rstd, offset, gemma, *, rows=None, num_warps
     block = _runtime.next_power_of_2(n_cols)
     # Measured on the H200 at 16384x4096 bf16: [4, 4096] tiles, 8 warps, one program per SM was fastest (0.124 ms).
     rows = rows or max(1, min(16, 16384 // block))
-    n_blocks = triton.cdiv(n_rows, rows)
+    n_blocks = _runtime.cdiv(n_rows, rows)
     programs = _runtime.persistent_programs(x.device, n_blocks, per_sm=per_sm)
-    blocks_per_program = triton.cdiv(n_blocks, programs)
+    blocks_per_program = _runtime.cdiv(n_blocks, programs)
     dw_partial = None
     if weight is not None:
         dw_partial = _runtime.empty((programs, n_cols), dtype=torch.float32, device=x.device)

@@ -156,9 +156,9 @@ def _rope_triton(q, k, q_out, k_out, cos, sin, backward):
     block_pass = _runtime.next_power_of_2(head_dim - rotary_dim)  # 1 (masked off) without pass-through dims
     per_head = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
     max_heads = 1 << max(0, (MAX_TILE_ELEMENTS // per_head).bit_length() - 1)  # a power of two, >= 1
-    n_blocks = max(triton.cdiv(n_q_heads, max_heads), triton.cdiv(n_k_heads, max_heads))
-    block_hq = _runtime.next_power_of_2(triton.cdiv(n_q_heads, n_blocks))
-    block_hk = _runtime.next_power_of_2(triton.cdiv(n_k_heads, n_blocks))
+    n_blocks = max(_runtime.cdiv(n_q_heads, max_heads), _runtime.cdiv(n_k_heads, max_heads))
+    block_hq = _runtime.next_power_of_2(_runtime.cdiv(n_q_heads, n_blocks))
+    block_hk = _runtime.next_power_of_2(_runtime.cdiv(n_k_heads, n_blocks))
     # an absent tensor: 0 heads, its pointers/strides borrowed from the other one (never dereferenced)
     q, q_out = (_unit_last(q), q_out) if q is not None else (k, k_out)
     k, k_out = (_unit_last(k), k_out) if k is not None else (q, q_out)
