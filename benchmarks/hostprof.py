@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 bench = importlib.import_module("leantune.bench.ops")
+launch = importlib.import_module("leantune.ops._launch")
 
 
 @triton.jit
@@ -32,8 +33,33 @@ def host_us(fn, n=200):
     return dt
 
 
+@triton.jit
+def _noop16(X0, X1, X2, X3, X4, X5, X6, X7, n0, n1, n2, n3, n4, n5, n6, n7, BLOCK: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _noop16c(X0, X1, X2, X3, X4, X5, X6, X7, n0, n1, n2, n3, n4, n5, n6, n7, A: tl.constexpr, B: tl.constexpr,
+             C: tl.constexpr, D: tl.constexpr, E: tl.constexpr, F: tl.constexpr, BLOCK: tl.constexpr):
+    pass
+
+
 x = torch.empty(16, device="cuda")
+xs = [torch.empty(16, device="cuda") for _ in range(8)]
+ns = [17 * (i + 1) for i in range(8)]
 print(f"empty triton launch      {host_us(lambda: _noop[(1,)](x, 16, BLOCK=16)):7.1f} us")
+print(f"  8 tensors + 8 ints     {host_us(lambda: _noop16[(1,)](*xs, *ns, BLOCK=16)):7.1f} us")
+print(f"  + 6 more constexprs    {host_us(lambda: _noop16c[(1,)](*xs, *ns, A=1, B=2, C=3, D=4, E=5, F=6, BLOCK=16)):7.1f} us")
+try:  # the CompiledKernel launched without the binder: a lower bound for any launch wrapper
+    compiled = _noop16[(1,)](*xs, *ns, BLOCK=16)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def direct():
+        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *xs, *ns, 16)
+
+    print(f"  same, CompiledKernel.run {host_us(direct):7.1f} us")
+except Exception as exc:  # the launcher's calling convention changes between Triton versions
+    print(f"  CompiledKernel.run not measured: {type(exc).__name__}: {exc}")
 print(f"torch.empty              {host_us(lambda: torch.empty(1024, device='cuda')):7.1f} us")
 print(f"tensor add               {host_us(lambda: x + x):7.1f} us")
 
@@ -57,5 +83,15 @@ def backward_only():
 
 
 call = bench._fwd_bwd(fn, case.leaves, case.grad_outputs)
-print(f"{name}: host fwd (no_grad) {host_us(forward_only):8.1f} us, bwd only {host_us(backward_only):8.1f} us, "
-      f"fwd+bwd {host_us(call):8.1f} us")
+for cache in (False, True):  # leantune.ops._launch: compiled kernels cached per exact argument key
+    launch.ENABLED = cache
+    print(f"{name} [leantune, launch cache {'on' if cache else 'off'}]: host fwd (no_grad) "
+          f"{host_us(forward_only):8.1f} us, bwd only {host_us(backward_only):8.1f} us, fwd+bwd {host_us(call):8.1f} us")
+launch.ENABLED = False
+for impl, other in case.impls.items():  # the peers' host time for the same call (compile: after its warmup)
+    if impl == "leantune":
+        continue
+    try:
+        print(f"{name} [{impl}]: host fwd+bwd {host_us(bench._fwd_bwd(other, case.leaves, case.grad_outputs)):8.1f} us")
+    except Exception as exc:
+        print(f"{name} [{impl}]: not measured ({type(exc).__name__}: {str(exc)[:120]})")

@@ -97,7 +97,7 @@ def main(argv):
             import pstats
 
             prof = cProfile.Profile()
-            prof.runcall(lambda: [cases[name]() for _ in range(200)])
+            prof.runcall(lambda fn=cases[name]: [fn() for _ in range(200)])
             pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 
 REDUCTIONS = ("mean", "sum", "none")
 GPU_BLOCK_V = 8192  # vocab chunk per loop iteration on the GPU (16 fp32 values a thread at 16 warps)
@@ -91,6 +91,7 @@ def _write_gradient(
     tl.store(grad_row + offs, g.to(grad_row.dtype.element_ty), mask=mask)
 
 
+@_launch.cached
 @triton.jit
 def _cross_entropy_forward_kernel(
     LOGITS, LABELS, LOSS, LSE, GRAD, GRAD_SCALE,
@@ -139,6 +140,7 @@ def _cross_entropy_forward_kernel(
                             label_smoothing, softcap, z_loss, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
 
 
+@_launch.cached
 @triton.jit
 def _cross_entropy_backward_kernel(
     LOGITS, LABELS, LSE, SCALE, GRAD,
