@@ -1,5 +1,6 @@
 """ops.linear_cross_entropy vs float64 cross_entropy(hidden @ weight.T + bias): values, gradients, memory rules."""
 
+import importlib
 import itertools
 
 import pytest
@@ -291,3 +292,26 @@ def test_error_cases(backend):
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="one device"):
             ops.linear_cross_entropy(h, w.to("meta"), labels)
+
+
+def test_chunk_length_rounds_to_gemm_tiles():
+    from leantune.ops.linear_cross_entropy import chunk_length
+
+    assert chunk_length(128 * 2**20, 128256 * 2, 16384) == 512  # Llama-3 default: 523 rows -> 512
+    assert chunk_length(32 * 2**20, 16384 * 2, 128256) == 1024  # low mode vocab tiles: already a multiple
+    assert chunk_length(5000, 10, 1000) == 384  # 500 -> 384
+    assert chunk_length(2000, 10, 1000) == 200  # under two granules: kept
+    assert chunk_length(10**9, 10, 1000) == 1000  # everything in one chunk: never rounded below the total
+    assert chunk_length(1, 10, 5) == 1  # at least one row
+
+
+def test_rounded_chunks_match_reference(monkeypatch):
+    """Chunks of 256 rows (a 300-row budget rounded down) and a 188-row tail, torch path in fp32."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    lce = importlib.import_module("leantune.ops.linear_cross_entropy")  # the package exports a function of that name
+    seen = []
+    original = lce._logits_into
+    monkeypatch.setattr(lce, "_logits_into", lambda out, h, *rest: (seen.append(h.shape[0]), original(out, h, *rest))[1])
+    h, w, b, labels = _inputs(torch.float32, rows=700, hidden=16, vocab=64)
+    _check(h, w, b, labels, "fast", chunk_bytes=300 * 64 * 4)
+    assert seen == [256, 256, 188]

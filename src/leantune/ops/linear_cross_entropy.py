@@ -23,7 +23,7 @@ memory="low": the forward computes only loss and lse per token chunk; saved: hid
     with the full fp32 reduction over N inside cuBLAS, and dhidden accumulates over tiles in the compute dtype. With
     only dhidden wanted (frozen lm_head, LoRA) it walks token chunks and writes each dhidden row block once.
 
-Extra peak (beyond inputs and the returned gradients): one chunk buffer (default 128 MiB fast, 32 MiB low) plus
+Extra peak (beyond inputs and the returned gradients): one chunk buffer (at most 128 MiB fast, 32 MiB low) plus
 O(N) fp32 rows. Under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype first, as HF's
 ``lm_head`` (an ``nn.Linear``) would be; gradients come back in each input's own dtype.
 """
@@ -39,6 +39,16 @@ from .cross_entropy import check_options, divisor, gradient_rows, loss_rows, red
 
 MEMORY_MODES = ("fast", "low")
 DEFAULT_CHUNK_BYTES = {"fast": 128 * 2**20, "low": 32 * 2**20}
+
+
+def chunk_length(chunk_bytes: int, bytes_per_item: int, total: int, granule: int = 128) -> int:
+    """Rows (or columns) of one logits chunk: as many as ``chunk_bytes`` holds, at least 1, at most ``total``;
+    from 2 granules up, rounded down to a multiple of ``granule`` (cuBLAS tiles are 64-256 wide: a 523-row chunk
+    pays for 640 rows of tiles in each of its three matmuls, a 512-row one for 512)."""
+    length = max(1, min(total, chunk_bytes // bytes_per_item))
+    if length < total and length >= 2 * granule:
+        length -= length % granule
+    return length
 
 
 def _logits_into(out, hidden, weight, bias):
@@ -64,7 +74,7 @@ def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad
         if dweight is not None:
             dweight.zero_()
         return loss, lse, dhidden, dweight, dbias
-    rows = max(1, min(n_rows, chunk_bytes // (n_vocab * hidden.element_size())))
+    rows = chunk_length(chunk_bytes, n_vocab * hidden.element_size(), n_rows)
     buffer = _runtime.empty((rows, n_vocab), dtype=dtype, device=device)
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
@@ -99,7 +109,7 @@ def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, ch
         return dhidden, dweight, dbias
     if want_w or want_b:
         # vocab tiles over all rows: each dweight/dbias slice is written once, fully reduced over N
-        cols = max(1, min(n_vocab, chunk_bytes // (n_rows * itemsize)))
+        cols = chunk_length(chunk_bytes, n_rows * itemsize, n_vocab)
         buffer = _runtime.empty((n_rows * cols,), dtype=dtype, device=device)
         for start in range(0, n_vocab, cols):
             end = min(start + cols, n_vocab)
@@ -117,7 +127,7 @@ def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, ch
                 else:
                     dhidden.addmm_(logits, weight_t)
     elif want_h:
-        rows = max(1, min(n_rows, chunk_bytes // (n_vocab * itemsize)))
+        rows = chunk_length(chunk_bytes, n_vocab * itemsize, n_rows)
         buffer = _runtime.empty((rows, n_vocab), dtype=dtype, device=device)
         for start in range(0, n_rows, rows):
             end = min(start + rows, n_rows)
@@ -192,7 +202,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
             recomputed in backward; saves hidden and lse, smallest peak).
         ignore_index, label_smoothing, softcap, z_loss, reduction, num_items: as :func:`leantune.ops.cross_entropy`.
         chunk_bytes: byte budget of the logits work buffer (default 128 MiB for "fast", 32 MiB for "low"); it fixes
-            the token-chunk rows (chunk_bytes / (V * itemsize)) or vocab-tile columns (chunk_bytes / (N * itemsize)).
+            the token-chunk rows (chunk_bytes / (V * itemsize)) or vocab-tile columns (chunk_bytes / (N * itemsize)),
+            rounded down to a multiple of 128 from 256 up (:func:`chunk_length`).
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. Gradients for hidden, and for weight/bias when they require

@@ -281,8 +281,9 @@ def _splits(device, n_tiles, n_inner, block, per_sm):
 
 
 def _sum_partials(partials, out):
-    """out = sum over the first dim of the fp32 partials (fixed order: deterministic); out may be a strided view."""
-    if out.dtype == torch.float32 and out.is_contiguous():
+    """out = sum over the first dim of the fp32 partials (fixed order: deterministic); out may be a strided view.
+    A 16-bit ``out`` goes through an fp32 total: torch would cast the partials to out's dtype before summing."""
+    if out.dtype == torch.float32:
         torch.sum(partials, 0, out=out)
     else:
         total = _runtime.empty(partials.shape[1:], dtype=torch.float32, device=partials.device)
@@ -503,11 +504,18 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
         return dx, grads
     gs = {}
     skinny_dy = _skinny_ok(meta, cdt) and cdt != ldt  # dY read as stored: no [N, out] copy in ldt
+    g_cat = None
+    if skinny_dy and seeds is None and len(lora) > 1:  # each g written into its columns of one buffer: no cat
+        g_cat = _runtime.empty((x2d.shape[0], sum(projs[j][1].shape[0] for j in lora)), dtype=ldt,
+                               device=x2d.device)
+    start = 0
     for j in lora:
         _, a, bmat, _ = projs[j]
         scaling = meta.scalings[j]
         if skinny_dy:
-            gs[j] = _skinny_matmul(dys[j], bmat.to(ldt), scaling, out_dtype=ldt)  # g = s dY B  [N, r]
+            out = None if g_cat is None else g_cat[:, start:start + a.shape[0]]
+            start += a.shape[0]
+            gs[j] = _skinny_matmul(dys[j], bmat.to(ldt), scaling, out=out, out_dtype=ldt)  # g = s dY B  [N, r]
             if proj_needs[j][2]:  # dB = s dY^T xa, written as [out, r] through a transposed view
                 d_b = _runtime.empty(bmat.shape, dtype=bmat.dtype, device=bmat.device)
                 grads[j][2] = d_b
@@ -519,7 +527,8 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
             grads[j][2] = (dyl.T @ xas[j]).mul_(scaling).to(bmat.dtype)
     skinny_x = _skinny_ok(meta, x2d.dtype)
     if seeds is None:
-        g_cat = torch.cat([gs[j] for j in lora], 1) if len(lora) > 1 else gs[lora[0]]
+        if g_cat is None:
+            g_cat = torch.cat([gs[j] for j in lora], 1) if len(lora) > 1 else gs[lora[0]]
         a_cat = torch.cat([projs[j][1].to(ldt) for j in lora]) if len(lora) > 1 else projs[lora[0]][1].to(ldt)
         if any(proj_needs[j][1] for j in lora):
             if skinny_x and x2d.dtype != ldt:  # x read once for every adapter's dA, as stored
