@@ -257,7 +257,10 @@ def test_cli_needs_cuda(argv, monkeypatch, capsys, tmp_path):
                                             "unknown implementation(s) hf"),
                                            (["e2e", "--configs", "x", "--gc", "maybe"], "--gc takes on, off"),
                                            (["ops", "--ops", "rms_norm,nope"], "unknown op(s) nope"),
-                                           (["report", "--out", "/nonexistent/dir"], "no results directory")])
+                                           (["report", "--out", "/nonexistent/dir"], "/nonexistent/dir: does not exist"),
+                                           (["max-context", "--config", "x", "--step", "0"], "--step must be positive"),
+                                           (["max-context", "--config", "x", "--lo", "300000", "--hi", "200000"],
+                                            "no multiple of --step 4096 in [--lo 300000, --hi 200000]")])
 def test_cli_option_errors(argv, message, capsys):
     code = cli_main(["bench", *argv])
     err = capsys.readouterr().err
@@ -425,7 +428,7 @@ def _maxctx(impl, probes, *, step=8192, lo=None, hi=None, complete=False):
 def test_max_context_results_of_several_calls_merge(tmp_path):
     calls = {"a": [_maxctx("leantune", [(319488, False)])],
              "b": [_maxctx("leantune", [(262144, True)]), _maxctx("hf+peft", [(65536, True), (73728, False)],
-                                                                   step=4096, complete=True)],
+                                                                   step=8192, complete=True)],
              "c": [_maxctx("leantune", [(360448, None)], step=16384)]}
     for sub, results in calls.items():
         (tmp_path / sub).mkdir()
@@ -437,20 +440,106 @@ def test_max_context_results_of_several_calls_merge(tmp_path):
     assert (lean["best"], lean["first_fail"], lean["complete"], lean["step"]) == (262144, 319488, False, 8192)
     assert lean["probes"] == [[262144, True], [319488, False], [360448, None]] and lean["merged_from"] == 3
     assert len(lean["probe_details"]) == 3
-    assert maxctx[0]["best"] == 65536 and maxctx[0]["complete"]  # a single result is kept as it is
+    assert maxctx[0]["best"] == 65536 and maxctx[0]["complete"]  # one step apart
     # one step apart after merging: closed bracket
     closed = report.merge_max_context([_maxctx("x", [(196608, True)]), _maxctx("x", [(204800, False)])])
     assert closed[0]["complete"] and closed[0]["best"] == 196608
 
 
 def test_max_context_merge_rejects_contradicting_probes():
-    with pytest.raises(ValueError, match="262144 fits but 245760 does not"):
+    with pytest.raises(report.ReportError, match="262144 fits but 245760 does not"):
         report.merge_max_context([_maxctx("x", [(262144, True)]), _maxctx("x", [(245760, False)])])
+    with pytest.raises(report.ReportError, match="262144 fits but 245760 does not"):  # within one file too
+        report.merge_max_context([_maxctx("x", [(262144, True), (245760, False)])])
+
+
+def test_max_context_bracket_ends_close_the_search():
+    all_fit = report.merge_max_context([_maxctx("x", [(8192, True), (16384, True)], lo=4096, hi=16384)])[0]
+    assert all_fit["complete"] and all_fit["best"] == 16384 and all_fit["first_fail"] is None
+    lo_fails = report.merge_max_context([_maxctx("x", [(8192, False)], lo=8192, hi=65536)])[0]
+    assert lo_fails["complete"] and lo_fails["best"] is None
+    open_top = report.merge_max_context([_maxctx("x", [(8192, True)], lo=8192, hi=65536)])[0]
+    assert not open_top["complete"]
 
 
 def test_report_draws_the_max_context_chart(tmp_path):
     (tmp_path / "hf.json").write_text(json.dumps(_maxctx("hf+peft", [(65536, True), (73728, False)])))
     (tmp_path / "lt.json").write_text(json.dumps(_maxctx("leantune", [(262144, True)])))
     text = report.write_report(tmp_path, log=lambda *_: None)
-    assert "| m | leantune | 262144 (incomplete) | — | 4.00 |" in text
+    assert "| m | leantune | 262144 (= --hi 262144: all fit) | — | 4.00 |" in text
     assert (tmp_path / "max_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------------- report: malformed result folders
+def _write(folder, name, data):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_bytes(data if isinstance(data, bytes) else json.dumps(data).encode())
+    return path
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"{bad", "not a readable JSON file"),
+    (b"\xff\xfe{}", "not a readable JSON file"),
+    ({**_row("hf+peft"), "seq": "4096"}, "field 'seq' must be int, got '4096'"),
+    ({k: v for k, v in _row("hf+peft").items() if k != "model"}, "missing field 'model'"),
+    ({**_row("hf+peft"), "gc": "off"}, "field 'gc' must be bool"),
+    ({**_row("hf+peft"), "tokens_per_s": "fast"}, "field 'tokens_per_s' must be a number or null"),
+    ({k: v for k, v in _row("hf+peft").items() if k != "status"}, "missing field 'status'"),
+    ({**_maxctx("leantune", [(262144, True)]), "probes": "262144"}, "field 'probes' must be list"),
+    ({**_maxctx("leantune", [(262144, True)]), "probes": [[262144]]}, "every probe must be"),
+    ({**_maxctx("leantune", [(262144, True)]), "probes": [[262144, "yes"]]}, "every probe must be"),
+    ({**_maxctx("leantune", [(262144, True)]), "probes": [["abc", True]]}, "every probe must be"),
+    ({**_maxctx("leantune", [(262144, True)]), "step": 0}, "field 'step' must be positive"),
+])
+def test_report_rejects_malformed_results_and_keeps_results_md(tmp_path, data, message, capsys):
+    _write(tmp_path, "good.json", _row("hf+peft", model="other"))
+    bad = _write(tmp_path / "call2", "bad.json", data)
+    (tmp_path / "results.md").write_text("# mine\n")
+    assert cli_main(["bench", "report", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(bad) in err and message in err
+    assert (tmp_path / "results.md").read_text() == "# mine\n"
+
+
+def test_report_refuses_duplicate_runs_of_one_workload(tmp_path):
+    first = _write(tmp_path / "call1", "hf.json", _row("hf+peft"))
+    second = _write(tmp_path / "call5", "hf.json", {**_row("hf+peft"), "tokens_per_s": 3000.0, "first_loss": 99.0})
+    with pytest.raises(report.ReportError, match="two results for m_hf\\+peft_True") as info:
+        report.load_results(tmp_path)
+    assert str(first) in str(info.value) and str(second) in str(info.value)
+
+
+@pytest.mark.parametrize("content", ["empty", "not results", "list"])
+def test_report_without_results_writes_nothing(tmp_path, content, capsys):
+    if content == "not results":
+        _write(tmp_path, "other.json", {"hello": 1})
+    elif content == "list":
+        _write(tmp_path, "a.json", [1, 2])
+    (tmp_path / "results.md").write_text("# mine\n")
+    assert cli_main(["bench", "report", "--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "no benchmark results" in captured.err and (tmp_path / "results.md").read_text() == "# mine\n"
+    if content != "empty":
+        assert "skipped" in captured.out
+
+
+def test_report_output_path_errors(tmp_path, capsys):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    assert cli_main(["bench", "report", "--out", str(a_file)]) == 1
+    assert "is a file, expected the directory" in capsys.readouterr().err
+    _write(tmp_path / "res", "hf.json", _row("hf+peft"))
+    (tmp_path / "res" / "results.md").mkdir()
+    assert cli_main(["bench", "report", "--out", str(tmp_path / "res")]) == 1
+    assert "results.md is a directory" in capsys.readouterr().err
+
+
+def test_multiline_errors_stay_in_their_table_row_and_missing_ratios_print_a_dash():
+    rows = [_row("hf+peft"), _row("leantune", status="error")]
+    rows[1]["error"] = "RuntimeError: first line\nsecond | line"
+    text = report.markdown(rows)
+    row = [line for line in text.splitlines() if "| leantune |" in line]
+    assert len(row) == 1 and "first line second / line" in row[0]
+    rows = [{**_row("hf+peft"), "tokens_per_s": None}, _row("leantune")]
+    assert "tokens/s x—" in report.format_compare(rows, [])

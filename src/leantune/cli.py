@@ -122,10 +122,11 @@ def _bench_e2e(args) -> int:
 
 
 def _bench_max_context(args) -> int:
-    from .bench.e2e import require_cuda, run_max_context
+    from .bench.e2e import check_range, require_cuda, run_max_context
     from .bench.report import write_report
 
     impls = _impls(args.impls)
+    check_range(args.lo, args.hi, args.step)
     require_cuda()
     run_max_context(args.config, impls, Path(args.out), lo=args.lo, hi=args.hi, step=args.step, seed=args.seed,
                     layers=args.layers, budget_s=args.budget_s)
@@ -135,10 +136,7 @@ def _bench_max_context(args) -> int:
 
 def _bench_report(args) -> int:
     from .bench.report import write_report
-    from .train.config import LeantuneError
 
-    if not Path(args.out).is_dir():
-        raise LeantuneError(f"no results directory {args.out}")
     write_report(Path(args.out), compare_ratios=args.compare)
     return 0
 

@@ -118,6 +118,14 @@ def default_shape(config) -> tuple[int, int]:
 
 
 # -------------------------------------------------------------------------------------------------------- bisection
+def check_range(lo: int, hi: int, step: int) -> None:
+    """BenchError unless [lo, hi] holds a positive multiple of ``step`` (max-context's --lo/--hi/--step)."""
+    if step <= 0:
+        raise BenchError(f"--step must be positive, got {step}")
+    if lo < 1 or -(-lo // step) > hi // step:
+        raise BenchError(f"no multiple of --step {step} in [--lo {lo}, --hi {hi}] (expected 1 <= lo <= hi)")
+
+
 def bisect_max_fitting(fits: Callable[[int], bool | None], lo: int, hi: int, step: int,
                        stop: Callable[[], bool] = lambda: False) -> dict:
     """Largest multiple of ``step`` in [lo, hi] for which ``fits`` is True, assuming monotone ``fits``.
@@ -550,7 +558,9 @@ def run_max_context(config_path: str, impls: list[str], out: Path, *, lo: int, h
         found = bisect_max_fitting(fits, lo, hi, step, stop=lambda: not budget.can_start())
         result = {"kind": "max_context", "impl": impl, "config": config_path, "model": model_name(config_path),
                   "layers": layers, "lo": lo, "hi": hi, "step": step, **found, "probe_details": probes_detail}
-        name = f"maxctx_{model_name(config_path)}{f'_L{layers}' if layers else ''}_{impl}".replace("+", "-")
+        # one file per invocation (`bench report` pools the probes of all): a rerun never overwrites earlier probes
+        name = (f"maxctx_{model_name(config_path)}{f'_L{layers}' if layers else ''}_{impl}_"
+                f"{time.strftime('%Y%m%d-%H%M%S')}").replace("+", "-")
         (out / f"{name}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
         log(f"max-context {impl}: best {found['best']}, first fail {found['first_fail']}"

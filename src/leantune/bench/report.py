@@ -17,56 +17,113 @@ import json
 import math
 from pathlib import Path
 
+from ..train.config import LeantuneError
+
 BASELINE = "hf+peft"
 IMPL_ORDER = ("hf+peft", "hf+peft+liger", "leantune")
 LOSS_RTOL, GRAD_RTOL = 1e-2, 3e-2
 
 
 # ------------------------------------------------------------------------------------------------------------ input
-def load_results(out: Path) -> tuple[list[dict], list[dict]]:
-    """(e2e run rows, max-context rows) from every ``*.json`` in ``out`` and its subfolders (ceilings and probe
-    scratch skipped); max-context results of the same model and implementation from several invocations are merged
-    (:func:`merge_max_context`)."""
-    runs, maxctx = [], []
+class ReportError(LeantuneError):
+    """Results that cannot make a trustworthy table: unreadable, malformed, duplicated or contradicting files."""
+
+
+NOT_RESULTS = ("ceilings.json", "probe.json")  # scratch files of the runs; ops*.json are the op benchmark's
+E2E_FIELDS = {"impl": str, "model": str, "name": str, "seq": int, "batch": int, "gc": bool, "status": str}
+E2E_NUMBERS = ("tokens_per_s", "first_loss", "grad_norm", "peak_gib", "peak_minus_frozen_gib", "median_step_ms")
+MAXCTX_FIELDS = {"impl": str, "model": str, "lo": int, "hi": int, "step": int, "probes": list}
+
+
+def _check_fields(path: Path, data: dict, fields: dict) -> None:
+    for name, kind in fields.items():
+        if name not in data:
+            raise ReportError(f"{path}: missing field {name!r} (expected a `leantune bench` result)")
+        value = data[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ReportError(f"{path}: field {name!r} must be {kind.__name__}, got {value!r}")
+    layers = data.get("layers")
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+        raise ReportError(f"{path}: field 'layers' must be a positive int or null, got {layers!r}")
+
+
+def _validate(path: Path, data: dict) -> None:
+    if data.get("kind") == "max_context":
+        _check_fields(path, data, MAXCTX_FIELDS)
+        if data["step"] <= 0:
+            raise ReportError(f"{path}: field 'step' must be positive, got {data['step']}")
+        for probe in data["probes"]:
+            if not (isinstance(probe, list) and len(probe) == 2 and type(probe[0]) is int and probe[0] > 0
+                    and (probe[1] is None or type(probe[1]) is bool)):
+                raise ReportError(f"{path}: every probe must be [seq > 0, true | false | null], got {probe!r}")
+        return
+    _check_fields(path, data, E2E_FIELDS)
+    if data["status"] == "ok":
+        for name in E2E_NUMBERS:
+            value = data.get(name)
+            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+                raise ReportError(f"{path}: field {name!r} must be a number or null, got {value!r}")
+
+
+def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
+    """(e2e run rows, max-context rows) from every ``*.json`` in ``out`` and its subfolders; max-context results of
+    the same model and implementation from several invocations are pooled (:func:`merge_max_context`).
+
+    JSON files that are not results (no "impl": e.g. the op benchmark's) are skipped with a note through ``log``.
+    Raises ReportError naming the file for unreadable or malformed results, and for two e2e results of the same
+    workload and implementation (the table would silently pick one: keep one file)."""
+    runs, maxctx, seen = [], [], {}
     for path in sorted(Path(out).rglob("*.json")):
-        if path.name in ("ceilings.json", "probe.json") or path.name.startswith("ops"):
+        if path.name in NOT_RESULTS or path.name.startswith("ops"):
             continue
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ReportError(f"{path}: not a readable JSON file ({exc})") from None
         if not isinstance(data, dict) or "impl" not in data:
+            log(f"skipped {path}: not a `leantune bench e2e` / `max-context` result (no 'impl')")
             continue
-        (maxctx if data.get("kind") == "max_context" else runs).append(data)
+        _validate(path, data)
+        data = {**data, "source": str(path)}
+        if data.get("kind") == "max_context":
+            maxctx.append(data)
+            continue
+        key = (config_key(data), data["impl"])
+        if key in seen:
+            raise ReportError(f"two results for {data['name']}: {seen[key]} and {path}; keep one (or move one out "
+                              f"of {out})")
+        seen[key] = path
+        runs.append(data)
     return sort_rows(runs), sorted(merge_max_context(maxctx), key=lambda r: (r["model"], _impl_rank(r["impl"])))
 
 
 def merge_max_context(results: list[dict]) -> list[dict]:
-    """One result per (model, layers, impl): the probes of every invocation pooled (each call of the device is
-    time-bounded, so one bisection may span several). best = the longest length that fit, first_fail = the shortest
-    that ran out of memory (probes that neither fit nor failed, e.g. timeouts, decide nothing); complete when they
-    are one step apart (the smallest step among the merged runs) or when a single run says so. Raises ValueError
-    when the pooled probes contradict each other (a length fits that is longer than one that failed)."""
+    """One result per (model, layers, impl), recomputed from the probes of every invocation (each device call is
+    time-bounded, so one bisection may span several): best = the longest length that fit, first_fail = the shortest
+    that ran out of memory (probes that neither fit nor failed, e.g. timeouts, decide nothing). complete when the
+    two are at most one step apart (the smallest step among the runs), or when every probed length in [lo, hi] fit
+    up to hi, or the first failed at lo (the bracket's ends, rounded to the step). Raises ReportError when probes
+    contradict each other (a length fits that is longer than one that failed), naming the files."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["model"], r.get("layers"), r["impl"]), []).append(r)
     merged = []
     for (model, _layers, impl), group in groups.items():
-        if len(group) == 1:
-            merged.append(group[0])
-            continue
         probes = sorted({(int(s), ok) for r in group for s, ok in r["probes"]}, key=lambda p: p[0])
         fit = [s for s, ok in probes if ok is True]
         fail = [s for s, ok in probes if ok is False]
         best, first_fail = max(fit, default=None), min(fail, default=None)
         if best is not None and first_fail is not None and best >= first_fail:
-            raise ValueError(f"max-context results of {model} {impl} contradict each other: {best} fits but "
-                             f"{first_fail} does not")
+            files = ", ".join(r.get("source", "?") for r in group)
+            raise ReportError(f"max-context results of {model} {impl} contradict each other: {best} fits but "
+                              f"{first_fail} does not (in {files})")
         step = min(r["step"] for r in group)
-        complete = best is not None and first_fail is not None and first_fail - best <= step
-        merged.append({**group[0], "lo": min(r["lo"] for r in group), "hi": max(r["hi"] for r in group),
-                       "step": step, "best": best, "first_fail": first_fail, "complete": complete,
-                       "probes": [[s, ok] for s, ok in probes], "merged_from": len(group),
+        lo, hi = min(r["lo"] for r in group), max(r["hi"] for r in group)
+        complete = ((best is not None and first_fail is not None and first_fail - best <= step)
+                    or (first_fail is None and best is not None and best == hi // step * step)
+                    or (best is None and first_fail is not None and first_fail == -(-lo // step) * step))
+        merged.append({**group[0], "lo": lo, "hi": hi, "step": step, "best": best, "first_fail": first_fail,
+                       "complete": complete, "probes": [[s, ok] for s, ok in probes], "merged_from": len(group),
                        "probe_details": [d for r in group for d in r.get("probe_details", [])]})
     return merged
 
@@ -156,11 +213,11 @@ def compare_max_context(maxctx: list[dict], *, baseline: str = BASELINE) -> dict
 def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASELINE) -> str:
     lines = [f"ratios vs {baseline} (same model, seq, batch, gradient checkpointing):"]
     for c in compare(rows, baseline=baseline):
-        lines.append(f"  {c['name']}: tokens/s x{c['tokens_per_s']:.2f}, peak GiB x{c['peak_gib']:.2f}, "
-                     f"peak - frozen x{c['peak_minus_frozen_gib']:.2f}")
+        lines.append(f"  {c['name']}: tokens/s x{_num(c['tokens_per_s'], '.2f')}, peak GiB "
+                     f"x{_num(c['peak_gib'], '.2f')}, peak - frozen x{_num(c['peak_minus_frozen_gib'], '.2f')}")
     for (model, layers, impl), x in compare_max_context(maxctx, baseline=baseline).items():
         if impl != baseline:
-            lines.append(f"  max context {model}{f' L{layers}' if layers else ''} {impl}: x{x:.2f}")
+            lines.append(f"  max context {model}{f' L{layers}' if layers else ''} {impl}: x{_num(x, '.2f')}")
     if len(lines) == 1:
         lines.append("  (nothing to compare: no implementation has a baseline run of the same workload)")
     return "\n".join(lines)
@@ -201,7 +258,7 @@ def markdown(rows: list[dict], maxctx: list[dict] | None = None, *, baseline: st
     for r in rows:
         head = f"| {_workload(r)} | {r['seq']} x {r['batch']} | {'on' if r['gc'] else 'off'} | {r['impl']} |"
         if r.get("status") != "ok":
-            lines.append(f"{head} {r.get('status')}: {str(r.get('error', ''))[:80].replace('|', '/')} "
+            lines.append(f"{head} {r.get('status')}: {' '.join(str(r.get('error', '')).split())[:80].replace('|', '/')} "
                          "| | | | | | | | | |")
             continue
         c = ratios.get((config_key(r), r["impl"]))
@@ -286,11 +343,23 @@ def plot_max_context(maxctx: list[dict], out: Path) -> Path | None:
 
 
 def write_report(out: Path, *, compare_ratios: bool = False, log=print) -> str:
-    """Load every result in ``out``, flag agreement, write results.md and the PNGs; returns the markdown."""
-    rows, maxctx = load_results(out)
+    """Load every result in ``out``, flag agreement, write results.md and the PNGs; returns the markdown.
+
+    Raises ReportError (nothing written) when ``out`` is not a directory, holds no results, or holds a malformed,
+    duplicated or contradicting one (:func:`load_results`)."""
+    out = Path(out)
+    if not out.is_dir():
+        raise ReportError(f"--out {out}: {'is a file, ' if out.exists() else 'does not exist; '}expected the directory "
+                          "a `leantune bench` run wrote its results to")
+    if (out / "results.md").is_dir():
+        raise ReportError(f"{out / 'results.md'} is a directory; the report writes a file of that name")
+    rows, maxctx = load_results(out, log)
+    if not rows and not maxctx:
+        raise ReportError(f"no benchmark results (*.json of `leantune bench e2e` / `max-context`) in {out}; "
+                          "nothing written")
     flag_agreement(rows)
     text = markdown(rows, maxctx)
-    (Path(out) / "results.md").write_text(text)
+    (out / "results.md").write_text(text)
     log(text)
     try:
         plot(rows, out)
