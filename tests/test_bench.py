@@ -543,3 +543,13 @@ def test_multiline_errors_stay_in_their_table_row_and_missing_ratios_print_a_das
     assert len(row) == 1 and "first line second / line" in row[0]
     rows = [{**_row("hf+peft"), "tokens_per_s": None}, _row("leantune")]
     assert "tokens/s x—" in report.format_compare(rows, [])
+
+
+@pytest.mark.parametrize("field", ["tokens_per_s", "first_loss", "grad_norm"])
+def test_ok_runs_must_record_their_numbers(tmp_path, field):
+    _write(tmp_path, "x.json", {k: v for k, v in _row("hf+peft").items() if k != field})
+    with pytest.raises(report.ReportError, match=f"missing field '{field}'"):
+        report.load_results(tmp_path)
+    _write(tmp_path, "x.json", {**_row("hf+peft"), "mfu": "high"})
+    with pytest.raises(report.ReportError, match="field 'mfu' must be a number"):
+        report.load_results(tmp_path)

@@ -19,10 +19,16 @@ class FakeCompiled:
         self.runs.append(launch)
 
 
+class FakeParam:
+    def __init__(self, is_constexpr):
+        self.is_constexpr = is_constexpr
+
+
 class FakeJIT:
     """Records JIT launches; each returns a new compiled kernel, as a compile would."""
 
     arg_names = ["X", "n", "eps", "BLOCK"]
+    params = [FakeParam(False), FakeParam(False), FakeParam(False), FakeParam(True)]
 
     def __init__(self):
         self.jit_launches = []
@@ -43,6 +49,7 @@ def fake_cuda(monkeypatch):
         cuda_stream = 1234
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(_launch, "_raw_stream", None)
 
 
 def test_same_key_launches_the_cached_kernel_with_every_argument(fake_cuda):
@@ -56,28 +63,40 @@ def test_same_key_launches_the_cached_kernel_with_every_argument(fake_cuda):
     assert first.runs == [(7, 2, 1, 1234, "fn", "meta", None, None, None, x, 5, 2e-6, 64)]
 
 
-@pytest.mark.parametrize("change", ["int value", "int vs bool", "dtype", "alignment", "constexpr", "num_warps",
-                                    "device"])
-def test_any_key_change_goes_through_the_jit(fake_cuda, monkeypatch, change):
+@pytest.mark.parametrize("change", ["int 1", "int multiple of 16", "int64", "int vs bool", "dtype", "alignment",
+                                    "constexpr", "constexpr type", "num_warps", "device", "debug knob"])
+def test_any_specialisation_change_goes_through_the_jit(fake_cuda, monkeypatch, change):
+    from triton import knobs
+
     jit = FakeJIT()
     kernel = _launch.CachedKernel(jit)
     base = torch.zeros(16)
-    args, kwargs = [base, 1, 1e-6], {"BLOCK": 64, "num_warps": 4}
+    args, kwargs = [base, 5, 1e-6], {"BLOCK": 64, "num_warps": 4}
     kernel[(1,)](*args, **kwargs)
-    if change == "int value":
-        args[1] = 17
+    kernel[(1,)](base, 7, 2e-6, BLOCK=64, num_warps=4)  # same specialisation: a hit
+    assert len(jit.jit_launches) == 1
+    if change == "int 1":
+        args[1] = 1  # Triton turns 1 into a constexpr
+    elif change == "int multiple of 16":
+        args[1] = 32
+    elif change == "int64":
+        args[1] = 2**31 + 5
     elif change == "int vs bool":
-        args[1] = True  # equal to 1 and hashes alike: the type must tell them apart
+        args[1] = True
     elif change == "dtype":
         args[0] = torch.zeros(16, dtype=torch.float64)
     elif change == "alignment":
         args[0] = base[1:]  # 4 bytes past a 16-byte boundary
     elif change == "constexpr":
         kwargs["BLOCK"] = 128
+    elif change == "constexpr type":
+        kwargs["BLOCK"] = 64.0  # equal to 64 and hashes alike
     elif change == "num_warps":
         kwargs["num_warps"] = 8
-    else:
+    elif change == "device":
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    else:
+        monkeypatch.setattr(knobs.runtime, "debug", True)
     kernel[(1,)](*args, **kwargs)
     assert len(jit.jit_launches) == 2
 
@@ -98,8 +117,8 @@ def test_uncached_kinds_and_disabled_cache_use_the_jit(fake_cuda, monkeypatch):
 def test_full_cache_is_cleared(fake_cuda, monkeypatch):
     monkeypatch.setattr(_launch, "MAX_ENTRIES", 3)
     kernel = _launch.CachedKernel(FakeJIT())
-    for n in range(5):
-        kernel[(1,)](torch.zeros(4), n, 1.0, BLOCK=8)
+    for block in range(5):
+        kernel[(1,)](torch.zeros(4), 3, 1.0, BLOCK=block)
     assert 1 <= len(kernel.compiled) <= 3
 
 
@@ -124,4 +143,13 @@ def test_launch_hooks_force_the_jit_path(fake_cuda):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     kernel[(1,)](torch.zeros(4), 3, 1.0, BLOCK=8)
-    assert len(jit.jit_launches) == 2
+    assert len(jit.jit_launches) == 2 and len(kernel.compiled) == 1  # the hooked launch stored nothing
+
+
+def test_empty_or_callable_grid_uses_the_jit(fake_cuda):
+    jit = FakeJIT()
+    kernel = _launch.CachedKernel(jit)
+    for _ in range(2):
+        kernel[()](torch.zeros(4), 3, 1.0, BLOCK=8)
+        kernel[lambda meta: (1,)](torch.zeros(4), 3, 1.0, BLOCK=8)
+    assert len(jit.jit_launches) == 4 and kernel.compiled == {}

@@ -548,7 +548,8 @@ def run_max_context(config_path: str, impls: list[str], out: Path, *, lo: int, h
                           out / f"probe_{spec.name}.log", budget.left())
             budget.record(r.get("wall_s", 0.0))
             details.append({"seq": seq, "status": r.get("status"), "peak_gib": r.get("peak_gib"),
-                            "wall_s": r.get("wall_s"), "error": r.get("error")})
+                            "wall_s": r.get("wall_s"), "error": r.get("error"), "gpu": r.get("gpu"),
+                            "versions": r.get("versions")})
             peak = "" if r.get("peak_gib") is None else f"peak {r['peak_gib']:.1f} GiB "
             log(f"max-context {impl} seq {seq}: {r.get('status')} {peak}({r.get('wall_s', 0):.0f} s)")
             if r.get("status") in ("ok", "nonfinite"):
@@ -557,7 +558,11 @@ def run_max_context(config_path: str, impls: list[str], out: Path, *, lo: int, h
 
         found = bisect_max_fitting(fits, lo, hi, step, stop=lambda: not budget.can_start())
         result = {"kind": "max_context", "impl": impl, "config": config_path, "model": model_name(config_path),
-                  "layers": layers, "lo": lo, "hi": hi, "step": step, **found, "probe_details": probes_detail}
+                  "layers": layers, "lo": lo, "hi": hi, "step": step, **found, "probe_details": probes_detail,
+                  # from the probes that ran (the parent never touches the GPU: its context would cost memory)
+                  "date": time.strftime("%Y-%m-%d %H:%M"),
+                  "gpu": next((d["gpu"] for d in probes_detail if d.get("gpu")), None),
+                  "versions": next((d["versions"] for d in probes_detail if d.get("versions")), None)}
         # one file per invocation (`bench report` pools the probes of all): a rerun never overwrites earlier probes
         name = (f"maxctx_{model_name(config_path)}{f'_L{layers}' if layers else ''}_{impl}_"
                 f"{time.strftime('%Y%m%d-%H%M%S')}").replace("+", "-")

@@ -29,9 +29,10 @@ class ReportError(LeantuneError):
     """Results that cannot make a trustworthy table: unreadable, malformed, duplicated or contradicting files."""
 
 
-NOT_RESULTS = ("ceilings.json", "probe.json")  # scratch files of the runs; ops*.json are the op benchmark's
+NOT_RESULTS = ("ceilings.json", "probe.json")  # scratch files of the runs (probe.json looks like a result)
 E2E_FIELDS = {"impl": str, "model": str, "name": str, "seq": int, "batch": int, "gc": bool, "status": str}
-E2E_NUMBERS = ("tokens_per_s", "first_loss", "grad_norm", "peak_gib", "peak_minus_frozen_gib", "median_step_ms")
+OK_REQUIRED = ("tokens_per_s", "first_loss", "grad_norm")  # every ok run has them (may be NaN / null)
+OK_NUMBERS = OK_REQUIRED + ("peak_gib", "peak_minus_frozen_gib", "median_step_ms", "mfu", "hfu")
 MAXCTX_FIELDS = {"impl": str, "model": str, "lo": int, "hi": int, "step": int, "probes": list}
 
 
@@ -59,7 +60,10 @@ def _validate(path: Path, data: dict) -> None:
         return
     _check_fields(path, data, E2E_FIELDS)
     if data["status"] == "ok":
-        for name in E2E_NUMBERS:
+        for name in OK_REQUIRED:
+            if name not in data:
+                raise ReportError(f"{path}: missing field {name!r} (every ok run records it)")
+        for name in OK_NUMBERS:
             value = data.get(name)
             if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
                 raise ReportError(f"{path}: field {name!r} must be a number or null, got {value!r}")
@@ -69,12 +73,13 @@ def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
     """(e2e run rows, max-context rows) from every ``*.json`` in ``out`` and its subfolders; max-context results of
     the same model and implementation from several invocations are pooled (:func:`merge_max_context`).
 
-    JSON files that are not results (no "impl": e.g. the op benchmark's) are skipped with a note through ``log``.
+    JSON files that are not results (no "impl": the op benchmark's, ceilings) are skipped with a note through
+    ``log``.
     Raises ReportError naming the file for unreadable or malformed results, and for two e2e results of the same
     workload and implementation (the table would silently pick one: keep one file)."""
     runs, maxctx, seen = [], [], {}
     for path in sorted(Path(out).rglob("*.json")):
-        if path.name in NOT_RESULTS or path.name.startswith("ops"):
+        if path.name in NOT_RESULTS:
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -109,7 +114,7 @@ def merge_max_context(results: list[dict]) -> list[dict]:
         groups.setdefault((r["model"], r.get("layers"), r["impl"]), []).append(r)
     merged = []
     for (model, _layers, impl), group in groups.items():
-        probes = sorted({(int(s), ok) for r in group for s, ok in r["probes"]}, key=lambda p: p[0])
+        probes = sorted({(s, ok) for r in group for s, ok in r["probes"]}, key=lambda p: p[0])
         fit = [s for s, ok in probes if ok is True]
         fail = [s for s, ok in probes if ok is False]
         best, first_fail = max(fit, default=None), min(fail, default=None)

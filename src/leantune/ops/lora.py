@@ -504,18 +504,20 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
         return dx, grads
     gs = {}
     skinny_dy = _skinny_ok(meta, cdt) and cdt != ldt  # dY read as stored: no [N, out] copy in ldt
+    # g_cat [N, sum r]: the g's side by side for the one dA product below; the skinny path writes each g into its
+    # columns directly, the others are concatenated there
     g_cat = None
-    if skinny_dy and seeds is None and len(lora) > 1:  # each g written into its columns of one buffer: no cat
+    if skinny_dy and seeds is None and len(lora) > 1:
         g_cat = _runtime.empty((x2d.shape[0], sum(projs[j][1].shape[0] for j in lora)), dtype=ldt,
                                device=x2d.device)
-    start = 0
+    g_col = 0
     for j in lora:
         _, a, bmat, _ = projs[j]
         scaling = meta.scalings[j]
         if skinny_dy:
-            out = None if g_cat is None else g_cat[:, start:start + a.shape[0]]
-            start += a.shape[0]
-            gs[j] = _skinny_matmul(dys[j], bmat.to(ldt), scaling, out=out, out_dtype=ldt)  # g = s dY B  [N, r]
+            g_cols = None if g_cat is None else g_cat[:, g_col:g_col + a.shape[0]]
+            g_col += a.shape[0]
+            gs[j] = _skinny_matmul(dys[j], bmat.to(ldt), scaling, out=g_cols, out_dtype=ldt)  # g = s dY B  [N, r]
             if proj_needs[j][2]:  # dB = s dY^T xa, written as [out, r] through a transposed view
                 d_b = _runtime.empty(bmat.shape, dtype=bmat.dtype, device=bmat.device)
                 grads[j][2] = d_b
