@@ -1,7 +1,10 @@
 """Host (CPU) cost of issuing work on the GPU machine: launch primitives, then one op's forward and backward apart.
 
 The GPU is kept busy with a long sleep kernel while the host issues calls, so the host never waits on a full queue and
-the numbers are pure issue time. Usage: PYTHONPATH=src python3 benchmarks/hostprof.py rms_norm
+the numbers are pure issue time. Also: the JIT launch cost with few and many arguments against a direct launch of
+the compiled kernel, each op with leantune's launch cache off and on (host time and do_bench of fwd+bwd), and the
+peers' host time for the same call.
+Usage: PYTHONPATH=src python3 benchmarks/hostprof.py rms_norm,rope,lora_qkv   (cases of leantune.bench.ops)
 """
 import importlib
 import sys
@@ -60,38 +63,44 @@ try:  # the CompiledKernel launched without the binder: a lower bound for any la
     print(f"  same, CompiledKernel.run {host_us(direct):7.1f} us")
 except Exception as exc:  # the launcher's calling convention changes between Triton versions
     print(f"  CompiledKernel.run not measured: {type(exc).__name__}: {exc}")
+launch.ENABLED = True
+cached16 = launch.CachedKernel(_noop16)
+print(f"  same, leantune's cache {host_us(lambda: cached16[(1,)](*xs, *ns, BLOCK=16)):7.1f} us")
+launch.ENABLED = False
 print(f"torch.empty              {host_us(lambda: torch.empty(1024, device='cuda')):7.1f} us")
 print(f"tensor add               {host_us(lambda: x + x):7.1f} us")
 
-name = sys.argv[1] if len(sys.argv) > 1 else "rms_norm"
-case = bench.CASES[name]()
-fn = case.impls["leantune"]
+
+def profile(name):
+    case = bench.CASES[name]()
+    fn = case.impls["leantune"]
+
+    def forward_only():
+        with torch.no_grad():
+            return fn(*case.leaves)
+
+    out = fn(*case.leaves)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def backward_only():
+        torch.autograd.backward(outs, case.grad_outputs, retain_graph=True)
+
+    call = bench._fwd_bwd(fn, case.leaves, case.grad_outputs)
+    for cache in (False, True):  # leantune.ops._launch: compiled kernels cached per argument key
+        launch.ENABLED = cache
+        print(f"{name} [leantune, launch cache {'on' if cache else 'off'}]: host fwd (no_grad) "
+              f"{host_us(forward_only):7.1f} us, bwd only {host_us(backward_only):7.1f} us, fwd+bwd "
+              f"{host_us(call):7.1f} us; do_bench fwd+bwd {triton.testing.do_bench(call):.3f} ms")
+    launch.ENABLED = False
+    for impl, other in case.impls.items():  # the peers' host time for the same call (compile: after its warmup)
+        if impl == "leantune":
+            continue
+        try:
+            peer = bench._fwd_bwd(other, case.leaves, case.grad_outputs)
+            print(f"{name} [{impl}]: host fwd+bwd {host_us(peer):7.1f} us; do_bench {triton.testing.do_bench(peer):.3f} ms")
+        except Exception as exc:
+            print(f"{name} [{impl}]: not measured ({type(exc).__name__}: {str(exc)[:120]})")
 
 
-def forward_only():
-    with torch.no_grad():
-        return fn(*case.leaves)
-
-
-out = fn(*case.leaves)
-outs = list(out) if isinstance(out, (tuple, list)) else [out]
-grads = case.grad_outputs
-
-
-def backward_only():
-    torch.autograd.backward(outs, grads, retain_graph=True)
-
-
-call = bench._fwd_bwd(fn, case.leaves, case.grad_outputs)
-for cache in (False, True):  # leantune.ops._launch: compiled kernels cached per exact argument key
-    launch.ENABLED = cache
-    print(f"{name} [leantune, launch cache {'on' if cache else 'off'}]: host fwd (no_grad) "
-          f"{host_us(forward_only):8.1f} us, bwd only {host_us(backward_only):8.1f} us, fwd+bwd {host_us(call):8.1f} us")
-launch.ENABLED = False
-for impl, other in case.impls.items():  # the peers' host time for the same call (compile: after its warmup)
-    if impl == "leantune":
-        continue
-    try:
-        print(f"{name} [{impl}]: host fwd+bwd {host_us(bench._fwd_bwd(other, case.leaves, case.grad_outputs)):8.1f} us")
-    except Exception as exc:
-        print(f"{name} [{impl}]: not measured ({type(exc).__name__}: {str(exc)[:120]})")
+for name in (sys.argv[1] if len(sys.argv) > 1 else "rms_norm").split(","):
+    profile(name)
