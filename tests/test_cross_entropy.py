@@ -234,6 +234,32 @@ def test_confident_prediction_keeps_true_class_gradient(backend):
     assert ((true_class.double() - expected).abs() <= 0.01 * expected.abs()).all(), (true_class, expected)
 
 
+@pytest.mark.parametrize("option, value, match", [
+    ("softcap", float("inf"), "softcap must be None or a finite number > 0"),
+    ("softcap", "30", "softcap must be None or a finite number > 0"),
+    ("softcap", True, "softcap must be None or a finite number > 0"),
+    ("label_smoothing", "0.1", "label_smoothing must be a real number"),
+    ("label_smoothing", None, "label_smoothing must be a real number"),
+    ("z_loss", float("nan"), "z_loss must be finite"),
+    ("z_loss", 10**400, "z_loss must be finite"),
+    ("ignore_index", 2**70, "ignore_index must fit in int64"),
+    ("num_items", torch.tensor(float("nan")), "num_items must be > 0, finite and whole"),
+    ("num_items", torch.tensor(float("inf")), "num_items must be > 0, finite and whole"),
+    ("num_items", torch.tensor(2.5), "num_items must be > 0, finite and whole"),
+    ("num_items", torch.tensor(3, device="meta"), "num_items must be on labels' device"),
+])
+def test_option_errors_name_the_option(option, value, match):
+    """From a new-user pass: non-finite or mistyped options used to give NaN losses or raw TypeErrors."""
+    logits = torch.randn(4, 10, device=DEVICE)
+    labels = torch.tensor([1, 2, 3, -100], device=DEVICE)
+    if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        value = value.to(DEVICE)
+    for op, args in ((ops.cross_entropy, (logits, labels)),
+                     (ops.linear_cross_entropy, (logits, torch.randn(7, 10, device=DEVICE), labels))):
+        with pytest.raises(ValueError, match=match):
+            op(*args, **{option: value})
+
+
 def test_error_cases(backend):
     logits = torch.randn(4, 10, device=DEVICE)
     labels = torch.tensor([1, 2, 3, -100], device=DEVICE)
@@ -265,7 +291,7 @@ def test_error_cases(backend):
         ops.cross_entropy(logits, labels, num_items=2.5)
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         ops.cross_entropy(logits, labels, label_smoothing=1.5)
-    with pytest.raises(ValueError, match="softcap must be None or > 0"):
+    with pytest.raises(ValueError, match="softcap must be None or a finite number > 0"):
         ops.cross_entropy(logits, labels, softcap=0.0)
     with pytest.raises(ValueError, match="z_loss must be >= 0"):
         ops.cross_entropy(logits, labels, z_loss=-1.0)

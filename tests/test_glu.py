@@ -264,6 +264,8 @@ def test_errors_before_any_kernel(backend, monkeypatch):
         ops.geglu(gate, up.reshape(64, 4))
     with pytest.raises(ValueError, match="gate must be float32, float16 or bfloat16"):
         ops.swiglu(gate.to(torch.int32), up)
+    with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none'"):
+        ops.geglu(gate, up, ["tanh"])  # unhashable: was a raw TypeError
     with pytest.raises(ValueError, match="up must be float32, float16 or bfloat16"):
         ops.geglu(gate, up.double())
     with pytest.raises(ValueError, match="gate must be a torch.Tensor"):

@@ -553,10 +553,18 @@ def _bad_calls():
         (lambda: ops.lora_mlp(x, mlp[0], mlp[1]._replace(weight=torch.randn(31, IN, device=DEVICE)), mlp[2]),
          r"same rows"),
         (lambda: ops.lora_mlp(x, *mlp, activation="relu"), r"activation must be one of"),
+        # from a new-user pass: NaN scaling made the forward act as s = 1 while the gradients were NaN
+        (lambda: ops.lora_linear(x, w, a, b, float("nan")), r"scaling must be finite"),
+        (lambda: ops.lora_linear(x, w, a, b, 1e400), r"scaling must be finite"),
+        (lambda: ops.lora_linear(x, w, a, b, 10**400), r"scaling must be finite"),
+        (lambda: ops.lora_qkv(x, good, good, good._replace(scaling=float("inf"))), r"v\.scaling must be finite"),
+        (lambda: ops.lora_linear(x, w, a, b, 1.0, dropout=0.5, training="no"), r"training must be True or False"),
+        (lambda: ops.lora_linear(x[:, :0], w[:, :0], a[:, :0], b, 1.0), r"weight must have out >= 1 and in >= 1"),
+        (lambda: ops.lora_linear(x, w[:0], a, b[:0], 1.0), r"weight must have out >= 1 and in >= 1"),
     ]
 
 
-@pytest.mark.parametrize("index", range(18))
+@pytest.mark.parametrize("index", range(25))
 def test_errors(index):
     call, match = _bad_calls()[index]
     with pytest.raises(ValueError, match=match):

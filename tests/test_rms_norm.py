@@ -8,6 +8,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from leantune import ops
+from leantune.ops import _runtime
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The interpreter costs ~1 ms per program: keep its shapes small (DESIGN.md).
@@ -166,8 +167,18 @@ def test_errors_before_any_kernel(backend):
         ops.rms_norm(torch.ones(4, 64, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="weight must be float32"):
         ops.rms_norm(x, torch.ones(64, dtype=torch.float64, device=DEVICE))
-    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="eps must be >= 0"):
         ops.rms_norm(x, eps=-1e-6)
+    for eps, match in ((True, "eps must be a real number"), (10**400, "eps must be finite"),
+                       (float("nan"), "eps must be finite")):
+        with pytest.raises(ValueError, match=match):
+            ops.rms_norm(x, eps=eps)
+    for offset, match in (("1", "offset must be a real number"), (None, "offset must be a real number"),
+                          (float("nan"), "offset must be finite"), (torch.zeros(2), "offset must be a real number")):
+        with pytest.raises(ValueError, match=match):
+            ops.rms_norm(x, torch.ones(64, device=DEVICE), casting="gemma", offset=offset)
+    with pytest.raises(ValueError, match="last dim .* must be >= 1"):
+        ops.rms_norm(torch.randn(4, 0, device=DEVICE))
     with pytest.raises(ValueError, match="casting"):
         ops.rms_norm(x, casting="t5")
     with pytest.raises(ValueError, match="offset must be 0"):
@@ -175,6 +186,15 @@ def test_errors_before_any_kernel(backend):
     if ON_GPU:
         with pytest.raises(ValueError, match="one device"):
             ops.rms_norm(x, torch.ones(64))
+
+
+def test_interpreter_switched_on_after_import_raises(monkeypatch):
+    """The kernels are built for the GPU or the interpreter when leantune is imported (as triton.jit decides)."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_runtime, "KERNELS_INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="set after leantune was imported"):
+        ops.rms_norm(torch.randn(2, 8))
 
 
 def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import numbers
 import os
 from collections.abc import Callable, Iterator
 
@@ -49,6 +51,11 @@ def backend(device: torch.device) -> str:
         raise RuntimeError(
             f"LEANTUNE_BACKEND=triton needs CUDA tensors (got tensors on {device}); to run the Triton kernels on the "
             "CPU, set TRITON_INTERPRET=1 before importing leantune, or use LEANTUNE_BACKEND=torch"
+        )
+    if choice == "triton" and device.type != "cuda" and not KERNELS_INTERPRETED:
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after leantune was imported, when its Triton kernels had already been built "
+            "for the GPU; set it before importing leantune, or use LEANTUNE_BACKEND=torch"
         )
     return choice
 
@@ -125,7 +132,7 @@ def persistent_programs(device: torch.device, n_work: int, per_sm: int = 4) -> i
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., H]`` as a 2-D ``[rows, H]`` view with unit stride in the last dim (copies only if it must)."""
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not -1: ambiguous when the last dim is 0
     if x2d.shape[-1] > 1 and x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     return x2d
@@ -161,3 +168,28 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
     """Raise ValueError naming ``name`` unless ``t.shape == expected`` (``what`` explains the expectation)."""
     if tuple(t.shape) != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)} ({what}), got {tuple(t.shape)}")
+
+
+def check_real(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+               high_open: bool = False) -> float:
+    """``value`` as a float; ValueError naming ``name`` unless it is a finite real number (bools, strings and tensors
+    are not) within [low, high] (``low_open`` / ``high_open`` exclude the bound)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf if value > 0 else -math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    too_low = low is not None and (number <= low if low_open else number < low)
+    too_high = high is not None and (number >= high if high_open else number > high)
+    if too_low or too_high:
+        if low is not None and high is not None:
+            expected = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        elif low is not None:
+            expected = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            expected = f"{'<' if high_open else '<='} {high:g}"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return number

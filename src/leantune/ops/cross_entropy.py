@@ -35,6 +35,7 @@ Labels outside [0, V) other than ignore_index raise ValueError: one small reduct
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple
 
@@ -279,14 +280,16 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
         raise ValueError(f"labels must be int64, got {labels.dtype}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not float(softcap) > 0.0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
-    if not float(z_loss) >= 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    label_smoothing = _runtime.check_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0.0 < float(softcap) < math.inf:
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+        softcap = float(softcap)
+    z_loss = _runtime.check_real("z_loss", z_loss, low=0.0)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")  # noqa: TRY004 (contract)
+    if not -2**63 <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64 (labels' dtype), got {ignore_index}")
     item_bad = None
     if num_items is not None:
         if reduction != "mean":
@@ -295,7 +298,10 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
             if num_items.dim() != 0 or num_items.dtype == torch.bool or num_items.is_complex():
                 raise ValueError(f"num_items must be an int or a 0-dim real tensor, got shape {tuple(num_items.shape)} "
                                  f"{num_items.dtype}")
-            item_bad = (num_items <= 0).to(labels.device)
+            if num_items.device != labels.device:
+                raise ValueError(f"num_items must be on labels' device {labels.device}, got {num_items.device}")
+            # a count: positive, finite and whole (gradient accumulation passes the global number of valid tokens)
+            item_bad = ~((num_items > 0) & torch.isfinite(num_items) & (num_items == torch.round(num_items)))
         elif isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral):
             raise ValueError(f"num_items must be an int or a 0-dim tensor, got {type(num_items).__name__}")
         elif num_items <= 0:
@@ -306,9 +312,8 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
     if flags[0]:
         raise ValueError(f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found one outside")
     if item_bad is not None and flags[1]:
-        raise ValueError(f"num_items must be > 0, got {num_items.item()}")
-    return Options(int(ignore_index), float(label_smoothing), None if softcap is None else float(softcap),
-                   float(z_loss))
+        raise ValueError(f"num_items must be > 0, finite and whole (a token count), got {num_items.item()}")
+    return Options(int(ignore_index), label_smoothing, softcap, z_loss)
 
 
 def divisor(labels, opts: Options, reduction, num_items):

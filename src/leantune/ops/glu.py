@@ -501,7 +501,7 @@ def geglu(gate, up, approximate="tanh"):
         ValueError: as :func:`swiglu`, or an unknown ``approximate``.
         RuntimeError: as :func:`swiglu`.
     """
-    if approximate not in APPROXIMATIONS:
+    if not isinstance(approximate, str) or approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
     activation = APPROXIMATIONS[approximate]
     _check_inputs(gate, up, activation)

@@ -239,9 +239,10 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
             where = f"hidden {hidden.dtype}, weight {weight.dtype}" + ("" if bias is None else f", bias {bias.dtype}")
             raise ValueError(f"hidden, weight and bias must share one dtype outside torch.autocast, got {where}")
         compute_dtype = hidden.dtype
+    if isinstance(labels, torch.Tensor):  # shape first: the range check reads the labels
+        _runtime.check_shape("labels", labels, (hidden.shape[0],), "hidden's first dim N")
     opts = check_options(labels, weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, reduction,
                          num_items)
-    _runtime.check_shape("labels", labels, (hidden.shape[0],), "hidden's first dim N")
     _runtime.backend(hidden.device)  # raise configuration errors before any work
     grad_on = torch.is_grad_enabled()
     wants = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,

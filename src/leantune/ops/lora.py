@@ -680,6 +680,9 @@ def _check_projection(name, proj, in_features, device):
         raise ValueError(f"{name}weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
     out_features = weight.shape[0]
     _runtime.check_shape(f"{name}weight", weight, (out_features, in_features), "[out, in] with in = x's last dim")
+    if out_features == 0 or in_features == 0:
+        raise ValueError(f"{name}weight must have out >= 1 and in >= 1 (x's last dim), got shape "
+                         f"{tuple(weight.shape)}")
     if (lora_A is None) != (lora_B is None):
         raise ValueError(f"{name}lora_A and {name}lora_B must both be tensors or both be None")
     if lora_A is not None:
@@ -695,8 +698,7 @@ def _check_projection(name, proj, in_features, device):
         if lora_A.dtype != lora_B.dtype:
             raise ValueError(f"{name}lora_A and {name}lora_B must share a dtype, got {lora_A.dtype} and "
                              f"{lora_B.dtype}")
-        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
-            raise ValueError(f"{name}scaling must be a real number, got {type(scaling).__name__}")
+        scaling = _runtime.check_real(f"{name}scaling", scaling)
     if bias is not None:
         _runtime.check_tensor(f"{name}bias", bias)
         _runtime.check_shape(f"{name}bias", bias, (out_features,), "[out] with out = weight's rows")
@@ -720,6 +722,8 @@ def _check_dropout(dropout):
 
 def _meta(names, checked, x, dropout, training):
     """One _Meta for projections sharing an input: they must share the weight dtype and the LoRA dtype."""
+    if not isinstance(training, bool):
+        raise ValueError(f"training must be True or False, got {training!r}")
     autocast = _runtime.autocast_dtype(x.device)
     weight_dtypes = {t[0][0].dtype for t in checked}
     if len(weight_dtypes) > 1:
@@ -741,17 +745,19 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, *, dropout=0.0, t
         x: ``[..., in]`` float32/float16/bfloat16.
         weight: ``[out, in]`` frozen weight (a gradient is returned only when it requires grad).
         lora_A: ``[r, in]``, lora_B: ``[out, r]`` (PEFT layout, one dtype; both None: plain linear).
-        scaling: s, a real number (alpha/r, rsLoRA alpha/sqrt(r), ...).
+        scaling: s, a finite real number (alpha/r, rsLoRA alpha/sqrt(r), ...).
         bias: ``[out]`` or None.
-        dropout: p in [0, 1) applied to the LoRA branch's input (PEFT's ``lora_dropout``); only when ``training``.
+        dropout: p in [0, 1) applied to the LoRA branch's input (PEFT's ``lora_dropout``); only when ``training``
+            (a bool).
 
     Returns:
         ``y [..., out]`` in the compute dtype: weight's dtype, or autocast's under ``torch.autocast`` (PEFT/HF's).
         The frozen matmul runs in that dtype, the LoRA branch in lora_A's (autocast's), summed in the promoted dtype.
 
     Raises:
-        ValueError: shapes that do not match (the message names the argument), non-float dtypes, lora_A/lora_B of
-            different dtypes, tensors on different devices, dropout outside [0, 1).
+        ValueError: shapes that do not match or are empty (the message names the argument), non-float dtypes,
+            lora_A/lora_B of different dtypes, tensors on different devices, dropout outside [0, 1), a scaling that
+            is not a finite number, a training flag that is not a bool.
     Source: PEFT ``peft/tuners/lora/layer.py`` ``Linear.forward``; the derivation is in this module's docstring.
     """
     return _lora_group(x, [("", LoraWeights(weight, lora_A, lora_B, scaling, bias))], dropout, training)[0]

@@ -219,19 +219,22 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
 
     Raises:
         ValueError: non-float or unsupported dtype, weight not ``[H]``, tensors on different devices, unknown
-            ``casting``, a non-zero ``offset`` with ``casting="llama"``, eps negative or not finite, or H > 65536.
+            ``casting``, ``offset`` not a finite number or non-zero with ``casting="llama"``, eps negative or not
+            finite, or H = 0 or > 65536.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension [..., H], got a 0-dim tensor")
-    if not (isinstance(eps, (int, float)) and 0.0 <= float(eps) < float("inf")):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    eps = _runtime.check_real("eps", eps, low=0.0)
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    offset = _runtime.check_real("offset", offset)
     if casting == "llama" and offset != 0.0:
         raise ValueError(f"offset must be 0 with casting='llama' (use casting='gemma' for 1 + w), got {offset}")
     hidden = x.shape[-1]
+    if hidden == 0:
+        raise ValueError(f"x's last dim (the normalised one) must be >= 1, got shape {tuple(x.shape)}")
     if hidden > MAX_HIDDEN:
         raise ValueError(f"x's last dim must be <= {MAX_HIDDEN}, got {hidden}")
     if weight is not None:
@@ -239,4 +242,4 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
         _runtime.check_shape("weight", weight, (hidden,), "x's last dim")
     _runtime.check_same_device(x=x, weight=weight)
     _runtime.backend(x.device)  # raise configuration errors before any work
-    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting == "gemma")
+    return RMSNormFunction.apply(x, weight, eps, offset, casting == "gemma")
