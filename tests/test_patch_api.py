@@ -13,7 +13,7 @@ from test_patch_families import assert_grads_close, batch, lora_config, loss_and
 
 import leantune
 from leantune import assets, ops
-from leantune.patch import is_patched
+from leantune.patch import FAMILIES, is_patched
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
@@ -140,22 +140,29 @@ def test_peft_forward_kept_where_fused_ops_cannot_serve(case):
 
 
 def test_hf_loss_conventions_num_items_shift_labels_return_dict():
-    """num_items_in_batch divides the summed loss (as HF); shift_labels replaces the shift; return_dict=False."""
+    """num_items_in_batch divides the summed loss (as HF); a given shift_labels replaces the shift, and alone (no
+    labels) gives no loss, as in HF; return_dict=False keeps HF's positions (logits slot None, cache after it)."""
     model = tiny_peft_model("gemma2")
     input_ids, labels = batch()
     num_items = torch.tensor(7)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    other = torch.randint(0, model.config.vocab_size, labels.shape)  # labels ignored when shift_labels is given
     with torch.no_grad():
         ref_sum = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
         ref_mean = model(input_ids=input_ids, labels=labels).loss
+        ref_only_shift = model(input_ids=input_ids, shift_labels=shifted)
+        ref_tuple = model(input_ids=input_ids, labels=labels, return_dict=False, use_cache=True)
     leantune.patch(model)
     with torch.no_grad():
         loss_sum = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
-        loss_shift = model(input_ids=input_ids, shift_labels=shifted).loss
-        as_tuple = model(input_ids=input_ids, labels=labels, return_dict=False)
+        loss_shift = model(input_ids=input_ids, labels=other, shift_labels=shifted).loss
+        only_shift = model(input_ids=input_ids, shift_labels=shifted)
+        as_tuple = model(input_ids=input_ids, labels=labels, return_dict=False, use_cache=True)
     assert rel_err(loss_sum, ref_sum) <= 1e-5
     assert rel_err(loss_shift, ref_mean) <= 1e-5
-    assert isinstance(as_tuple, tuple) and rel_err(as_tuple[0], ref_mean) <= 1e-5
+    assert ref_only_shift.loss is None and only_shift.loss is None and only_shift.logits is not None
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == len(ref_tuple) and as_tuple[1] is None
+    assert rel_err(as_tuple[0], ref_mean) <= 1e-5 and type(as_tuple[2]) is type(ref_tuple[2])
 
 
 def _largest_saved(model, input_ids, labels) -> int:
@@ -246,3 +253,77 @@ def test_trainable_base_bias_keeps_peft_forward():
     loss, _, grads = loss_and_grads(model, input_ids, labels)
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
+
+
+# ------------------------------------------------------------------------------- copies, odd LoRA settings (new-user)
+def _rope_calls(monkeypatch):
+    calls = collections.Counter()
+    original = ops.rope
+    monkeypatch.setattr(ops, "rope", lambda *a, **k: calls.update(["rope"]) or original(*a, **k))
+    return calls
+
+
+def test_pickled_and_deep_copied_models_come_back_patched(monkeypatch):
+    """torch.save / pickle used to fail on load (a bound method pickles as getattr(module, 'attention_forward'));
+    a deep copy lost the fused RoPE once the original was unpatched (the copy held no share of the dispatcher)."""
+    import io
+    import pickle
+
+    from leantune.patch import forwards
+
+    model = tiny_peft_model("llama")
+    input_ids, labels = batch()
+    leantune.patch(model)
+    ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = {"pickle": pickle.loads(pickle.dumps(model)), "torch.save": torch.load(buffer, weights_only=False),
+              "deepcopy": copy.deepcopy(model)}
+    leantune.unpatch(model)  # the copies must keep working on their own
+    calls = _rope_calls(monkeypatch)
+    for how, clone in copies.items():
+        assert leantune.is_patched(clone), how
+        calls.clear()
+        loss, _, grads = loss_and_grads(clone, input_ids, labels)
+        assert rel_err(loss, ref_loss) <= 1e-5, how
+        assert_grads_close(grads, ref_grads)
+        assert calls["rope"] == 2, f"{how}: the copy's attention must still run ops.rope"
+    assert forwards.rope_installed(FAMILIES["llama"])  # held by the copies alone now
+    for clone in copies.values():
+        leantune.unpatch(clone)
+        assert not _instance_forwards(clone) and not leantune.is_patched(clone)
+
+
+def test_forward_signature_is_the_models(monkeypatch):
+    """HF's generate and Trainer read inspect.signature(model.forward): it must list HF's arguments, not *args."""
+    import inspect
+
+    model = tiny_peft_model("llama")
+    leantune.patch(model)
+    hf = model.base_model.model
+    params = inspect.signature(hf.forward).parameters
+    assert "input_ids" in params and "labels" in params and "self" not in params
+    attention = hf.model.layers[0].self_attn
+    assert "hidden_states" in inspect.signature(attention.forward).parameters
+
+
+def test_dropout_one_keeps_peft_forward():
+    """lora_dropout=1.0 zeroes the branch in training (PEFT accepts it); the fused ops take p < 1: PEFT's forward is
+    kept for those projections and the summary says why."""
+    model = tiny_peft_model("llama", lora_dropout=1.0).train()
+    input_ids, labels = batch()
+    ref_loss = model(input_ids=input_ids, labels=labels).loss.detach()
+    leantune.patch(model)
+    loss = model(input_ids=input_ids, labels=labels).loss.detach()
+    assert rel_err(loss, ref_loss) <= 1e-5
+    summary = model.leantune_summary
+    assert summary["counts"]["lora"] == 0 and all("lora_dropout p = 1.0 >= 1" in why
+                                                   for why in summary["unpatched"].values())
+
+
+def test_mlp_off_counts_no_fused_lora_mlp():
+    model = tiny_peft_model("llama")
+    leantune.patch(model, mlp=False)
+    counts = model.leantune_summary["counts"]
+    assert counts["mlp"] == 0 and counts["lora_mlp"] == 0 and counts["lora"] == 14

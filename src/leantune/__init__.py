@@ -1,10 +1,12 @@
 """leantune: fast, memory-lean LoRA fine-tuning of Hugging Face causal LMs with hand-derived Triton kernels.
 
-Public API (DESIGN.md): ``leantune.ops`` (the kernels) and ``leantune.patch(model)`` / ``leantune.unpatch(model)``.
+Public API (DESIGN.md): ``leantune.ops`` (the kernels) and ``leantune.patch(model)`` / ``leantune.unpatch(model)``
+(``leantune.is_patched(model)`` tells; the name ``leantune.patch`` is the function, so reach the subpackage's other
+names with ``from leantune.patch import ...``).
 """
 
 from . import ops
-from .patch import patch, unpatch
+from .patch import is_patched, patch, unpatch
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "ops", "patch", "unpatch"]
+__all__ = ["__version__", "is_patched", "ops", "patch", "unpatch"]

@@ -1,6 +1,7 @@
 """``leantune.patch(model)``: leantune's ops inside a Hugging Face causal LM, on this instance only.
 
-What is swapped (each kind can be switched off), all as ``forward`` methods bound on module instances:
+What is swapped (each kind can be switched off), all as ``forward`` callables bound on module instances
+(``forwards.BoundForward``: they survive ``copy.deepcopy``, ``pickle`` and ``torch.save``):
 
 - ``rms_norm``: every ``{Family}RMSNorm`` -> ``ops.rms_norm`` with the family's casting/offset (incl. Gemma's
   sandwich norms and Qwen3/Gemma3 q/k norms: they are RMSNorm modules of the same class).
@@ -23,17 +24,16 @@ from __future__ import annotations
 import collections
 import importlib
 import logging
-import types
 
 from torch import nn
 
 from .families import ACTIVATIONS, FAMILIES, Family, family_for
-from .forwards import FORWARDS, ModuleState, acquire_rope, is_leantune_forward, lora_status, release_rope
+from .forwards import STATE_ATTR, ModuleState, bind, is_leantune_forward, lora_status, unbind
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("rms_norm", "rope", "mlp", "loss", "lora")
-_STATE_ATTR = "_leantune"  # per-module ModuleState
+_STATE_ATTR = STATE_ATTR  # per-module ModuleState
 _MODEL_ATTR = "_leantune_model"  # on the HF causal LM: (family name, flags) of the current patch
 SUMMARY_ATTR = "leantune_summary"
 
@@ -57,14 +57,7 @@ def _hf_model(model) -> nn.Module:
 
 
 def _bind(module: nn.Module, state: ModuleState) -> None:
-    module.__dict__[_STATE_ATTR] = state
-    module.forward = types.MethodType(FORWARDS[state.kind], module)
-
-
-def _restore(module: nn.Module) -> None:
-    module.__dict__.pop(_STATE_ATTR, None)
-    if is_leantune_forward(module.__dict__.get("forward")):
-        del module.forward
+    module.forward = bind(module, state)
 
 
 def _foreign_forward(module: nn.Module) -> bool:
@@ -127,7 +120,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             _bind(module, ModuleState("mlp", family, mlp=use_mlp, lora=lora, activation=activation))
             counts["mlp"] += int(use_mlp)
         if kind in (attention_cls, mlp_cls) and lora:
-            _count_lora(name, module, counts, left)
+            _count_lora(name, module, counts, left, mlp_fused=mlp and activation is not None)
     if loss:
         if _foreign_forward(hf):
             left["<causal lm>"] = "has an instance-level forward: HF's loss kept"
@@ -138,8 +131,6 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             counts["loss"] = 1
             if type(hf.lm_head) is not nn.Linear:
                 left["lm_head"] = f"{type(hf.lm_head).__name__}: logits formed, loss from ops.cross_entropy"
-    if rope and counts["rope"]:
-        acquire_rope(family, hf)
     hf.__dict__[_MODEL_ATTR] = (family.name, rope and counts["rope"] > 0)
     summary = {
         "family": family.name,
@@ -152,7 +143,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     return model
 
 
-def _count_lora(name: str, module: nn.Module, counts, left) -> None:
+def _count_lora(name: str, module: nn.Module, counts, left, *, mlp_fused: bool) -> None:
     fused = []
     for proj in _PROJECTIONS:
         child = getattr(module, proj, None)
@@ -165,7 +156,7 @@ def _count_lora(name: str, module: nn.Module, counts, left) -> None:
             left[f"{name}.{proj}"] = f"PEFT's forward kept: {reason}"
     counts["lora"] += len(fused)
     counts["lora_qkv"] += int(any(p in fused for p in ("q_proj", "k_proj", "v_proj")))
-    counts["lora_mlp"] += int(all(p in fused for p in ("gate_proj", "up_proj", "down_proj")))
+    counts["lora_mlp"] += int(mlp_fused and all(p in fused for p in ("gate_proj", "up_proj", "down_proj")))
 
 
 def _describe(summary) -> str:
@@ -194,10 +185,8 @@ def unpatch(model):
     hf = _hf_model(model)
     for module in hf.modules():
         if _STATE_ATTR in module.__dict__:
-            _restore(module)
-    recorded = hf.__dict__.pop(_MODEL_ATTR, None)
-    if recorded is not None and recorded[1]:
-        release_rope(FAMILIES[recorded[0]], hf)
+            unbind(module)
+    hf.__dict__.pop(_MODEL_ATTR, None)
     hf.__dict__.pop(SUMMARY_ATTR, None)
     return model
 

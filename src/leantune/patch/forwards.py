@@ -20,6 +20,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import inspect
 import weakref
 
 import torch.nn.functional as F
@@ -107,6 +108,8 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
     dropout = module.lora_dropout[name]
     if isinstance(dropout, nn.Dropout):
         p, training = float(dropout.p), dropout.training
+        if p >= 1.0:  # the branch is all zeros in training: PEFT's forward reproduces that, ops take p < 1
+            return None, 0.0, False, f"lora_dropout p = {p} >= 1"
     elif isinstance(dropout, nn.Identity):
         p, training = 0.0, False
     else:
@@ -300,15 +303,15 @@ def _fused_attention(self, family: Family, hidden_states, position_embeddings, a
 
 def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    """``XForCausalLM.forward`` with the loss from ``ops.linear_cross_entropy``: with labels (or ``shift_labels``)
-    no [tokens, vocab] logits exist and ``logits`` is None; without them HF's forward runs unchanged.
+    """``XForCausalLM.forward`` with the loss from ``ops.linear_cross_entropy``: with labels (as HF, a given
+    ``shift_labels`` is used instead of shifting them) no [tokens, vocab] logits exist and ``logits`` is None (with
+    ``return_dict=False`` the tuple keeps a None in the logits slot, so positions match HF's); without labels HF's
+    forward runs unchanged.
 
     Labels are shifted as HF's ``ForCausalLMLoss`` does (pad with ignore_index, drop the first);
     ``num_items_in_batch`` becomes the op's ``num_items``; the family's final-logit softcap is applied in the op.
     """
-    shift_labels = kwargs.get("shift_labels")
-    wants_loss = labels is not None or shift_labels is not None
-    if not wants_loss or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+    if labels is None or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):  # HF: a loss only with labels
         return _call_original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                               use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
@@ -317,7 +320,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    kwargs.pop("shift_labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     family = self._leantune.family
@@ -340,7 +343,11 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
                                  num_items=num_items)
     output = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-    return output if return_dict else output.to_tuple()
+    if return_dict:
+        return output
+    # HF's to_tuple drops None fields; keep the logits slot so that out[1] is never silently another field
+    return (loss, None, *(v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions)
+                          if v is not None))
 
 
 def _plain_linear(module) -> bool:
@@ -356,10 +363,67 @@ FORWARDS = {
 for _kind, _fn in FORWARDS.items():
     _fn._leantune_kind = _kind
 
+STATE_ATTR = "_leantune"  # the ModuleState of a patched module, in its __dict__
+
+
+class BoundForward:
+    """A patched module's ``forward``: ``FORWARDS[kind]`` bound to the module, like a bound method.
+
+    Not a plain bound method because of copies: pickle saves one as ``getattr(module, "attention_forward")``, which a
+    module being reloaded does not have. This one reduces to :func:`bind`, so a pickled (``torch.save``) or
+    deep-copied patched model comes back patched, and its attention modules hold the RoPE dispatcher like the
+    original's. ``__signature__`` is the forward's without ``self`` (HF's generate and Trainer inspect it).
+    """
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, func, module):
+        self.__func__, self.__self__ = func, module
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self):
+        return bind, (self.__self__, self.__self__.__dict__[STATE_ATTR])
+
+    @property
+    def __signature__(self):
+        signature = inspect.signature(self.__func__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    @property
+    def __name__(self):
+        return self.__func__.__name__
+
+    @property
+    def __doc__(self):
+        return self.__func__.__doc__
+
+    def __repr__(self):
+        return f"<leantune {self.__func__.__name__} of {type(self.__self__).__name__}>"
+
+
+def bind(module: nn.Module, state: ModuleState) -> BoundForward:
+    """Give ``module`` its state and (for attention with the rope kind on) a share of the RoPE dispatcher; returns
+    the forward to install. Also what a copy of a patched module is rebuilt with."""
+    module.__dict__[STATE_ATTR] = state
+    if state.kind == "attention" and state.rope:
+        acquire_rope(state.family, module)
+    return BoundForward(FORWARDS[state.kind], module)
+
+
+def unbind(module: nn.Module) -> None:
+    """Undo :func:`bind`: the state and the instance forward removed, the RoPE share released."""
+    state = module.__dict__.pop(STATE_ATTR, None)
+    if is_leantune_forward(module.__dict__.get("forward")):
+        del module.forward
+    if state is not None and state.kind == "attention" and state.rope:
+        release_rope(state.family, module)
+
 
 def is_leantune_forward(fn) -> bool:
     return getattr(getattr(fn, "__func__", None), "_leantune_kind", None) is not None
 
 
-__all__ = ["FORWARDS", "ModuleState", "acquire_rope", "carries_fusable_lora", "is_leantune_forward", "lora_status",
-           "release_rope", "rope_installed"]
+__all__ = ["FORWARDS", "STATE_ATTR", "BoundForward", "ModuleState", "acquire_rope", "bind", "carries_fusable_lora",
+           "is_leantune_forward", "lora_status", "release_rope", "rope_installed", "unbind"]
