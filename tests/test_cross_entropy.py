@@ -238,6 +238,7 @@ def test_confident_prediction_keeps_true_class_gradient(backend):
     ("softcap", float("inf"), "softcap must be None or a finite number > 0"),
     ("softcap", "30", "softcap must be None or a finite number > 0"),
     ("softcap", True, "softcap must be None or a finite number > 0"),
+    ("softcap", 10**400, "softcap must be None or a finite number > 0"),
     ("label_smoothing", "0.1", "label_smoothing must be a real number"),
     ("label_smoothing", None, "label_smoothing must be a real number"),
     ("z_loss", float("nan"), "z_loss must be finite"),

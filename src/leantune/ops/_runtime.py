@@ -171,25 +171,29 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
 
 
 def check_real(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-               high_open: bool = False) -> float:
+               high_open: bool = False, expected: str | None = None) -> float:
     """``value`` as a float; ValueError naming ``name`` unless it is a finite real number (bools, strings and tensors
-    are not) within [low, high] (``low_open`` / ``high_open`` exclude the bound)."""
+    are not) within [low, high] (``low_open`` / ``high_open`` exclude the bound). ``expected`` replaces the
+    message's description of a valid value, for every failure."""
+    def fail(what: str):
+        raise ValueError(f"{name} must be {expected or what}, got {value!r}")
+
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
+        fail("a real number")
     try:
         number = float(value)
     except OverflowError:
         number = math.inf if value > 0 else -math.inf
     if not math.isfinite(number):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        fail("finite")
     too_low = low is not None and (number <= low if low_open else number < low)
     too_high = high is not None and (number >= high if high_open else number > high)
     if too_low or too_high:
         if low is not None and high is not None:
-            expected = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            expected_range = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
         elif low is not None:
-            expected = f"{'>' if low_open else '>='} {low:g}"
+            expected_range = f"{'>' if low_open else '>='} {low:g}"
         else:
-            expected = f"{'<' if high_open else '<='} {high:g}"
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+            expected_range = f"{'<' if high_open else '<='} {high:g}"
+        fail(expected_range)
     return number

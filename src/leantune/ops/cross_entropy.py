@@ -35,7 +35,6 @@ Labels outside [0, V) other than ignore_index raise ValueError: one small reduct
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import NamedTuple
 
@@ -282,9 +281,8 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     label_smoothing = _runtime.check_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0.0 < float(softcap) < math.inf:
-            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-        softcap = float(softcap)
+        softcap = _runtime.check_real("softcap", softcap, low=0.0, low_open=True,
+                                      expected="None or a finite number > 0")
     z_loss = _runtime.check_real("z_loss", z_loss, low=0.0)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")  # noqa: TRY004 (contract)

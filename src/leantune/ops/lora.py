@@ -54,7 +54,6 @@ backward) and h from them, instead of a low-rank add over each [N, I] output fol
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import torch
@@ -715,9 +714,7 @@ def _check_x(x):
 
 
 def _check_dropout(dropout):
-    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= float(dropout) < 1.0:
-        raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
-    return float(dropout)
+    return _runtime.check_real("dropout", dropout, low=0.0, high=1.0, high_open=True, expected="a float in [0, 1)")
 
 
 def _meta(names, checked, x, dropout, training):

@@ -33,7 +33,6 @@ from .forwards import STATE_ATTR, ModuleState, bind, is_leantune_forward, lora_s
 logger = logging.getLogger(__name__)
 
 KINDS = ("rms_norm", "rope", "mlp", "loss", "lora")
-_STATE_ATTR = STATE_ATTR  # per-module ModuleState
 _MODEL_ATTR = "_leantune_model"  # on the HF causal LM: (family name, flags) of the current patch
 SUMMARY_ATTR = "leantune_summary"
 
@@ -184,7 +183,7 @@ def unpatch(model):
     """
     hf = _hf_model(model)
     for module in hf.modules():
-        if _STATE_ATTR in module.__dict__:
+        if STATE_ATTR in module.__dict__:
             unbind(module)
     hf.__dict__.pop(_MODEL_ATTR, None)
     hf.__dict__.pop(SUMMARY_ATTR, None)
