@@ -118,12 +118,16 @@ def default_shape(config) -> tuple[int, int]:
 
 
 # -------------------------------------------------------------------------------------------------------- bisection
+class RangeError(BenchError, ValueError):
+    """A max-context range without a length to probe (a user error on the CLI, a ValueError to callers)."""
+
+
 def check_range(lo: int, hi: int, step: int) -> None:
-    """BenchError unless [lo, hi] holds a positive multiple of ``step`` (max-context's --lo/--hi/--step)."""
+    """RangeError unless [lo, hi] holds a positive multiple of ``step`` (max-context's --lo/--hi/--step)."""
     if step <= 0:
-        raise BenchError(f"--step must be positive, got {step}")
+        raise RangeError(f"--step must be positive, got {step}")
     if lo < 1 or -(-lo // step) > hi // step:
-        raise BenchError(f"no multiple of --step {step} in [--lo {lo}, --hi {hi}] (expected 1 <= lo <= hi)")
+        raise RangeError(f"no multiple of {step} in [{lo}, {hi}] (--step, --lo, --hi; expected 1 <= lo <= hi)")
 
 
 def bisect_max_fitting(fits: Callable[[int], bool | None], lo: int, hi: int, step: int,
@@ -134,13 +138,11 @@ def bisect_max_fitting(fits: Callable[[int], bool | None], lo: int, hi: int, ste
     nor ran out of memory: timeout, crash) ends the search. ``stop()`` is asked before each probe (the time budget).
     Returns {"best": largest fitting length or None, "first_fail": smallest length known not to fit or None,
     "probes": [[seq, fits], ...] in order, "complete": whether the bracket is closed (best + step == first_fail, or
-    hi fits, or lo fails)}. Binary search: ceil(log2(#candidates + 1)) probes at most.
+    hi fits, or lo fails)}. Binary search: ceil(log2(#candidates + 1)) probes at most. Raises RangeError (a
+    ValueError) when [lo, hi] holds no positive multiple of ``step``.
     """
-    if step <= 0:
-        raise ValueError(f"step must be positive, got {step}")
+    check_range(lo, hi, step)
     lo_k, hi_k = -(-lo // step), hi // step
-    if lo_k < 1 or lo_k > hi_k:
-        raise ValueError(f"no multiple of {step} in [{lo}, {hi}]")
     good, bad = lo_k - 1, hi_k + 1  # invariant: good fits (or is below range), bad fails (or is above range)
     probes: list[list] = []
     while bad - good > 1:
