@@ -1,16 +1,16 @@
 """The replacement forwards that :func:`leantune.patch` binds onto module instances, one per kind, family-agnostic.
 
-Each patched module carries a small plain state object (``module._leantune``: the family row and the switches); the
-original forward is the class's. Nothing here holds a reference to a module, so ``copy.deepcopy`` of a patched
-model gives a working patched copy.
+Each patched module carries a small plain state object (``module._leantune``: the family row and the switches) and
+a :class:`BoundForward`; the original forward is the class's. ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a
+patched model give a working patched copy (the forward rebinds itself through :func:`bind`).
 
 LoRA projections are read from PEFT at every forward (never cached), so ``patch`` before ``get_peft_model``,
 adapter switching and ``disable_adapter()`` all do what PEFT would. A projection is fused only when the fused op
-computes exactly what PEFT's ``lora.Linear.forward`` would (:func:`lora_weights`); otherwise PEFT's forward runs.
+computes exactly what PEFT's ``lora.Linear.forward`` would (:func:`lora_status`); otherwise PEFT's forward runs.
 
 RoPE has no per-instance seam in transformers 5 (the attention forward calls the module-level
-``apply_rotary_pos_emb``), so the family's modeling module gets a dispatcher while any patched model uses it
-(:func:`acquire_rope` / :func:`release_rope`); it runs ``ops.rope`` only inside the forward of a patched attention
+``apply_rotary_pos_emb``), so the family's modeling module gets a dispatcher while any patched attention module
+uses it (:func:`acquire_rope` / :func:`release_rope`, counted per module by :func:`bind` / :func:`unbind`); it runs ``ops.rope`` only inside the forward of a patched attention
 module (a context variable set there), so an unpatched model keeps HF's exact function.
 """
 
@@ -180,7 +180,8 @@ def _make_rope_dispatch(original):
 
 
 def acquire_rope(family: Family, model) -> None:
-    """Install the dispatcher in the family's modeling module (if needed) and register ``model`` as a user."""
+    """Install the dispatcher in the family's modeling module (if needed) and register ``model`` (a patched
+    attention module) as a user."""
     module = importlib.import_module(family.modeling_module)
     users = _rope_users.setdefault(family.modeling_module, weakref.WeakSet())
     current = module.apply_rotary_pos_emb
