@@ -377,16 +377,18 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
         z_loss: adds ``z_loss * lse^2`` per valid row (PaLM).
         reduction: ``"mean"`` (over valid rows, or over ``num_items``; 0.0 when none is valid), ``"sum"``, ``"none"``
             (``[N]``, 0 at ignored rows).
-        num_items: int or 0-dim tensor > 0, with ``"mean"`` only: the divisor replacing count(valid) (HF's
-            ``num_items_in_batch``, for gradient accumulation across micro-batches).
+        num_items: int or 0-dim tensor (on labels' device) holding a whole number > 0, with ``"mean"`` only: the
+            divisor replacing count(valid) (HF's ``num_items_in_batch``, for gradient accumulation across
+            micro-batches).
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. The gradient w.r.t. logits has logits' dtype.
 
     Raises:
         ValueError: logits not a 2-D float tensor, labels not int64 ``[N]``, tensors on different devices, a label
-            outside ``[0, V)`` that is not ``ignore_index``, an unknown reduction, ``num_items`` not > 0 or given
-            without ``"mean"``, label_smoothing outside [0, 1], softcap <= 0, z_loss < 0.
+            outside ``[0, V)`` that is not ``ignore_index``, an unknown reduction, ``num_items`` not a whole number
+            > 0 or given without ``"mean"``, label_smoothing outside [0, 1], softcap <= 0, z_loss < 0, any of these
+            three not a finite real number, an ignore_index outside int64.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("logits", logits)
