@@ -2,8 +2,9 @@
 
 The GPU is kept busy with a long sleep kernel while the host issues calls, so the host never waits on a full queue and
 the numbers are pure issue time. Also: the JIT launch cost with few and many arguments against a direct launch of
-the compiled kernel, each op with leantune's launch cache off and on (host time and do_bench of fwd+bwd), and the
-peers' host time for the same call.
+the compiled kernel, each op's forward and backward host time and do_bench of fwd+bwd, and the peers' host time for
+the same call. Op calls are issued 20 at a time: CUDA's launch queue (~1024 entries) must not fill, or the host
+blocks and the wait is counted (the 2026-11-30 run used 200 and overstated ops of > 5 kernels, e.g. lora_qkv).
 Usage: PYTHONPATH=src python3 benchmarks/hostprof.py rms_norm,rope,lora_qkv   (cases of leantune.bench.ops)
 """
 import importlib
@@ -15,7 +16,6 @@ import triton
 import triton.language as tl
 
 bench = importlib.import_module("leantune.bench.ops")
-launch = importlib.import_module("leantune.ops._launch")
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def _noop(X, n, BLOCK: tl.constexpr):
     pass
 
 
-def host_us(fn, n=200):
+def host_us(fn, n=20):
     """Mean host time of ``fn`` in microseconds, issued behind ~1 s of GPU sleep."""
     fn()
     torch.cuda.synchronize()
@@ -63,10 +63,6 @@ try:  # the CompiledKernel launched without the binder: a lower bound for any la
     print(f"  same, CompiledKernel.run {host_us(direct):7.1f} us")
 except Exception as exc:  # the launcher's calling convention changes between Triton versions
     print(f"  CompiledKernel.run not measured: {type(exc).__name__}: {exc}")
-launch.ENABLED = True
-cached16 = launch.CachedKernel(_noop16)
-print(f"  same, leantune's cache {host_us(lambda: cached16[(1,)](*xs, *ns, BLOCK=16)):7.1f} us")
-launch.ENABLED = False
 print(f"torch.empty              {host_us(lambda: torch.empty(1024, device='cuda')):7.1f} us")
 print(f"tensor add               {host_us(lambda: x + x):7.1f} us")
 
@@ -86,12 +82,9 @@ def profile(name):
         torch.autograd.backward(outs, case.grad_outputs, retain_graph=True)
 
     call = bench._fwd_bwd(fn, case.leaves, case.grad_outputs)
-    for cache in (False, True):  # leantune.ops._launch: compiled kernels cached per argument key
-        launch.ENABLED = cache
-        print(f"{name} [leantune, launch cache {'on' if cache else 'off'}]: host fwd (no_grad) "
-              f"{host_us(forward_only):7.1f} us, bwd only {host_us(backward_only):7.1f} us, fwd+bwd "
-              f"{host_us(call):7.1f} us; do_bench fwd+bwd {triton.testing.do_bench(call):.3f} ms")
-    launch.ENABLED = False
+    print(f"{name} [leantune]: host fwd (no_grad) {host_us(forward_only):7.1f} us, bwd only "
+          f"{host_us(backward_only):7.1f} us, fwd+bwd {host_us(call):7.1f} us; do_bench fwd+bwd "
+          f"{triton.testing.do_bench(call):.3f} ms")
     for impl, other in case.impls.items():  # the peers' host time for the same call (compile: after its warmup)
         if impl == "leantune":
             continue

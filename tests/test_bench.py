@@ -399,6 +399,8 @@ def test_ops_each_op_in_its_own_child_merged(tmp_path, monkeypatch):
             return {"status": "crashed", "error": "exit 1: boom", "wall_s": 1.0}
         row = {"op": op, "shape": "s", "impl": "leantune", "ms": 2.0, "extra_peak_gib": 0.5, "saved_gib": 0.25,
                "floor_ms": 1.0, "error": None, "pct_copy_ceiling": 50.0}
+        if op == "swiglu":  # a row with the CUDA-graph time; rms_norm's is a row from before that column
+            row.update(graph_ms=1.25, graph_error=None)
         return {"date": "d", "gpu": "H200", "versions": {"torch": "t", "triton": "tr", "transformers": "tf"},
                 "ceilings": {"copy_bytes_per_s": 4e12, "matmul_flop_per_s": 7e14}, "rows": [row], "wall_s": 1.0}
 
@@ -409,7 +411,8 @@ def test_ops_each_op_in_its_own_child_merged(tmp_path, monkeypatch):
     assert [r["op"] for r in merged["rows"]] == ["rms_norm", "swiglu"] and set(merged["ceilings_per_op"]) == {
         "rms_norm", "swiglu"}
     table = (tmp_path / "ops.md").read_text()
-    assert "| rms_norm | s | leantune | 2.000 | 1.000 | 50% | 0.500 | 0.250 |" in table
+    assert "| rms_norm | s | leantune | 2.000 | — | 1.000 | 50% | 0.500 | 0.250 |" in table
+    assert "| swiglu | s | leantune | 2.000 | 1.250 | 1.000 | 50% | 0.500 | 0.250 |" in table
     assert json.loads((tmp_path / "ops.json").read_text())["rows"] == merged["rows"]
     with pytest.raises(ValueError, match="unknown op 'nope'"):
         ops.run_isolated(["nope"], None, tmp_path)

@@ -101,6 +101,7 @@ def test_num_items_as_tensor_and_strided_logits(backend):
     logits = base[:, ::2].requires_grad_()  # last dim strided: copied, not misread
     labels = torch.randint(0, 150, (12,), device=DEVICE)
     _check(logits, labels, num_items=torch.tensor(40, device=DEVICE))
+    _check(logits, labels, num_items=torch.tensor(40))  # a CPU scalar (HF's num_items_in_batch may be one)
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])

@@ -7,6 +7,11 @@ and the bf16 matmul ceiling (8192^3) are measured in the same run, and each op i
 ``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is ``max_memory_allocated`` during one
 call minus what was allocated before it (inputs and gradient outputs), so parameter gradients count.
 
+A second time, ``graph ms``, replays the same fwd+bwd captured once in a CUDA graph (also through ``do_bench``, with
+its L2 flush): the device time without the host. When the host issues kernels slower than the GPU runs them (small
+ops on a slow host CPU), ``fwd+bwd ms`` measures the host and ``graph ms`` the kernels; where they differ, both are
+reported. Ops whose call syncs with the host (label checks) cannot be captured: their graph time is left empty.
+
 Usage (CUDA only)::
 
     python -m leantune.bench.ops --ops rms_norm,rope,swiglu --out results.json
@@ -96,6 +101,43 @@ def time_and_peak(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 
     for t in case.leaves:
         t.grad = None
     return ms, peak
+
+
+GRAPH_MAX_MS = 20.0  # longer calls are device-bound: a graph replay would only repeat do_bench
+
+
+def graph_ms(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) -> float:
+    """Median ms of fwd+bwd replayed from one CUDA-graph capture (device time; raises if the call cannot be
+    captured, e.g. it reads a value back to the host)."""
+    from triton.testing import do_bench
+
+    def call():  # autograd.grad, not .backward(): no AccumulateGrad, whose stream (the leaves') breaks capture
+        out = fn(*leaves)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if case.grad_outputs is None:
+            torch.autograd.grad(outs[0], leaves, allow_unused=True)
+        else:
+            torch.autograd.grad(outs, leaves, case.grad_outputs, allow_unused=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        # fresh leaves: the harness's backward calls left autograd state (per-leaf streams) that breaks capture
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in case.leaves]
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            call()
+        ms = do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    finally:
+        del graph
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+    return ms
 
 
 def saved_bytes(fn: Callable, case: Case) -> int:
@@ -345,6 +387,7 @@ def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
     for name in op_names:
         case = CASES[name]()
         floor_ms = 1e3 * max(case.bytes / ceilings["copy_bytes_per_s"], case.flops / ceilings["matmul_flop_per_s"])
+        rows, fns = [], {}
         for impl, fn in case.impls.items():
             if fn is None or (impl_filter and impl not in impl_filter):
                 continue
@@ -354,15 +397,26 @@ def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
                 error = None
             except Exception as exc:  # a peer failing at a shape is a result, not a crash of the benchmark
                 ms, peak, saved, error = math.nan, math.nan, math.nan, f"{type(exc).__name__}: {str(exc)[:200]}"
-            row = {"op": case.op, "shape": case.shape, "impl": impl, "ms": ms, "extra_peak_gib": peak,
-                   "saved_gib": saved,
-                   "floor_ms": floor_ms, "error": error}
+            row = {"op": case.op, "shape": case.shape, "impl": impl, "ms": ms, "graph_ms": math.nan,
+                   "graph_error": None, "extra_peak_gib": peak, "saved_gib": saved, "floor_ms": floor_ms,
+                   "error": error}
             if case.bytes:
                 row["gb_per_s"] = case.bytes / (ms * 1e-3) / 1e9
                 row["pct_copy_ceiling"] = 100 * case.bytes / (ms * 1e-3) / ceilings["copy_bytes_per_s"]
             if case.flops:
                 row["tflop_per_s"] = case.flops / (ms * 1e-3) / 1e12
                 row["pct_matmul_ceiling"] = 100 * case.flops / (ms * 1e-3) / ceilings["matmul_flop_per_s"]
+            rows.append(row)
+            fns[impl] = fn
+        # graph replays after every harness time, eager last: a failed capture can leave the process unable to
+        # capture again, and eager's many small kernels are the likeliest to fail
+        for row in sorted(rows, key=lambda r: r["impl"] == "eager"):
+            if row["error"] is None and row["ms"] < GRAPH_MAX_MS:
+                try:
+                    row["graph_ms"] = graph_ms(fns[row["impl"]], case)
+                except Exception as exc:  # not capturable (a host sync): the row keeps its do_bench time
+                    row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        for row in rows:
             result["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         del case
@@ -380,13 +434,15 @@ def markdown(result: dict) -> str:
         f"this run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flop_per_s'] / 1e12:.0f} "
         "TFLOP/s.",
         "",
-        "| op | shape | impl | fwd+bwd ms | floor ms | % of ceiling | extra peak GiB | saved GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| op | shape | impl | fwd+bwd ms | graph ms | floor ms | % of ceiling | extra peak GiB | saved GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         pct = r.get("pct_copy_ceiling", r.get("pct_matmul_ceiling", math.nan))
         note = f" ({r['error']})" if r.get("error") else ""
-        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+        graph = r.get("graph_ms", math.nan)  # absent in runs before the column existed
+        graph = "—" if graph is None or math.isnan(graph) else f"{graph:.3f}"
+        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {graph} | {r['floor_ms']:.3f} | "
                      f"{pct:.0f}% | {r['extra_peak_gib']:.3f} | {r['saved_gib']:.3f} |")
     return "\n".join(lines)
 

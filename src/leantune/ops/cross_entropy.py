@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _runtime
+from . import _runtime
 
 REDUCTIONS = ("mean", "sum", "none")
 GPU_BLOCK_V = 8192  # vocab chunk per loop iteration on the GPU (16 fp32 values a thread at 16 warps)
@@ -91,7 +91,6 @@ def _write_gradient(
     tl.store(grad_row + offs, g.to(grad_row.dtype.element_ty), mask=mask)
 
 
-@_launch.cached
 @triton.jit
 def _cross_entropy_forward_kernel(
     LOGITS, LABELS, LOSS, LSE, GRAD, GRAD_SCALE,
@@ -140,7 +139,6 @@ def _cross_entropy_forward_kernel(
                             label_smoothing, softcap, z_loss, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
 
 
-@_launch.cached
 @triton.jit
 def _cross_entropy_backward_kernel(
     LOGITS, LABELS, LSE, SCALE, GRAD,
@@ -297,7 +295,10 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
                 raise ValueError(f"num_items must be an int or a 0-dim real tensor, got shape {tuple(num_items.shape)} "
                                  f"{num_items.dtype}")
             if num_items.device != labels.device:
-                raise ValueError(f"num_items must be on labels' device {labels.device}, got {num_items.device}")
+                if num_items.device.type != "cpu":  # a CPU scalar mixes with any device, as in torch's own ops
+                    raise ValueError(f"num_items must be on labels' device {labels.device} (or a CPU scalar), "
+                                     f"got {num_items.device}")
+                num_items = num_items.to(labels.device)
             # a count: positive, finite and whole (gradient accumulation passes the global number of valid tokens)
             item_bad = ~((num_items > 0) & torch.isfinite(num_items) & (num_items == torch.round(num_items)))
         elif isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral):
@@ -377,9 +378,9 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
         z_loss: adds ``z_loss * lse^2`` per valid row (PaLM).
         reduction: ``"mean"`` (over valid rows, or over ``num_items``; 0.0 when none is valid), ``"sum"``, ``"none"``
             (``[N]``, 0 at ignored rows).
-        num_items: int or 0-dim tensor (on labels' device) holding a whole number > 0, with ``"mean"`` only: the
-            divisor replacing count(valid) (HF's ``num_items_in_batch``, for gradient accumulation across
-            micro-batches).
+        num_items: int or 0-dim tensor (on labels' device or the CPU) holding a whole number > 0, with ``"mean"``
+            only: the divisor replacing count(valid) (HF's ``num_items_in_batch``, for gradient accumulation
+            across micro-batches).
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. The gradient w.r.t. logits has logits' dtype.

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _runtime
+from . import _runtime
 from ._dot import mixed_dot
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu_erf")
@@ -97,7 +97,6 @@ def _glu_activation(g, ACTIVATION: tl.constexpr):
     return act, d_act
 
 
-@_launch.cached
 @triton.jit
 def _glu_forward_kernel(
     G, U, H,
@@ -115,7 +114,6 @@ def _glu_forward_kernel(
     tl.store(H + row * stride_h + cols, (act * u).to(H.dtype.element_ty), mask=mask)
 
 
-@_launch.cached
 @triton.jit
 def _glu_backward_kernel(
     DH, G, U, DG, DU,
@@ -153,7 +151,6 @@ def _lowrank_tile(XA, B, rows64, cols, row_ok, col_ok, stride_xa, stride_b, rank
     return acc
 
 
-@_launch.cached
 @triton.jit
 def _glu_forward_lowrank_kernel(
     G, U, H, XA_G, B_G, XA_U, B_U,

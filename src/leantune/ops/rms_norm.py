@@ -25,14 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _runtime
+from . import _runtime
 
 CASTINGS = ("llama", "gemma")
 MAX_HIDDEN = 65536  # one row per program in registers
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
-@_launch.cached
 @triton.jit
 def _rms_norm_forward_kernel(
     X, W, Y, RSTD,
@@ -59,7 +58,6 @@ def _rms_norm_forward_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@_launch.cached
 @triton.jit
 def _rms_norm_backward_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
