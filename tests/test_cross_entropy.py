@@ -121,6 +121,20 @@ def test_label_alone_in_a_chunk_with_minus_inf_elsewhere(backend, where):
         assert not grad.isnan().any() and (grad == 0).all()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on inf - inf
+def test_plus_inf_logit_gives_nan_as_torch_does(backend):
+    """A +inf logit makes the row's loss NaN on both backends, as F.cross_entropy (inf - inf), never a finite-looking
+    inf; other rows are unaffected."""
+    logits = torch.randn(3, 40, device=DEVICE)
+    logits[0, 7] = float("inf")  # at the label
+    logits[1, 30] = float("inf")  # elsewhere
+    labels = torch.tensor([7, 3, 5], device=DEVICE)
+    expected = F.cross_entropy(logits.double(), labels, reduction="none")
+    loss = ops.cross_entropy(logits, labels, reduction="none")
+    assert expected[:2].isnan().all() and loss[:2].isnan().all(), loss
+    torch.testing.assert_close(loss[2].double(), expected[2], rtol=1e-5, atol=1e-6)
+
+
 def test_large_vocab_with_softcap(monkeypatch):
     """V = 65537 (one past a power of two) with Gemma-2's softcap 30: padding lanes add no mass. Torch path only on
     the CPU (513 interpreter chunks a row); the kernel's padding is checked by test_softcap_padding_lanes_do_not_leak."""

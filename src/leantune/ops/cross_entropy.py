@@ -235,7 +235,10 @@ def _forward_torch(logits, labels, opts, loss, lse, grad, grad_scale):
         return
     valid = labels != opts.ignore_index
     z, _ = _softcap_torch(logits.float(), opts.softcap)
-    row_lse = torch.logsumexp(z, dim=-1)
+    # max + log sum exp(z - max), as the Triton kernel and F.cross_entropy form it: a +inf logit gives NaN (inf - inf),
+    # where torch.logsumexp would return inf and a finite-looking loss of inf
+    row_max = z.amax(-1, keepdim=True)
+    row_lse = (row_max + torch.exp(z - row_max).sum(-1, keepdim=True).log()).squeeze(-1)
     target = torch.where(valid, labels, 0)
     row_loss = row_lse - z.gather(1, target[:, None]).squeeze(1)
     if opts.label_smoothing > 0.0:
