@@ -418,6 +418,21 @@ def test_ops_each_op_in_its_own_child_merged(tmp_path, monkeypatch):
         ops.run_isolated(["nope"], None, tmp_path)
 
 
+def test_ops_markdown_keeps_a_failed_row_on_one_line():
+    """From a new-user pass: CUDA error texts hold newlines and '|', which used to split the table row."""
+    from leantune.bench import ops
+
+    row = {"op": "rope", "shape": "s", "impl": "liger", "ms": math.nan, "graph_ms": math.nan, "graph_error": None,
+           "extra_peak_gib": math.nan, "saved_gib": math.nan, "floor_ms": 1.0,
+           "error": "AcceleratorError: CUDA error: illegal address\nCUDA kernel errors | might be asynchronous"}
+    result = {"date": "d", "gpu": "H200", "versions": {"torch": "t", "triton": "tr", "transformers": "tf"},
+              "ceilings": {"copy_bytes_per_s": 4e12, "matmul_flop_per_s": 7e14}, "rows": [row]}
+    lines = ops.markdown(result).splitlines()
+    assert lines[-1].startswith("| rope | s | liger (AcceleratorError: CUDA error: illegal address CUDA kernel errors "
+                                "/ might be asynchronous) | nan | — |"), lines[-1]
+    assert lines[-1].count("|") == lines[-2].count("|") == 10
+
+
 def _maxctx(impl, probes, *, step=8192, lo=None, hi=None, complete=False):
     fit = [s for s, ok in probes if ok is True]
     fail = [s for s, ok in probes if ok is False]
@@ -525,6 +540,52 @@ def test_report_without_results_writes_nothing(tmp_path, content, capsys):
     assert "no benchmark results" in captured.err and (tmp_path / "results.md").read_text() == "# mine\n"
     if content != "empty":
         assert "skipped" in captured.out
+
+
+def _ops_result(*rows):
+    return {"date": "d", "gpu": "H200", "versions": {"torch": "t", "triton": "tr", "transformers": "tf"},
+            "ceilings": {"copy_bytes_per_s": 4e12, "matmul_flop_per_s": 7e14}, "rows": list(rows)}
+
+
+def _op_row(op, impl, ms, graph=None):
+    row = {"op": op, "shape": "s", "impl": impl, "ms": ms, "extra_peak_gib": 0.5, "saved_gib": 0.25,
+           "floor_ms": 1.0, "error": None, "pct_copy_ceiling": 100 / ms}
+    return row if graph is None else {**row, "graph_ms": graph, "graph_error": None}
+
+
+def test_report_rebuilds_op_tables(tmp_path, capsys):
+    """From a new-user pass: `bench report` skipped `bench ops` results, so no command rebuilt their tables. A folder's
+    merged ops.json stands for its ops_NAME.json parts; each table is rewritten beside its JSON and gathered in
+    results.md, also without any e2e result."""
+    _write(tmp_path / "call1", "ops.json", _ops_result(_op_row("rope", "leantune", 2.0, 0.5),
+                                                       _op_row("rope", "liger", 4.0)))
+    _write(tmp_path / "call1", "ops_rope.json", _ops_result(_op_row("rope", "leantune", 2.0, 0.5)))
+    _write(tmp_path / "old", "ops-run2.json", _ops_result(_op_row("rms_norm", "leantune", 1.0)))
+    assert cli_main(["bench", "report", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "results.md").read_text()
+    assert "Ops (`call1/ops.json`)" in text and "Ops (`old/ops-run2.json`)" in text and "ops_rope" not in text
+    assert "| rope | s | leantune | 2.000 | 0.500 | 1.000 | 50% | 0.500 | 0.250 |" in text
+    assert "| rope | s | liger | 4.000 | — | 1.000 | 25% | 0.500 | 0.250 |" in text
+    assert (tmp_path / "call1" / "ops.md").read_text().count("| rope |") == 2
+    assert (tmp_path / "old" / "ops-run2.md").is_file() and not (tmp_path / "call1" / "ops_rope.md").exists()
+    assert "skipped" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("breakage, match", [
+    (lambda d: d.pop("ceilings"), "missing field 'ceilings'"),
+    (lambda d: d["rows"][0].pop("impl"), "missing field 'impl'"),
+    (lambda d: d["rows"][0].update(ms="fast"), "row field 'ms' must be a number"),
+    (lambda d: d["rows"][0].update(graph_ms=True), "row field 'graph_ms' must be a number"),
+    (lambda d: d["rows"].append(3), "every row must be an object"),
+])
+def test_report_names_a_malformed_op_result(tmp_path, breakage, match):
+    data = _ops_result(_op_row("rope", "leantune", 2.0, 0.5))
+    breakage(data)
+    path = _write(tmp_path, "ops.json", data)
+    (tmp_path / "results.md").write_text("# mine\n")
+    with pytest.raises(report.ReportError, match=match) as info:
+        report.write_report(tmp_path, log=lambda *a: None)
+    assert str(path) in str(info.value) and (tmp_path / "results.md").read_text() == "# mine\n"
 
 
 def test_report_output_path_errors(tmp_path, capsys):

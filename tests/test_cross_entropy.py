@@ -263,6 +263,7 @@ def test_confident_prediction_keeps_true_class_gradient(backend):
     ("num_items", torch.tensor(float("inf")), "num_items must be > 0, finite and whole"),
     ("num_items", torch.tensor(2.5), "num_items must be > 0, finite and whole"),
     ("num_items", torch.tensor(3, device="meta"), "num_items must be on labels' device"),
+    ("num_items", 10**400, "num_items must be < 2\\^63"),
 ])
 def test_option_errors_name_the_option(option, value, match):
     """From a new-user pass: non-finite or mistyped options used to give NaN losses or raw TypeErrors."""

@@ -165,6 +165,39 @@ def test_hf_loss_conventions_num_items_shift_labels_return_dict():
     assert rel_err(as_tuple[0], ref_mean) <= 1e-5 and type(as_tuple[2]) is type(ref_tuple[2])
 
 
+@pytest.mark.parametrize("num_items, to_op", [
+    (torch.tensor([[7]]), 7), (7.0, 7), (7, 7), (torch.tensor(7.0, dtype=torch.float64), 7), (2.5, None),
+    (torch.tensor(0), None), (0, None), (torch.tensor([3, 4]), None), (10**400, None),
+], ids=["1x1 tensor", "float", "int", "f64 tensor", "fraction", "zero tensor", "zero", "2 elements", "huge"])
+def test_num_items_in_batch_divides_as_hf_does(num_items, to_op, monkeypatch):
+    """From a new-user pass: HF's Trainer passes num_items_in_batch as a [1, 1] tensor under DataParallel and can
+    pass 0 for a window without targets; HF divides the summed loss by whatever it gets, and so does the patch (same
+    value, dtype, shape and gradient; 0 gives HF's inf, not an error that ends the run). A whole count goes to the op."""
+    model = tiny_peft_model("llama")
+    input_ids, labels = batch()
+    try:
+        ref = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
+    except Exception as exc:  # HF's own failure for this input (e.g. an int too large for a float): the same type
+        leantune.patch(model)
+        with pytest.raises(type(exc)):
+            model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items)
+        return
+    ref_grads = torch.autograd.grad(ref.sum(), [p for p in model.parameters() if p.requires_grad])
+    leantune.patch(model)
+    seen = []
+    original = ops.linear_cross_entropy
+    monkeypatch.setattr(ops, "linear_cross_entropy", lambda *a, **k: seen.append(k.get("num_items")) or original(*a, **k))
+    loss = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
+    assert seen == [to_op]
+    grads = torch.autograd.grad(loss.sum(), [p for p in model.parameters() if p.requires_grad])
+    assert loss.shape == ref.shape and loss.dtype == ref.dtype
+    if torch.isfinite(ref).all():
+        assert rel_err(loss, ref) <= 1e-5
+        assert max(rel_err(g, r) for g, r in zip(grads, ref_grads)) <= 1e-4
+    else:  # the zero count: the same non-finite loss as HF
+        assert torch.equal(loss.isinf(), ref.isinf()) and torch.equal(loss.isnan(), ref.isnan())
+
+
 def _largest_saved(model, input_ids, labels) -> int:
     """numel of the largest non-parameter tensor saved for backward during one forward."""
     params = {p.data_ptr() for p in model.parameters()}

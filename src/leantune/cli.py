@@ -99,10 +99,11 @@ def _bench_ops(args) -> int:
 
     names = _comma(args.ops)
     unknown = [n for n in names if n not in CASES]
-    if unknown:
+    if unknown or not names:
         from .train.config import LeantuneError
 
-        raise LeantuneError(f"unknown op(s) {', '.join(unknown)}; expected some of {', '.join(CASES)}")
+        raise LeantuneError(f"unknown op(s) {', '.join(unknown) or '(none given)'}; expected some of "
+                            f"{', '.join(CASES)}")
     require_cuda()
     run_isolated(names, args.impls, Path(args.out), args.budget_s)
     return 0
@@ -173,18 +174,26 @@ def _add_bench(sub) -> None:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     all_impls = "hf+peft,hf+peft+liger,leantune"
 
-    def common(p, budget=True):
+    def common(p, budget=True, writes="JSON per run, results.md, PNGs"):
         p.add_argument("--out", default="bench-results", metavar="DIR",
-                       help="output directory: JSON per run, results.md, PNGs (default: bench-results)")
+                       help=f"output directory: {writes} (default: bench-results)")
         if budget:
             p.add_argument("--budget-s", type=float, default=540.0, metavar="S",
                            help="wall-clock budget of this invocation; no run starts that is not expected to end "
                                 "within it (default: 540)")
 
-    ops = bsub.add_parser("ops", help="every op fwd+bwd, leantune vs eager / torch.compile / Liger / CCE")
-    ops.add_argument("--ops", default="rms_norm,rope,swiglu", help="comma list of ops (default: rms_norm,rope,swiglu)")
-    ops.add_argument("--impls", default=None, help="comma list of implementations (default: all)")
-    common(ops)
+    from .bench.ops import CASES
+
+    ops = bsub.add_parser("ops", help="every op fwd+bwd, leantune vs eager / torch.compile / Liger / CCE",
+                          description="Each op's fwd+bwd at Llama-3-8B shapes against its peers in the same run "
+                                      "(CUDA only; DESIGN.md's roofline harness): time, CUDA-graph device time, "
+                                      "floor, extra peak and saved bytes. Each op runs in its own process.")
+    ops.add_argument("--ops", default="rms_norm,rope,swiglu",
+                     help=f"comma list of ops, from: {', '.join(CASES)} (default: rms_norm,rope,swiglu)")
+    ops.add_argument("--impls", default=None,
+                     help="comma list of implementations to run, e.g. leantune,torch.compile,liger,eager,"
+                          "'peft eager' (default: all of each op's)")
+    common(ops, writes="ops_NAME.json and .log per op, merged ops.json and ops.md")
     ops.set_defaults(func=_bench_ops)
 
     e2e = bsub.add_parser("e2e", help="LoRA training steps of random-init models: tokens/s, peak GiB, MFU/HFU")

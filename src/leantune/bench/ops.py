@@ -439,7 +439,7 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         pct = r.get("pct_copy_ceiling", r.get("pct_matmul_ceiling", math.nan))
-        note = f" ({r['error']})" if r.get("error") else ""
+        note = f" ({' '.join(str(r['error']).split()).replace('|', '/')})" if r.get("error") else ""
         graph = r.get("graph_ms", math.nan)  # absent in runs before the column existed
         graph = "—" if graph is None or math.isnan(graph) else f"{graph:.3f}"
         lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {graph} | {r['floor_ms']:.3f} | "

@@ -1,4 +1,4 @@
-"""Results of ``leantune bench e2e`` / ``max-context``: agreement flags, ratios, markdown table, PNG bar charts.
+"""Results of ``leantune bench e2e`` / ``max-context`` / ``ops``: agreement flags, ratios, markdown tables, PNG charts.
 
 Works on any machine: it only reads the JSON files that the GPU runs wrote into an output directory, so results of
 several invocations (each bounded by the device's per-command limit) accumulate into one table.
@@ -34,6 +34,13 @@ E2E_FIELDS = {"impl": str, "model": str, "name": str, "seq": int, "batch": int, 
 OK_REQUIRED = ("tokens_per_s", "first_loss", "grad_norm")  # every ok run has them (may be NaN / null)
 OK_NUMBERS = OK_REQUIRED + ("peak_gib", "peak_minus_frozen_gib", "median_step_ms", "mfu", "hfu")
 MAXCTX_FIELDS = {"impl": str, "model": str, "lo": int, "hi": int, "step": int, "probes": list}
+OPS_FIELDS = {"date": str, "gpu": str, "versions": dict, "ceilings": dict, "rows": list}
+OPS_ROW_FIELDS = {"op": str, "shape": str, "impl": str}
+OPS_ROW_NUMBERS = ("ms", "floor_ms", "extra_peak_gib", "saved_gib")
+
+
+def _is_ops_result(data) -> bool:
+    return isinstance(data, dict) and "rows" in data and "impl" not in data
 
 
 def _check_fields(path: Path, data: dict, fields: dict) -> None:
@@ -73,8 +80,8 @@ def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
     """(e2e run rows, max-context rows) from every ``*.json`` in ``out`` and its subfolders; max-context results of
     the same model and implementation from several invocations are pooled (:func:`merge_max_context`).
 
-    JSON files that are not results (no "impl": the op benchmark's, ceilings) are skipped with a note through
-    ``log``.
+    Op results (``leantune bench ops``) are left to :func:`load_op_results`; other JSON files that are not results
+    (ceilings) are skipped with a note through ``log``.
     Raises ReportError naming the file for unreadable or malformed results, and for two e2e results of the same
     workload and implementation (the table would silently pick one: keep one file)."""
     runs, maxctx, seen = [], [], {}
@@ -85,8 +92,10 @@ def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ReportError(f"{path}: not a readable JSON file ({exc})") from None
+        if _is_ops_result(data):  # `leantune bench ops`: see load_op_results
+            continue
         if not isinstance(data, dict) or "impl" not in data:
-            log(f"skipped {path}: not a `leantune bench e2e` / `max-context` result (no 'impl')")
+            log(f"skipped {path}: not a `leantune bench` result (no 'impl', no 'rows')")
             continue
         _validate(path, data)
         data = {**data, "source": str(path)}
@@ -100,6 +109,37 @@ def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
         seen[key] = path
         runs.append(data)
     return sort_rows(runs), sorted(merge_max_context(maxctx), key=lambda r: (r["model"], _impl_rank(r["impl"])))
+
+
+def load_op_results(out: Path) -> list[tuple[Path, dict]]:
+    """``(path, result)`` of every ``leantune bench ops`` JSON in ``out`` and its subfolders: the merged ``ops.json``
+    of a folder stands for the ``ops_NAME.json`` beside it (its parts). Raises ReportError naming a malformed one."""
+    found = []
+    for path in sorted(Path(out).rglob("*.json")):
+        if path.name.startswith("ops_") and (path.parent / "ops.json").is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # load_results names unreadable files
+        if not _is_ops_result(data):
+            continue
+        _check_fields(path, data, OPS_FIELDS)
+        for row in data["rows"]:
+            if not isinstance(row, dict):
+                raise ReportError(f"{path}: every row must be an object, got {row!r}")
+            _check_fields(path, row, OPS_ROW_FIELDS)
+            for name in OPS_ROW_NUMBERS + ("graph_ms",):
+                value = row.get(name, math.nan if name == "graph_ms" else None)
+                if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+                    raise ReportError(f"{path}: row field {name!r} must be a number or null, got {value!r}")
+                if value is None and name != "graph_ms":
+                    raise ReportError(f"{path}: row of {row['op']} / {row['impl']} lacks {name!r}")
+        for key in ("copy_bytes_per_s", "matmul_flop_per_s"):
+            if not isinstance(data["ceilings"].get(key), int | float):
+                raise ReportError(f"{path}: ceilings.{key} must be a number")
+        found.append((path, data))
+    return found
 
 
 def merge_max_context(results: list[dict]) -> list[dict]:
@@ -359,11 +399,18 @@ def write_report(out: Path, *, compare_ratios: bool = False, log=print) -> str:
     if (out / "results.md").is_dir():
         raise ReportError(f"{out / 'results.md'} is a directory; the report writes a file of that name")
     rows, maxctx = load_results(out, log)
-    if not rows and not maxctx:
-        raise ReportError(f"no benchmark results (*.json of `leantune bench e2e` / `max-context`) in {out}; "
+    op_results = load_op_results(out)
+    if not rows and not maxctx and not op_results:
+        raise ReportError(f"no benchmark results (*.json of `leantune bench e2e` / `max-context` / `ops`) in {out}; "
                           "nothing written")
+    from .ops import markdown as ops_markdown
+
     flag_agreement(rows)
-    text = markdown(rows, maxctx)
+    text = markdown(rows, maxctx) if rows or maxctx else ""
+    for path, data in op_results:  # each op table rebuilt beside its JSON, and gathered in results.md
+        table = ops_markdown(data)
+        path.with_suffix(".md").write_text(table + "\n")
+        text += f"\nOps (`{path.relative_to(out)}`):\n\n{table}\n"
     (out / "results.md").write_text(text)
     log(text)
     try:

@@ -308,6 +308,8 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
             raise ValueError(f"num_items must be an int or a 0-dim tensor, got {type(num_items).__name__}")
         elif num_items <= 0:
             raise ValueError(f"num_items must be > 0, got {num_items}")
+        elif num_items >= 2**63:
+            raise ValueError(f"num_items must be < 2^63 (a token count), got {num_items}")
     bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= n_vocab))).any()
     flags = torch.stack([bad_label, item_bad]) if item_bad is not None else bad_label[None]
     flags = flags.tolist()  # the one host sync: labels are checked before any kernel reads logits[label]

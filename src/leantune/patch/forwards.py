@@ -21,8 +21,10 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import numbers
 import weakref
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -302,6 +304,23 @@ def _fused_attention(self, family: Family, hidden_states, position_embeddings, a
     return _project(self.o_proj, attn_output, True), attn_weights
 
 
+def _whole_count(num_items) -> int | None:
+    """``num_items_in_batch`` as an int when it holds one whole number in [1, 2^63), else None (reads a one-element
+    tensor back: one host sync per step, beside the loss op's own label check)."""
+    value = num_items
+    if torch.is_tensor(num_items):
+        if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
+            return None
+        value = num_items.detach().reshape(()).item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        whole = float(value).is_integer() and 1 <= value < 2**63
+    except OverflowError:  # an int beyond float's range
+        return None
+    return int(value) if whole else None
+
+
 def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """``XForCausalLM.forward`` with the loss from ``ops.linear_cross_entropy``: with labels (as HF, a given
@@ -310,7 +329,8 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     forward runs unchanged.
 
     Labels are shifted as HF's ``ForCausalLMLoss`` does (pad with ignore_index, drop the first);
-    ``num_items_in_batch`` becomes the op's ``num_items``; the family's final-logit softcap is applied in the op.
+    ``num_items_in_batch`` divides the summed loss as in HF's ``fixed_cross_entropy`` (same value, dtype and shape for
+    any input HF accepts); the family's final-logit softcap is applied in the op.
     """
     if labels is None or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):  # HF: a loss only with labels
         return _call_original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -335,13 +355,23 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     softcap = getattr(self.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
     lm_head = self.lm_head
+    # HF's fixed_cross_entropy divides the summed loss by num_items_in_batch, whatever it is (a [1, 1] tensor under
+    # DataParallel, a float, 0 for a window without targets, a tensor on another GPU). A whole count > 0 goes to the
+    # op (the 1/count scale then enters the gradient before its one rounding); anything else takes HF's expression
+    count = _whole_count(num_items)
+    reduction = "sum" if num_items is not None and count is None else "mean"
     if _plain_linear(lm_head):
         loss = ops.linear_cross_entropy(hidden, lm_head.weight, shift_labels, lm_head.bias,
-                                        ignore_index=ignore_index, softcap=softcap, num_items=num_items)
+                                        ignore_index=ignore_index, softcap=softcap, reduction=reduction,
+                                        num_items=count)
     else:  # e.g. LoRA on lm_head or modules_to_save: its logits are needed, the loss still fused with the softcap
         logits = lm_head(hidden)
         loss = ops.cross_entropy(logits, shift_labels, ignore_index=ignore_index, softcap=softcap,
-                                 num_items=num_items)
+                                 reduction=reduction, num_items=count)
+    if count is None and num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    elif torch.is_tensor(num_items):  # HF's result dtype and shape
+        loss = loss.to(torch.result_type(loss, num_items)).reshape(torch.broadcast_shapes((), num_items.shape))
     output = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     if return_dict:
