@@ -1,0 +1,55 @@
+"""Issue 4, QKV: does removing split-K (and so its torch.sum launches) pay off when the host is the bottleneck?
+
+The fused QKV block issues 12 Triton kernels and ~8 split-K partial sums per fwd+bwd; on a slow host the harness
+time is the host's issue time (RESULTS.md, third session). This script times the lora_qkv case (fp32 and bf16
+adapters) and PEFT in one process, each as: harness time (``do_bench`` of fwd+bwd), CUDA-graph device time, and
+host issue time (20 calls behind a GPU sleep), for
+
+- ``split-K``: the library as is (``lora._splits`` picks enough splits to fill the card);
+- ``no split``: ``lora._splits`` patched to one split (64 row tiles of 64 rows: fewer programs, no partial sums).
+
+Usage (GPU): ``PYTHONPATH=src python3 benchmarks/qkv_variants.py``. Prints one table.
+"""
+import importlib
+import time
+
+import torch
+
+bench = importlib.import_module("leantune.bench.ops")
+lora = importlib.import_module("leantune.ops.lora")
+split_k = lora._splits
+
+
+def one_split(device, n_tiles, n_inner, block, per_sm):
+    return 1, -(-n_inner // block) * block
+
+
+def host_us(call, n=20):
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+rows = []
+for name in ("lora_qkv", "lora_qkv_bf16"):
+    case = bench.CASES[name]()
+    for impl, fn in case.impls.items():
+        variants = (("split-K", split_k), ("no split", one_split)) if impl == "leantune" else (("", None),)
+        for label, splits in variants:
+            if splits is not None:
+                lora._splits = splits
+            call = bench._fwd_bwd(fn, case.leaves, case.grad_outputs)
+            ms, _ = bench.time_and_peak(fn, case)
+            graph = bench.graph_ms(fn, case)
+            rows.append((case.op, f"{impl} {label}".strip(), ms, graph, host_us(call)))
+            lora._splits = split_k
+print("| case | impl | fwd+bwd ms | graph ms | host us per call |")
+print("|---|---|---|---|---|")
+for op, impl, ms, graph, host in rows:
+    print(f"| {op} | {impl} | {ms:.3f} | {graph:.3f} | {host:.0f} |")
