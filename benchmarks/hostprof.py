@@ -52,7 +52,8 @@ xs = [torch.empty(16, device="cuda") for _ in range(8)]
 ns = [17 * (i + 1) for i in range(8)]
 print(f"empty triton launch      {host_us(lambda: _noop[(1,)](x, 16, BLOCK=16)):7.1f} us")
 print(f"  8 tensors + 8 ints     {host_us(lambda: _noop16[(1,)](*xs, *ns, BLOCK=16)):7.1f} us")
-print(f"  + 6 more constexprs    {host_us(lambda: _noop16c[(1,)](*xs, *ns, A=1, B=2, C=3, D=4, E=5, F=6, BLOCK=16)):7.1f} us")
+many_constexprs = host_us(lambda: _noop16c[(1,)](*xs, *ns, A=1, B=2, C=3, D=4, E=5, F=6, BLOCK=16))
+print(f"  + 6 more constexprs    {many_constexprs:7.1f} us")
 try:  # the CompiledKernel launched without the binder: a lower bound for any launch wrapper
     compiled = _noop16[(1,)](*xs, *ns, BLOCK=16)
     stream = torch.cuda.current_stream().cuda_stream
@@ -90,7 +91,8 @@ def profile(name):
             continue
         try:
             peer = bench._fwd_bwd(other, case.leaves, case.grad_outputs)
-            print(f"{name} [{impl}]: host fwd+bwd {host_us(peer):7.1f} us; do_bench {triton.testing.do_bench(peer):.3f} ms")
+            print(f"{name} [{impl}]: host fwd+bwd {host_us(peer):7.1f} us; "
+                  f"do_bench {triton.testing.do_bench(peer):.3f} ms")
         except Exception as exc:
             print(f"{name} [{impl}]: not measured ({type(exc).__name__}: {str(exc)[:120]})")
 

@@ -38,4 +38,5 @@ for name in names:
             print(f"    kernels total {sum(e.device_time_total for e in events) / 10:8.1f} us/call")
             for evt in events[:12]:
                 if evt.device_time_total > 0:
-                    print(f"    kernel {evt.key[:60]:<60} {evt.device_time_total / 10:8.1f} us/call  x{evt.count // 10}")
+                    per_call = evt.device_time_total / 10
+                    print(f"    kernel {evt.key[:60]:<60} {per_call:8.1f} us/call  x{evt.count // 10}")

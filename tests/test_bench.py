@@ -257,7 +257,8 @@ def test_cli_needs_cuda(argv, monkeypatch, capsys, tmp_path):
                                             "unknown implementation(s) hf"),
                                            (["e2e", "--configs", "x", "--gc", "maybe"], "--gc takes on, off"),
                                            (["ops", "--ops", "rms_norm,nope"], "unknown op(s) nope"),
-                                           (["report", "--out", "/nonexistent/dir"], "/nonexistent/dir: does not exist"),
+                                           (["report", "--out", "/nonexistent/dir"],
+                                            "/nonexistent/dir: does not exist"),
                                            (["max-context", "--config", "x", "--step", "0"], "--step must be positive"),
                                            (["max-context", "--config", "x", "--lo", "300000", "--hi", "200000"],
                                             "no multiple of 4096 in [300000, 200000] (--step, --lo, --hi")])

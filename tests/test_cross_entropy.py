@@ -15,7 +15,8 @@ from leantune.ops.cross_entropy import vocab_block
 # The interpreter costs ~1 ms per program (and per chunk iteration): tiny shapes there; the torch path takes the grid.
 SMALL = not ON_GPU
 OPTIONS = [  # (label_smoothing, softcap, z_loss)
-    {"label_smoothing": s, "softcap": c, "z_loss": z} for s, c, z in itertools.product([0.0, 0.1], [None, 4.0], [0.0, 1e-2])
+    {"label_smoothing": s, "softcap": c, "z_loss": z}
+    for s, c, z in itertools.product([0.0, 0.1], [None, 4.0], [0.0, 1e-2])
 ]
 TRITON_OPTIONS = [OPTIONS[0], OPTIONS[3], OPTIONS[5], OPTIONS[7]]  # plain, softcap, smoothing + z-loss, all three
 REDUCTIONS = [("mean", None), ("mean", 57), ("sum", None), ("none", None)]
@@ -137,7 +138,8 @@ def test_plus_inf_logit_gives_nan_as_torch_does(backend):
 
 def test_large_vocab_with_softcap(monkeypatch):
     """V = 65537 (one past a power of two) with Gemma-2's softcap 30: padding lanes add no mass. Torch path only on
-    the CPU (513 interpreter chunks a row); the kernel's padding is checked by test_softcap_padding_lanes_do_not_leak."""
+    the CPU (513 interpreter chunks a row); the kernel's padding is checked by
+    test_softcap_padding_lanes_do_not_leak."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton" if ON_GPU else "torch")
     logits, labels = _inputs(4, 65537, torch.float32, ignored=0, scale=20.0)
     _check(logits, labels, softcap=30.0)

@@ -1,4 +1,5 @@
-"""ops.swiglu / ops.geglu and glu_forward / glu_backward vs the float64 formulas, torch eager, and their input errors."""
+"""ops.swiglu / ops.geglu and glu_forward / glu_backward vs the float64 formulas, torch eager, and their input
+errors."""
 
 import math
 

@@ -311,7 +311,8 @@ def test_rounded_chunks_match_reference(monkeypatch):
     lce = importlib.import_module("leantune.ops.linear_cross_entropy")  # the package exports a function of that name
     seen = []
     original = lce._logits_into
-    monkeypatch.setattr(lce, "_logits_into", lambda out, h, *rest: (seen.append(h.shape[0]), original(out, h, *rest))[1])
+    monkeypatch.setattr(lce, "_logits_into",
+                        lambda out, h, *rest: (seen.append(h.shape[0]), original(out, h, *rest))[1])
     h, w, b, labels = _inputs(torch.float32, rows=700, hidden=16, vocab=64)
     _check(h, w, b, labels, "fast", chunk_bytes=300 * 64 * 4)
     assert seen == [256, 256, 188]

@@ -1,4 +1,5 @@
-"""ops.lora_linear / lora_qkv / lora_mlp vs float64 formulas, PEFT's LoraLayers, saved-bytes accounting; both backends."""
+"""ops.lora_linear / lora_qkv / lora_mlp vs float64 formulas, PEFT's LoraLayers, saved-bytes accounting; both
+backends."""
 
 import copy
 import math
@@ -549,7 +550,8 @@ def _bad_calls():
         (lambda: ops.lora_qkv(x, good, good._replace(lora_A=a[:, 1:]), good), r"k\.lora_A must have shape"),
         (lambda: ops.lora_qkv(x, good, good, good._replace(weight=w.half())), r"weights must share a dtype"),
         (lambda: ops.lora_qkv(x, good, good, (w,)), r"v must be a LoraWeights"),
-        (lambda: ops.lora_mlp(x, *mlp[:2], mlp[2]._replace(weight=torch.randn(IN, 31, device=DEVICE))), r"down\.weight must have"),
+        (lambda: ops.lora_mlp(x, *mlp[:2], mlp[2]._replace(weight=torch.randn(IN, 31, device=DEVICE))),
+         r"down\.weight must have"),
         (lambda: ops.lora_mlp(x, mlp[0], mlp[1]._replace(weight=torch.randn(31, IN, device=DEVICE)), mlp[2]),
          r"same rows"),
         (lambda: ops.lora_mlp(x, *mlp, activation="relu"), r"activation must be one of"),

@@ -172,7 +172,8 @@ def test_hf_loss_conventions_num_items_shift_labels_return_dict():
 def test_num_items_in_batch_divides_as_hf_does(num_items, to_op, monkeypatch):
     """From a new-user pass: HF's Trainer passes num_items_in_batch as a [1, 1] tensor under DataParallel and can
     pass 0 for a window without targets; HF divides the summed loss by whatever it gets, and so does the patch (same
-    value, dtype, shape and gradient; 0 gives HF's inf, not an error that ends the run). A whole count goes to the op."""
+    value, dtype, shape and gradient; 0 gives HF's inf, not an error that ends the run). A whole count goes to the
+    op."""
     model = tiny_peft_model("llama")
     input_ids, labels = batch()
     try:
@@ -186,7 +187,8 @@ def test_num_items_in_batch_divides_as_hf_does(num_items, to_op, monkeypatch):
     leantune.patch(model)
     seen = []
     original = ops.linear_cross_entropy
-    monkeypatch.setattr(ops, "linear_cross_entropy", lambda *a, **k: seen.append(k.get("num_items")) or original(*a, **k))
+    monkeypatch.setattr(ops, "linear_cross_entropy",
+                        lambda *a, **k: seen.append(k.get("num_items")) or original(*a, **k))
     loss = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
     assert seen == [to_op]
     grads = torch.autograd.grad(loss.sum(), [p for p in model.parameters() if p.requires_grad])
@@ -228,7 +230,8 @@ def test_one_hf_trainer_step(tmp_path, monkeypatch):
 
     seen = []
     original = ops.linear_cross_entropy
-    monkeypatch.setattr(ops, "linear_cross_entropy", lambda *a, **k: seen.append(k.get("num_items")) or original(*a, **k))
+    monkeypatch.setattr(ops, "linear_cross_entropy",
+                        lambda *a, **k: seen.append(k.get("num_items")) or original(*a, **k))
     model = leantune.patch(tiny_peft_model("llama"))
     rows = []
     for _ in range(4):

@@ -25,7 +25,8 @@ from leantune.train.loop import accumulate_gradients, load_model, load_tokenizer
 def close(out, ref, name):
     assert_close(name, out, ref, torch.float32)  # fp32: relative error <= 1e-5
 
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "big", "red", "house", "with", "blue", "door"]
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "big", "red", "house", "with", "blue",
+         "door"]
 
 
 def write_tiny_model(folder, *, model_type=None):

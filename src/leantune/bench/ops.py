@@ -427,6 +427,11 @@ def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
 
 
 def markdown(result: dict) -> str:
+    """ops.md: a header (date, GPU, versions, the run's ceilings) and one table row per (op, implementation): ms of
+    fwd+bwd (harness), CUDA-graph ms ("—" when not captured), floor ms, % of the copy or matmul ceiling, extra peak
+    and saved GiB; a failed row carries its error in the impl cell."""
+    from .report import table_cell
+
     c = result["ceilings"]
     lines = [
         f"{result['date']}, {result['gpu']}, torch {result['versions']['torch']}, triton "
@@ -439,11 +444,11 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         pct = r.get("pct_copy_ceiling", r.get("pct_matmul_ceiling", math.nan))
-        note = f" ({' '.join(str(r['error']).split()).replace('|', '/')})" if r.get("error") else ""
+        note = f" ({table_cell(r['error'])})" if r.get("error") else ""
         graph = r.get("graph_ms", math.nan)  # absent in runs before the column existed
         graph = "—" if graph is None or math.isnan(graph) else f"{graph:.3f}"
-        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {graph} | {r['floor_ms']:.3f} | "
-                     f"{pct:.0f}% | {r['extra_peak_gib']:.3f} | {r['saved_gib']:.3f} |")
+        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {graph} | "
+                     f"{r['floor_ms']:.3f} | {pct:.0f}% | {r['extra_peak_gib']:.3f} | {r['saved_gib']:.3f} |")
     return "\n".join(lines)
 
 

@@ -269,6 +269,11 @@ def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASE
 
 
 # --------------------------------------------------------------------------------------------------------- markdown
+def table_cell(text, limit: int | None = None) -> str:
+    """``text`` on one markdown table line: whitespace runs (newlines of CUDA errors) collapsed, ``|`` as ``/``."""
+    return " ".join(str(text).split())[:limit].replace("|", "/")
+
+
 def _num(x, fmt: str) -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
@@ -303,8 +308,7 @@ def markdown(rows: list[dict], maxctx: list[dict] | None = None, *, baseline: st
     for r in rows:
         head = f"| {_workload(r)} | {r['seq']} x {r['batch']} | {'on' if r['gc'] else 'off'} | {r['impl']} |"
         if r.get("status") != "ok":
-            lines.append(f"{head} {r.get('status')}: {' '.join(str(r.get('error', '')).split())[:80].replace('|', '/')} "
-                         "| | | | | | | | | |")
+            lines.append(f"{head} {r.get('status')}: {table_cell(r.get('error', ''), 80)} | | | | | | | | | |")
             continue
         c = ratios.get((config_key(r), r["impl"]))
         lines.append(

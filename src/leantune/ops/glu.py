@@ -4,7 +4,8 @@ Forward (Shazeer 2020, "GLU Variants Improve Transformer"; HF ``LlamaMLP``/``Gem
 ``act_fn(gate_proj(x)) * up_proj(x)``), elementwise, in fp32, rounded once to ``promote(gate, up)``:
 
     swiglu:      act(g) = silu(g) = g * s,                 s = sigmoid(g)          (Llama, Mistral, Qwen)
-    geglu_tanh:  act(g) = 0.5 g (1 + tanh(u)) = g * t,     u = k (g + c g^3), t = sigmoid(2u)   (Gemma: gelu_pytorch_tanh)
+    geglu_tanh:  act(g) = 0.5 g (1 + tanh(u)) = g * t,     u = k (g + c g^3), t = sigmoid(2u)
+                                                                       (Gemma: gelu_pytorch_tanh)
     geglu_erf:   act(g) = 0.5 g (1 + erf(g / sqrt 2)) = g * P,  P = Phi(g) = 0.5 erfc(-g / sqrt 2), the normal CDF
                                                                                           (torch's exact GELU)
     h = act(g) * u_p                     (u_p: the ``up`` input; k = sqrt(2/pi), c = 0.044715)
@@ -184,7 +185,8 @@ def _glu_forward_lowrank_kernel(
 
 # ----------------------------------------------------------------------------------------------------- launchers
 def _layout(*tensors):
-    """(views, n_rows, n_cols): flat 1-row views when all are contiguous, else ``[rows, I]`` views (unit last stride)."""
+    """(views, n_rows, n_cols): flat 1-row views when all are contiguous, else ``[rows, I]`` views (unit last
+    stride)."""
     if all(t.is_contiguous() for t in tensors):
         return [t.view(1, -1) for t in tensors], 1, tensors[0].numel()
     views = [_runtime.as_rows(t) for t in tensors]

@@ -443,6 +443,13 @@ def _skinny_ok(meta, act_dtype):
     return meta.impl == "triton" and (act_dtype == meta.lora_dtype or meta.lora_dtype == torch.float32)
 
 
+def _cat_lora_A(projs, lora, ldt):
+    """The lora_A of the projections ``lora`` stacked on the rank dim, in ``ldt``: x is read once for all of them."""
+    if len(lora) == 1:
+        return projs[lora[0]].lora_A.to(ldt)
+    return torch.cat([projs[j].lora_A.to(ldt) for j in lora])
+
+
 def _group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True):
     """Outputs ``[N, out_j]`` (compute dtype) and xa_j of the projections sharing ``x2d``; seeds[first_seed:] are
     theirs. ``add_lowrank=False`` leaves the s xa B^T terms out of the outputs (the caller fuses them)."""
@@ -455,26 +462,26 @@ def _group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True):
         return ys, xas
     skinny = _skinny_ok(meta, x2d.dtype)
     if seeds is None:
-        a_cat = torch.cat([projs[j][1].to(ldt) for j in lora]) if len(lora) > 1 else projs[lora[0]][1].to(ldt)
+        a_cat = _cat_lora_A(projs, lora, ldt)
         if skinny and x2d.dtype != ldt:  # x read as stored, upcast in registers: no [N, in] copy in ldt
             xa_cat = _skinny_matmul(x2d, a_cat.T, out_dtype=ldt)
         else:
             xa_cat = x2d.to(ldt) @ a_cat.T  # x read once for every adapter of the group
         start = 0
         for j in lora:
-            rank = projs[j][1].shape[0]
+            rank = projs[j].lora_A.shape[0]
             xas[j] = xa_cat[:, start:start + rank]
             start += rank
     else:
         for k, j in enumerate(lora):
             if skinny:  # mask applied in registers: no m*x buffer
-                xas[j] = _skinny_matmul(x2d, projs[j][1].to(ldt).T, out_dtype=ldt, seeds=seeds,
+                xas[j] = _skinny_matmul(x2d, projs[j].lora_A.to(ldt).T, out_dtype=ldt, seeds=seeds,
                                         index=first_seed + k, p=meta.p)
             else:
-                xas[j] = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt) @ projs[j][1].to(ldt).T
+                xas[j] = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt) @ projs[j].lora_A.to(ldt).T
     if add_lowrank:
         for j in lora:
-            _lowrank_add(ys[j], xas[j], projs[j][2].to(ldt).T, meta.scalings[j], cdt, meta.impl)
+            _lowrank_add(ys[j], xas[j], projs[j].lora_B.to(ldt).T, meta.scalings[j], cdt, meta.impl)
     return ys, xas
 
 
@@ -503,7 +510,7 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
     # columns directly, the others are concatenated there
     g_cat = None
     if skinny_dy and seeds is None and len(lora) > 1:
-        g_cat = _runtime.empty((x2d.shape[0], sum(projs[j][1].shape[0] for j in lora)), dtype=ldt,
+        g_cat = _runtime.empty((x2d.shape[0], sum(projs[j].lora_A.shape[0] for j in lora)), dtype=ldt,
                                device=x2d.device)
     g_col = 0
     for j in lora:
@@ -526,7 +533,7 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
     if seeds is None:
         if g_cat is None:
             g_cat = torch.cat([gs[j] for j in lora], 1) if len(lora) > 1 else gs[lora[0]]
-        a_cat = torch.cat([projs[j][1].to(ldt) for j in lora]) if len(lora) > 1 else projs[lora[0]][1].to(ldt)
+        a_cat = _cat_lora_A(projs, lora, ldt)
         if any(proj_needs[j][1] for j in lora):
             if skinny_x and x2d.dtype != ldt:  # x read once for every adapter's dA, as stored
                 da_cat = _skinny_tn(g_cat, x2d, out_dtype=ldt)
@@ -534,15 +541,15 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
                 da_cat = g_cat.T @ x2d.to(ldt)  # x read once for every adapter's dA
             start = 0
             for j in lora:
-                rank = projs[j][1].shape[0]
+                rank = projs[j].lora_A.shape[0]
                 if proj_needs[j][1]:
-                    grads[j][1] = da_cat[start:start + rank].to(projs[j][1].dtype)
+                    grads[j][1] = da_cat[start:start + rank].to(projs[j].lora_A.dtype)
                 start += rank
         if need_x:
             dx, _ = _lowrank_add(dx, g_cat, a_cat, 1.0, cdt, meta.impl)
     else:
         for k, j in enumerate(lora):
-            a = projs[j][1]
+            a = projs[j].lora_A
             if skinny_x:  # the mask is regenerated in registers by both kernels: no m*x buffer
                 if need_x:
                     dx, _ = _lowrank_add(dx, gs[j], a.to(ldt), 1.0, cdt, meta.impl, seeds, first_seed + k, meta.p)
@@ -561,14 +568,22 @@ def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
     return dx, grads
 
 
+class _Proj(NamedTuple):
+    """One projection's tensors as the autograd nodes take them (LoraWeights without the scaling, in ``_Meta``)."""
+
+    weight: torch.Tensor
+    lora_A: torch.Tensor | None
+    lora_B: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
 def _unflatten(tensors):
-    return [tuple(tensors[i:i + 4]) for i in range(0, len(tensors), 4)]
+    return [_Proj(*tensors[i:i + 4]) for i in range(0, len(tensors), 4)]
 
 
-def _needs(ctx_needs, offset, count):
-    """needs tuple for _group_backward from ctx.needs_input_grad (x at ``offset``, then 4 per projection)."""
-    flags = list(ctx_needs[offset:offset + 1 + 4 * count])
-    return [flags[0]] + [tuple(flags[1 + 4 * j: 5 + 4 * j]) for j in range(count)]
+def _proj_needs(ctx_needs, first, count):
+    """Per projection, its 4 ``needs_input_grad`` flags (weight, lora_A, lora_B, bias), from index ``first`` on."""
+    return [tuple(ctx_needs[first + 4 * j:first + 4 * j + 4]) for j in range(count)]
 
 
 def _no_autocast(device):
@@ -602,7 +617,8 @@ class LoraGroupFunction(torch.autograd.Function):
         projs = _unflatten(saved[2:2 + 4 * count])
         xas = saved[2 + 4 * count:]
         with _no_autocast(x2d.device):
-            dx, grads = _group_backward(dys, x2d, xas, projs, ctx.meta, seeds, 0, _needs(ctx.needs_input_grad, 1, count))
+            needs = [ctx.needs_input_grad[1]] + _proj_needs(ctx.needs_input_grad, 2, count)
+            dx, grads = _group_backward(dys, x2d, xas, projs, ctx.meta, seeds, 0, needs)
         return (None, None if dx is None else dx.view(ctx.x_shape), *[g for four in grads for g in four])
 
 
@@ -619,13 +635,13 @@ class LoraMLPFunction(torch.autograd.Function):
         n_gu_lora = sum(a is not None for _, a, _, _ in projs[:2])
         # Triton path with adapters on gate and up: their B terms are added inside the GLU pass (one pass over
         # gate/up instead of a low-rank add per projection and then the GLU)
-        fuse = meta_gu.impl == "triton" and projs[0][1] is not None and projs[1][1] is not None
+        fuse = meta_gu.impl == "triton" and projs[0].lora_A is not None and projs[1].lora_A is not None
         with _no_autocast(x.device):
             (gate, up), xas_gu = _group_forward(x2d, projs[:2], meta_gu, seeds, 0, add_lowrank=not fuse)
             if fuse:
                 ldt = meta_gu.lora_dtype
-                h = glu_forward_lowrank(gate, up, xas_gu[0], projs[0][2].to(ldt), meta_gu.scalings[0],
-                                        xas_gu[1], projs[1][2].to(ldt), meta_gu.scalings[1], activation)
+                h = glu_forward_lowrank(gate, up, xas_gu[0], projs[0].lora_B.to(ldt), meta_gu.scalings[0],
+                                        xas_gu[1], projs[1].lora_B.to(ldt), meta_gu.scalings[1], activation)
             else:
                 h = glu_forward(gate, up, activation)
             (y,), xas_down = _group_forward(h, projs[2:], meta_down, seeds, n_gu_lora)
@@ -648,13 +664,13 @@ class LoraMLPFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad
         with _no_autocast(x2d.device):
             h = glu_forward(gate, up, ctx.activation)
-            down_needs = [True] + [tuple(needs[12:16])]
+            down_needs = [True] + _proj_needs(needs, 12, 1)  # dh is always needed: it feeds gate/up
             dh, (down_grads,) = _group_backward([dy], h, xas[2:], projs[2:], meta_down, seeds, ctx.n_gu_lora,
                                                 down_needs)
             del h
             d_gate, d_up = glu_backward(dh.to(gate.dtype), gate, up, ctx.activation, inplace=True)
             del dh
-            gu_needs = [needs[3]] + [tuple(needs[4:8]), tuple(needs[8:12])]
+            gu_needs = [needs[3]] + _proj_needs(needs, 4, 2)
             dx, gu_grads = _group_backward([d_gate, d_up], x2d, xas[:2], projs[:2], meta_gu, seeds, 0, gu_needs)
         grads = [g for four in (*gu_grads, down_grads) for g in four]
         return (None, None, None, None if dx is None else dx.view(ctx.x_shape), *grads)
@@ -667,8 +683,8 @@ def _check_projection(name, proj, in_features, device):
         if isinstance(proj, tuple) and len(proj) in (4, 5):
             proj = LoraWeights(*proj)
         else:
-            raise ValueError(f"{name.rstrip('.') or 'the projection'} must be a LoraWeights(weight, lora_A, lora_B, scaling, bias), got "
-                             f"{type(proj).__name__}")
+            raise ValueError(f"{name.rstrip('.') or 'the projection'} must be a LoraWeights(weight, lora_A, lora_B, "
+                             f"scaling, bias), got {type(proj).__name__}")
     weight, lora_A, lora_B, scaling, bias = proj
     _runtime.check_tensor(f"{name}weight", weight)
     if weight.dim() != 2:

@@ -26,7 +26,8 @@ ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu_
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One row of the table; ``prefix`` names the HF classes ``{prefix}RMSNorm``, ``{prefix}Attention``, ``{prefix}MLP``."""
+    """One row of the table; ``prefix`` names the HF classes ``{prefix}RMSNorm``, ``{prefix}Attention`` and
+    ``{prefix}MLP``."""
 
     name: str
     modeling_module: str

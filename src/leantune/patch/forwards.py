@@ -10,8 +10,9 @@ computes exactly what PEFT's ``lora.Linear.forward`` would (:func:`lora_status`)
 
 RoPE has no per-instance seam in transformers 5 (the attention forward calls the module-level
 ``apply_rotary_pos_emb``), so the family's modeling module gets a dispatcher while any patched attention module
-uses it (:func:`acquire_rope` / :func:`release_rope`, counted per module by :func:`bind` / :func:`unbind`); it runs ``ops.rope`` only inside the forward of a patched attention
-module (a context variable set there), so an unpatched model keeps HF's exact function.
+uses it (:func:`acquire_rope` / :func:`release_rope`, counted per module by :func:`bind` / :func:`unbind`); it
+runs ``ops.rope`` only inside the forward of a patched attention module (a context variable set there), so an
+unpatched model keeps HF's exact function.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def _frozen_linear(module) -> bool:
 def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None]:
     """``(weights, dropout_p, training, reason)`` for one projection as the fused LoRA ops would consume it.
 
-    ``weights`` is None when the fused ops cannot reproduce the module's forward exactly; ``reason`` then says why
-    (and is None for a projection that is simply not a linear layer leantune knows). A plain frozen ``nn.Linear``
+    ``weights`` is None when the fused ops cannot reproduce the module's forward exactly, and ``reason`` then says
+    why; otherwise ``reason`` is None. A plain frozen ``nn.Linear``
     gives ``LoraWeights(weight, None, None, 0.0, bias)``. For a PEFT ``lora.Linear`` this mirrors
     ``peft.tuners.lora.layer.Linear.forward``: one active adapter, not merged, adapters enabled, no variant (DoRA),
     no ``lora_bias``, a frozen ``nn.Linear`` base; scaling, dropout p and the base bias come from PEFT's module.
@@ -304,6 +305,30 @@ def _fused_attention(self, family: Family, hidden_states, position_embeddings, a
     return _project(self.o_proj, attn_output, True), attn_weights
 
 
+def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap):
+    """HF's ``ForCausalLMLoss`` on already shifted ``labels [N]`` and ``hidden [N, H]``, without [N, V] logits when
+    ``lm_head`` is a plain linear layer.
+
+    HF's ``fixed_cross_entropy`` divides the summed loss by ``num_items_in_batch`` whatever it is (a [1, 1] tensor
+    under DataParallel, a float, 0 for a window without targets, a tensor on another GPU). A whole count > 0 goes to
+    the op, so the 1/count scale enters the gradient before its one rounding; anything else takes HF's expression.
+    """
+    count = _whole_count(num_items)
+    hf_divides = num_items is not None and count is None
+    reduction = "sum" if hf_divides else "mean"
+    if _plain_linear(lm_head):
+        loss = ops.linear_cross_entropy(hidden, lm_head.weight, labels, lm_head.bias, ignore_index=ignore_index,
+                                        softcap=softcap, reduction=reduction, num_items=count)
+    else:  # e.g. LoRA on lm_head or modules_to_save: its logits are needed, the loss still fused with the softcap
+        loss = ops.cross_entropy(lm_head(hidden), labels, ignore_index=ignore_index, softcap=softcap,
+                                 reduction=reduction, num_items=count)
+    if hf_divides:
+        return loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    if torch.is_tensor(num_items):  # HF's result dtype and shape
+        return loss.to(torch.result_type(loss, num_items)).reshape(torch.broadcast_shapes((), num_items.shape))
+    return loss
+
+
 def _whole_count(num_items) -> int | None:
     """``num_items_in_batch`` as an int when it holds one whole number in [1, 2^63), else None (reads a one-element
     tensor back: one host sync per step, beside the loss op's own label check)."""
@@ -332,7 +357,8 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     ``num_items_in_batch`` divides the summed loss as in HF's ``fixed_cross_entropy`` (same value, dtype and shape for
     any input HF accepts); the family's final-logit softcap is applied in the op.
     """
-    if labels is None or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):  # HF: a loss only with labels
+    # HF computes a loss only with labels; a logits_to_keep slice asks for logits (generation): HF's forward for both
+    if labels is None or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         return _call_original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                               use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
@@ -354,24 +380,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     shift_labels = shift_labels.reshape(-1).to(hidden_states.device)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     softcap = getattr(self.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
-    lm_head = self.lm_head
-    # HF's fixed_cross_entropy divides the summed loss by num_items_in_batch, whatever it is (a [1, 1] tensor under
-    # DataParallel, a float, 0 for a window without targets, a tensor on another GPU). A whole count > 0 goes to the
-    # op (the 1/count scale then enters the gradient before its one rounding); anything else takes HF's expression
-    count = _whole_count(num_items)
-    reduction = "sum" if num_items is not None and count is None else "mean"
-    if _plain_linear(lm_head):
-        loss = ops.linear_cross_entropy(hidden, lm_head.weight, shift_labels, lm_head.bias,
-                                        ignore_index=ignore_index, softcap=softcap, reduction=reduction,
-                                        num_items=count)
-    else:  # e.g. LoRA on lm_head or modules_to_save: its logits are needed, the loss still fused with the softcap
-        logits = lm_head(hidden)
-        loss = ops.cross_entropy(logits, shift_labels, ignore_index=ignore_index, softcap=softcap,
-                                 reduction=reduction, num_items=count)
-    if count is None and num_items is not None:
-        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    elif torch.is_tensor(num_items):  # HF's result dtype and shape
-        loss = loss.to(torch.result_type(loss, num_items)).reshape(torch.broadcast_shapes((), num_items.shape))
+    loss = _causal_lm_loss(self.lm_head, hidden, shift_labels, num_items, ignore_index, softcap)
     output = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     if return_dict:
@@ -391,9 +400,6 @@ FORWARDS = {
     "mlp": mlp_forward,
     "causal_lm": causal_lm_forward,
 }
-for _kind, _fn in FORWARDS.items():
-    _fn._leantune_kind = _kind
-
 STATE_ATTR = "_leantune"  # the ModuleState of a patched module, in its __dict__
 
 
@@ -453,7 +459,8 @@ def unbind(module: nn.Module) -> None:
 
 
 def is_leantune_forward(fn) -> bool:
-    return getattr(getattr(fn, "__func__", None), "_leantune_kind", None) is not None
+    """Whether ``fn`` (a module's instance ``forward``) is one that :func:`bind` installed."""
+    return isinstance(fn, BoundForward)
 
 
 __all__ = ["FORWARDS", "STATE_ATTR", "BoundForward", "ModuleState", "acquire_rope", "bind", "carries_fusable_lora",

@@ -46,7 +46,8 @@ def save_checkpoint(output: Path, step: int, model, optimizer, scheduler, metric
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    weights = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model, save_embedding_layers=False).items()}
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    weights = {k: v.detach().contiguous() for k, v in state.items()}
     save_file(weights, str(tmp / "adapter_model.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
