@@ -486,86 +486,110 @@ def _group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True):
 
 
 def _group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, needs):
-    """(dx in x2d's dtype or None, [(dW, dA, dB, db)] per projection); ``needs[j]`` = 4 flags, need x grad first."""
+    """(dx in x2d's dtype or None, [[dW, dA, dB, db]] per projection); ``needs`` = [need dx, then per projection
+    its 4 flags (weight, lora_A, lora_B, bias)]. The frozen terms first, then per adapter g = s dY B and dB, then
+    dA and the low-rank part of dx: x read once for all adapters without dropout, per adapter mask with it."""
     need_x, proj_needs = needs[0], needs[1:]
-    cdt, ldt = meta.compute_dtype, meta.lora_dtype
-    dys = [_runtime.as_rows(dy).to(cdt) for dy in dys]
+    dys = [_runtime.as_rows(dy).to(meta.compute_dtype) for dy in dys]
+    dx, grads = _frozen_backward(dys, x2d, projs, meta.compute_dtype, need_x, proj_needs)
+    lora = [j for j, proj in enumerate(projs) if proj.lora_A is not None]
+    if lora:
+        gs, g_cat = _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, seeds is None, proj_needs, grads)
+        if seeds is None:
+            dx = _lora_dA_dx(dx, g_cat, x2d, projs, meta, lora, need_x, proj_needs, grads)
+        else:
+            dx = _lora_dA_dx_dropout(dx, gs, x2d, projs, meta, lora, seeds, first_seed, need_x, proj_needs, grads)
+    return (None if dx is None else dx.to(x2d.dtype)), grads
+
+
+def _frozen_backward(dys, x2d, projs, cdt, need_x, proj_needs):
+    """dx = sum_j dY_j W_j (or None) and per projection [dW, None, None, db] as wanted (full fine-tune, biases)."""
     dx = None
     if need_x:
-        for dy, (w, _, _, _) in zip(dys, projs):
-            dx = dy @ w.to(cdt) if dx is None else dx.addmm_(dy, w.to(cdt))
+        for dy, proj in zip(dys, projs):
+            dx = dy @ proj.weight.to(cdt) if dx is None else dx.addmm_(dy, proj.weight.to(cdt))
     grads = [[None] * 4 for _ in projs]
     xc = x2d.to(cdt) if any(n[0] for n in proj_needs) else None
-    for j, ((w, _, _, b), dy, need) in enumerate(zip(projs, dys, proj_needs)):
+    for j, (proj, dy, need) in enumerate(zip(projs, dys, proj_needs)):
         if need[0]:
-            grads[j][0] = (dy.T @ xc).to(w.dtype)
+            grads[j][0] = (dy.T @ xc).to(proj.weight.dtype)
         if need[3]:
-            grads[j][3] = dy.sum(0).to(b.dtype)
-    lora = [j for j, (_, a, _, _) in enumerate(projs) if a is not None]
-    if not lora:
-        return dx, grads
-    gs = {}
-    skinny_dy = _skinny_ok(meta, cdt) and cdt != ldt  # dY read as stored: no [N, out] copy in ldt
-    # g_cat [N, sum r]: the g's side by side for the one dA product below; the skinny path writes each g into its
-    # columns directly, the others are concatenated there
+            grads[j][3] = dy.sum(0).to(proj.bias.dtype)
+    return dx, grads
+
+
+def _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, stack, proj_needs, grads):
+    """g_j = s_j dY_j B_j [N, r_j] per adapter ({j: g_j}) and dB_j = s_j dY_j^T xa_j into ``grads``; with ``stack``
+    (no dropout) also g_cat [N, sum r], the g's side by side for the one dA product (None otherwise). The skinny path
+    reads dY as stored (no [N, out] copy in the LoRA dtype) and writes each g into its g_cat columns directly."""
+    ldt = meta.lora_dtype
+    skinny_dy = _skinny_ok(meta, meta.compute_dtype) and meta.compute_dtype != ldt
     g_cat = None
-    if skinny_dy and seeds is None and len(lora) > 1:
+    if skinny_dy and stack and len(lora) > 1:
         g_cat = _runtime.empty((x2d.shape[0], sum(projs[j].lora_A.shape[0] for j in lora)), dtype=ldt,
                                device=x2d.device)
-    g_col = 0
+    gs, g_col = {}, 0
     for j in lora:
-        _, a, bmat, _ = projs[j]
-        scaling = meta.scalings[j]
+        lora_B, rank, scaling = projs[j].lora_B, projs[j].lora_A.shape[0], meta.scalings[j]
         if skinny_dy:
-            g_cols = None if g_cat is None else g_cat[:, g_col:g_col + a.shape[0]]
-            g_col += a.shape[0]
-            gs[j] = _skinny_matmul(dys[j], bmat.to(ldt), scaling, out=g_cols, out_dtype=ldt)  # g = s dY B  [N, r]
-            if proj_needs[j][2]:  # dB = s dY^T xa, written as [out, r] through a transposed view
-                d_b = _runtime.empty(bmat.shape, dtype=bmat.dtype, device=bmat.device)
+            g_cols = None if g_cat is None else g_cat[:, g_col:g_col + rank]
+            g_col += rank
+            gs[j] = _skinny_matmul(dys[j], lora_B.to(ldt), scaling, out=g_cols, out_dtype=ldt)
+            if proj_needs[j][2]:  # dB written as [out, r] through a transposed view
+                d_b = _runtime.empty(lora_B.shape, dtype=lora_B.dtype, device=lora_B.device)
                 grads[j][2] = d_b
                 _skinny_tn(xas[j], dys[j], scaling, out=d_b.T)
             continue
         dyl = dys[j].to(ldt)
-        gs[j] = (dyl @ bmat.to(ldt)).mul_(scaling)  # g = s dY B  [N, r]
+        gs[j] = (dyl @ lora_B.to(ldt)).mul_(scaling)
         if proj_needs[j][2]:
-            grads[j][2] = (dyl.T @ xas[j]).mul_(scaling).to(bmat.dtype)
-    skinny_x = _skinny_ok(meta, x2d.dtype)
-    if seeds is None:
-        if g_cat is None:
-            g_cat = torch.cat([gs[j] for j in lora], 1) if len(lora) > 1 else gs[lora[0]]
-        a_cat = _cat_lora_A(projs, lora, ldt)
-        if any(proj_needs[j][1] for j in lora):
-            if skinny_x and x2d.dtype != ldt:  # x read once for every adapter's dA, as stored
-                da_cat = _skinny_tn(g_cat, x2d, out_dtype=ldt)
-            else:
-                da_cat = g_cat.T @ x2d.to(ldt)  # x read once for every adapter's dA
-            start = 0
-            for j in lora:
-                rank = projs[j].lora_A.shape[0]
-                if proj_needs[j][1]:
-                    grads[j][1] = da_cat[start:start + rank].to(projs[j].lora_A.dtype)
-                start += rank
-        if need_x:
-            dx, _ = _lowrank_add(dx, g_cat, a_cat, 1.0, cdt, meta.impl)
-    else:
-        for k, j in enumerate(lora):
-            a = projs[j].lora_A
-            if skinny_x:  # the mask is regenerated in registers by both kernels: no m*x buffer
-                if need_x:
-                    dx, _ = _lowrank_add(dx, gs[j], a.to(ldt), 1.0, cdt, meta.impl, seeds, first_seed + k, meta.p)
-                if proj_needs[j][1]:
-                    grads[j][1] = _skinny_tn(gs[j], x2d, out_dtype=a.dtype, seeds=seeds, index=first_seed + k,
-                                             p=meta.p)
-                continue
-            if need_x:  # one pass: dx += m * (g A) and m * x for dA, the mask drawn once
-                dx, xd = _lowrank_add(dx, gs[j], a.to(ldt), 1.0, cdt, meta.impl, seeds, first_seed + k, meta.p, x2d)
-            else:
-                xd = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt)
+            grads[j][2] = (dyl.T @ xas[j]).mul_(scaling).to(lora_B.dtype)
+    if stack and g_cat is None:
+        g_cat = torch.cat([gs[j] for j in lora], 1) if len(lora) > 1 else gs[lora[0]]
+    return gs, g_cat
+
+
+def _lora_dA_dx(dx, g_cat, x2d, projs, meta, lora, need_x, proj_needs, grads):
+    """No dropout: dA_cat = g_cat^T x (x read once for every adapter, as stored on the skinny path) split into
+    ``grads``; returns dx + g_cat A_cat."""
+    ldt = meta.lora_dtype
+    if any(proj_needs[j][1] for j in lora):
+        if _skinny_ok(meta, x2d.dtype) and x2d.dtype != ldt:
+            da_cat = _skinny_tn(g_cat, x2d, out_dtype=ldt)
+        else:
+            da_cat = g_cat.T @ x2d.to(ldt)
+        start = 0
+        for j in lora:
+            rank = projs[j].lora_A.shape[0]
             if proj_needs[j][1]:
-                grads[j][1] = (gs[j].T @ xd).to(a.dtype)
-    if dx is not None:
-        dx = dx.to(x2d.dtype)
-    return dx, grads
+                grads[j][1] = da_cat[start:start + rank].to(projs[j].lora_A.dtype)
+            start += rank
+    if need_x:
+        dx, _ = _lowrank_add(dx, g_cat, _cat_lora_A(projs, lora, ldt), 1.0, meta.compute_dtype, meta.impl)
+    return dx
+
+
+def _lora_dA_dx_dropout(dx, gs, x2d, projs, meta, lora, seeds, first_seed, need_x, proj_needs, grads):
+    """With dropout, per adapter j (mask of seeds[first_seed + k]): dA_j = g_j^T (m * x) into ``grads``; returns
+    dx + sum_j m * (g_j A_j). The skinny kernels regenerate the mask in registers (no m * x buffer); otherwise one
+    low-rank pass adds to dx and writes m * x for dA, the mask drawn once."""
+    ldt, cdt = meta.lora_dtype, meta.compute_dtype
+    skinny_x = _skinny_ok(meta, x2d.dtype)
+    for k, j in enumerate(lora):
+        lora_A, index = projs[j].lora_A, first_seed + k
+        if skinny_x:
+            if need_x:
+                dx, _ = _lowrank_add(dx, gs[j], lora_A.to(ldt), 1.0, cdt, meta.impl, seeds, index, meta.p)
+            if proj_needs[j][1]:
+                grads[j][1] = _skinny_tn(gs[j], x2d, out_dtype=lora_A.dtype, seeds=seeds, index=index, p=meta.p)
+            continue
+        if need_x:
+            dx, xd = _lowrank_add(dx, gs[j], lora_A.to(ldt), 1.0, cdt, meta.impl, seeds, index, meta.p, x2d)
+        else:
+            xd = _dropout(x2d, seeds, index, meta.p, meta.impl, ldt)
+        if proj_needs[j][1]:
+            grads[j][1] = (gs[j].T @ xd).to(lora_A.dtype)
+    return dx
 
 
 class _Proj(NamedTuple):
