@@ -281,18 +281,18 @@ def case_linear_cross_entropy(n=16384, h=4096, v=128256, memory="fast", chunk_by
         return F.cross_entropy((hidden @ weight.T).float(), y)
 
     liger, cce_exact, cce_filtered = _liger("linear_cross_entropy"), _cce(None), _cce("high")
-    flops = (8 if memory == "low" else 6) * n * h * v
+    flops = (8 if memory == "low" else 6) * n * h * v  # 3 (4 with the recompute) GEMMs of 2 N H V FLOP
     case = Case(f"linear_cross_entropy[{memory}]", f"N{n} H{h} V{v} bf16", [hidden, weight], None, flops=flops)
     extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
     label = "leantune" if chunk_bytes is None else f"leantune (chunk_bytes={chunk_bytes >> 20} MiB)"
-    case.impls = {label: lambda a, b: ops.linear_cross_entropy(a, b, y, memory=memory, **extra)}
+    case.impls = {label: lambda h, w: ops.linear_cross_entropy(h, w, y, memory=memory, **extra)}
     if memory == "fast" and chunk_bytes is None:
         case.impls.update({"eager": eager, "torch.compile": torch.compile(eager),
-                           "liger": None if liger is None else (lambda a, b: liger(a, b, y))})
+                           "liger": None if liger is None else (lambda h, w: liger(h, w, y))})
     else:
-        case.impls.update({"cce (filter_eps=None)": None if cce_exact is None else (lambda a, b: cce_exact(a, b, y)),
+        case.impls.update({"cce (filter_eps=None)": None if cce_exact is None else (lambda h, w: cce_exact(h, w, y)),
                            "cce (default filter)": None if cce_filtered is None else
-                           (lambda a, b: cce_filtered(a, b, y))})
+                           (lambda h, w: cce_filtered(h, w, y))})
     return case
 
 
@@ -327,7 +327,8 @@ def case_lora_mlp(n=4096, h=4096, i=14336, r=16, adapter_dtype=torch.float32) ->
 
     name = "fp32" if adapter_dtype == torch.float32 else "bf16"
     case = Case(f"lora_mlp[{name} adapters]", f"N{n} H{h} I{i} r{r} bf16", [x, ag, bg, au, bu, ad, bd],
-                [torch.randn_like(x)], flops=2 * n * h * i * 3 * 2, params=[wg, wu, wd, ag, bg, au, bu, ad, bd])
+                [torch.randn_like(x)], flops=2 * n * h * i * 3 * 2,  # 3 frozen GEMMs, fwd + dX (no dW)
+                params=[wg, wu, wd, ag, bg, au, bu, ad, bd])
     case.impls = {"leantune": leantune, "peft eager": peft}
     return case
 
@@ -350,7 +351,8 @@ def case_lora_qkv(n=4096, h=4096, hq=32, hk=8, d=128, r=16, adapter_dtype=torch.
     name = "fp32" if adapter_dtype == torch.float32 else "bf16"
     outs = [torch.randn(n, o, device="cuda", dtype=torch.bfloat16) for o in (hq * d, hk * d, hk * d)]
     case = Case(f"lora_qkv[{name} adapters]", f"N{n} H{h} {hq}/{hk}h r{r} bf16", [x, aq, bq, ak, bk, av, bv], outs,
-                flops=2 * n * h * (hq + 2 * hk) * d * 2, params=[wq, wk, wv, aq, bq, ak, bk, av, bv])
+                flops=2 * n * h * (hq + 2 * hk) * d * 2,  # the frozen GEMMs, fwd + dX (no dW)
+                params=[wq, wk, wv, aq, bq, ak, bk, av, bv])
     case.impls = {"leantune": leantune, "peft eager": peft}
     return case
 
@@ -372,6 +374,12 @@ CASES = {
 
 # --------------------------------------------------------------------------------------------------------- reporting
 def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
+    """Measure each op of ``op_names`` (keys of CASES) for every implementation (or those in ``impl_filter``).
+
+    Returns ``{date, gpu, versions, ceilings: {copy_bytes_per_s, matmul_flop_per_s}, rows}``; a row is
+    ``{op, shape, impl, ms, graph_ms, graph_error, extra_peak_gib, saved_gib, floor_ms, error}`` (ms of fwd+bwd, GiB)
+    plus ``gb_per_s`` / ``pct_copy_ceiling`` or ``tflop_per_s`` / ``pct_matmul_ceiling``. An implementation that
+    raises gives a row with NaN numbers and its error."""
     import transformers
     import triton
 
@@ -497,10 +505,16 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=None, help="comma list of implementations to run (default: all)")
     parser.add_argument("--out", default=None, help="write the JSON result here (and .md beside it)")
     args = parser.parse_args(argv)
+    names = [name for name in args.ops.split(",") if name]
+    unknown = [name for name in names if name not in CASES]
+    if unknown or not names:
+        print(f"unknown op(s) {', '.join(unknown) or '(none given)'}; expected some of {', '.join(CASES)}",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("leantune bench ops needs a CUDA GPU", file=sys.stderr)
         return 2
-    result = run(args.ops.split(","), set(args.impls.split(",")) if args.impls else None)
+    result = run(names, set(args.impls.split(",")) if args.impls else None)
     table = markdown(result)
     if args.out:
         with open(args.out, "w") as f:

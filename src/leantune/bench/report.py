@@ -50,12 +50,18 @@ def _check_fields(path: Path, data: dict, fields: dict) -> None:
         value = data[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ReportError(f"{path}: field {name!r} must be {kind.__name__}, got {value!r}")
-    layers = data.get("layers")
-    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
-        raise ReportError(f"{path}: field 'layers' must be a positive int or null, got {layers!r}")
+
+
+def _check_number(path: Path, data: dict, name: str, what: str = "field") -> None:
+    value = data.get(name)
+    if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise ReportError(f"{path}: {what} {name!r} must be a number or null, got {value!r}")
 
 
 def _validate(path: Path, data: dict) -> None:
+    layers = data.get("layers")
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+        raise ReportError(f"{path}: field 'layers' must be a positive int or null, got {layers!r}")
     if data.get("kind") == "max_context":
         _check_fields(path, data, MAXCTX_FIELDS)
         if data["step"] <= 0:
@@ -71,9 +77,7 @@ def _validate(path: Path, data: dict) -> None:
             if name not in data:
                 raise ReportError(f"{path}: missing field {name!r} (every ok run records it)")
         for name in OK_NUMBERS:
-            value = data.get(name)
-            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-                raise ReportError(f"{path}: field {name!r} must be a number or null, got {value!r}")
+            _check_number(path, data, name)
 
 
 def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
@@ -129,12 +133,11 @@ def load_op_results(out: Path) -> list[tuple[Path, dict]]:
             if not isinstance(row, dict):
                 raise ReportError(f"{path}: every row must be an object, got {row!r}")
             _check_fields(path, row, OPS_ROW_FIELDS)
-            for name in OPS_ROW_NUMBERS + ("graph_ms",):
-                value = row.get(name, math.nan if name == "graph_ms" else None)
-                if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-                    raise ReportError(f"{path}: row field {name!r} must be a number or null, got {value!r}")
-                if value is None and name != "graph_ms":
+            for name in OPS_ROW_NUMBERS:
+                if row.get(name) is None:
                     raise ReportError(f"{path}: row of {row['op']} / {row['impl']} lacks {name!r}")
+            for name in OPS_ROW_NUMBERS + ("graph_ms",):  # graph_ms: absent in runs before the column existed
+                _check_number(path, row, name, "row field")
         for key in ("copy_bytes_per_s", "matmul_flop_per_s"):
             if not isinstance(data["ceilings"].get(key), int | float):
                 raise ReportError(f"{path}: ceilings.{key} must be a number")

@@ -15,6 +15,9 @@ UPCAST (set under Triton's interpreter, whose bf16 dot is garbage) feeds the dot
 import triton
 import triton.language as tl
 
+# DOT_MODE values, for the launchers (the kernels compare against the literals)
+DOT_IEEE, DOT_SPLIT3, DOT_NATIVE = 0, 1, 2
+
 
 @triton.jit
 def split3(w):

@@ -320,7 +320,7 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
     return Options(int(ignore_index), label_smoothing, softcap, z_loss)
 
 
-def divisor(labels, opts: Options, reduction, num_items):
+def mean_divisor(labels, opts: Options, reduction, num_items):
     """0-dim fp32 tensor on labels' device: num_items, else count(valid) clamped to >= 1 (its loss sum is then 0);
     None for reductions other than "mean"."""
     if reduction != "mean":
@@ -332,17 +332,17 @@ def divisor(labels, opts: Options, reduction, num_items):
     return torch.tensor(float(num_items), dtype=torch.float32, device=labels.device)
 
 
-def reduce(row_loss, reduction, denominator):
+def reduce(row_loss, reduction, divisor):
     if reduction == "none":
         return row_loss
     total = row_loss.sum()
-    return total if reduction == "sum" else total / denominator
+    return total if reduction == "sum" else total / divisor
 
 
-def row_scale(grad_output, reduction, denominator):
+def row_scale(grad_output, reduction, divisor):
     """dL/dloss_row as fp32: 0-dim for "mean"/"sum", [n] for "none"."""
     g = grad_output.float()
-    return g / denominator if reduction == "mean" else g.contiguous()
+    return g / divisor if reduction == "mean" else g.contiguous()
 
 
 # ------------------------------------------------------------------------------------------------ autograd + API
@@ -350,21 +350,21 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Autograd node of :func:`cross_entropy`; saves logits (by reference), labels, lse [N] fp32, the divisor."""
 
     @staticmethod
-    def forward(ctx, logits, labels, opts, reduction, denominator):
+    def forward(ctx, logits, labels, opts, reduction, divisor):
         impl = _runtime.backend(logits.device)
         n_rows = logits.shape[0]
         loss = _runtime.empty((n_rows,), dtype=torch.float32, device=logits.device)
         lse = _runtime.empty((n_rows,), dtype=torch.float32, device=logits.device)
         loss_rows(impl, logits, labels, opts, loss, lse)
-        ctx.save_for_backward(logits, labels, lse, denominator)
+        ctx.save_for_backward(logits, labels, lse, divisor)
         ctx.impl, ctx.opts, ctx.reduction = impl, opts, reduction
-        return reduce(loss, reduction, denominator)
+        return reduce(loss, reduction, divisor)
 
     @staticmethod
     def backward(ctx, grad_output):
-        logits, labels, lse, denominator = ctx.saved_tensors
+        logits, labels, lse, divisor = ctx.saved_tensors
         grad = _runtime.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        scale = row_scale(grad_output, ctx.reduction, denominator)
+        scale = row_scale(grad_output, ctx.reduction, divisor)
         gradient_rows(ctx.impl, logits, labels, lse, scale, ctx.opts, grad)
         return grad, None, None, None, None
 
@@ -412,4 +412,4 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     labels = labels.contiguous()
-    return CrossEntropyFunction.apply(logits, labels, opts, reduction, divisor(labels, opts, reduction, num_items))
+    return CrossEntropyFunction.apply(logits, labels, opts, reduction, mean_divisor(labels, opts, reduction, num_items))

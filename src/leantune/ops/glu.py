@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _dot, _runtime
 from ._dot import mixed_dot
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu_erf")
@@ -245,7 +245,7 @@ def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation
     xa_g, xa_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (xa_g, xa_u))
     b_g, b_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (b_g, b_u))
     lora_dtype = xa_g.dtype
-    dot_mode = 2 if lora_dtype in (torch.float16, torch.bfloat16) else 0
+    dot_mode = _dot.DOT_NATIVE if lora_dtype in (torch.float16, torch.bfloat16) else _dot.DOT_IEEE
     grid = (_runtime.cdiv(n_rows, block_n), _runtime.cdiv(n_cols, block_i))
     _glu_forward_lowrank_kernel[grid](
         gate, up, h, xa_g, b_g, xa_u, b_u,

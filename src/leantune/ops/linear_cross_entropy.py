@@ -35,7 +35,7 @@ import numbers
 import torch
 
 from . import _runtime
-from .cross_entropy import check_options, divisor, gradient_rows, loss_rows, reduce, row_scale
+from .cross_entropy import check_options, gradient_rows, loss_rows, mean_divisor, reduce, row_scale
 
 MEMORY_MODES = ("fast", "low")
 DEFAULT_CHUNK_BYTES = {"fast": 128 * 2**20, "low": 32 * 2**20}
@@ -64,7 +64,7 @@ def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad
     """Loss and lse per row over token chunks; with ``grad_scale`` also dhidden/dweight/dbias (see module doc)."""
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
-    want_h, want_w, want_b = wants if grad_scale is not None else (False, False, False)
+    want_h, want_w, want_b = wants
     loss = _runtime.empty((n_rows,), dtype=torch.float32, device=device)
     lse = _runtime.empty((n_rows,), dtype=torch.float32, device=device)
     dhidden = _runtime.empty(hidden.shape, dtype=dtype, device=device) if want_h else None
@@ -146,7 +146,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, opts, reduction, denominator, memory, chunk_bytes, wants,
+    def forward(ctx, hidden, weight, bias, labels, opts, reduction, divisor, memory, chunk_bytes, wants,
                 compute_dtype):
         impl = _runtime.backend(hidden.device)
         ctx.impl, ctx.opts, ctx.reduction, ctx.chunk_bytes, ctx.wants = impl, opts, reduction, chunk_bytes, wants
@@ -157,14 +157,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             fast = memory == "fast" and reduction != "none" and any(wants)
             ctx.fast = fast
             if fast:
-                grad_scale = (1.0 / denominator) if reduction == "mean" else torch.ones(
+                grad_scale = (1.0 / divisor) if reduction == "mean" else torch.ones(
                     (), dtype=torch.float32, device=hidden.device)
                 loss, _, dh, dw, db = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, grad_scale, wants)
                 ctx.save_for_backward(dh, dw, db)
             else:
-                loss, lse, *_ = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, None, wants)
-                ctx.save_for_backward(h, w, b, labels, lse, denominator)
-        return reduce(loss, reduction, denominator)
+                loss, lse, *_ = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, None, (False,) * 3)
+                ctx.save_for_backward(h, w, b, labels, lse, divisor)
+        return reduce(loss, reduction, divisor)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -179,8 +179,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     if g is not None:
                         g.mul_(grad_output.to(g.dtype))
         else:
-            h, w, b, labels, lse, denominator = ctx.saved_tensors
-            scale = row_scale(grad_output, ctx.reduction, denominator)
+            h, w, b, labels, lse, divisor = ctx.saved_tensors
+            scale = row_scale(grad_output, ctx.reduction, divisor)
             with torch.autocast(h.device.type, enabled=False):
                 grads = _recompute_backward(ctx.impl, h, w, b, labels, lse, scale, ctx.opts, ctx.chunk_bytes,
                                             ctx.wants)
@@ -251,5 +251,5 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     labels = labels.contiguous()
     return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, opts, reduction,
-                                            divisor(labels, opts, reduction, num_items), memory, int(chunk_bytes),
+                                            mean_divisor(labels, opts, reduction, num_items), memory, int(chunk_bytes),
                                             wants, compute_dtype)

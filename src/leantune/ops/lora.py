@@ -61,7 +61,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _dot, _runtime
 from ._dot import mixed_dot
 from .glu import ACTIVATIONS, glu_backward, glu_forward, glu_forward_lowrank
 
@@ -254,16 +254,17 @@ def _lowrank_add_triton(base, lhs, rhs, scale, out_dtype, seeds, index, p, x):
 
 
 def _dot_mode(low_dtype, factor_dtype, precision):
-    """DOT_MODE for a product of a stored activation tile (low_dtype) and a factor tile (factor_dtype); see kernels."""
+    """DOT_MODE (ops/_dot.py) for a product of a stored activation tile (low_dtype) and a factor tile
+    (factor_dtype)."""
     if precision not in ("auto", "ieee"):
         raise ValueError(f"precision must be 'auto' or 'ieee', got {precision!r}")
     if precision == "ieee" or low_dtype == torch.float32:
-        return 0
+        return _dot.DOT_IEEE
     if factor_dtype == low_dtype:
-        return 2
+        return _dot.DOT_NATIVE
     if low_dtype == torch.bfloat16 and factor_dtype == torch.float32:
-        return 1
-    return 0  # fp16 activations with fp32 factors: no exact fp16 split (range), fp32 FMA
+        return _dot.DOT_SPLIT3
+    return _dot.DOT_IEEE  # fp16 activations with fp32 factors: no exact fp16 split (range), fp32 FMA
 
 
 def _splits(device, n_tiles, n_inner, block, per_sm):
@@ -791,7 +792,9 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, *, dropout=0.0, t
         ValueError: shapes that do not match or are empty (the message names the argument), non-float dtypes,
             lora_A/lora_B of different dtypes, tensors on different devices, dropout outside [0, 1), a scaling that
             is not a finite number, a training flag that is not a bool.
-    Source: PEFT ``peft/tuners/lora/layer.py`` ``Linear.forward``; the derivation is in this module's docstring.
+
+    Source: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; PEFT
+    ``peft/tuners/lora/layer.py`` ``Linear.forward``; the derivation is in this module's docstring.
     """
     return _lora_group(x, [("", LoraWeights(weight, lora_A, lora_B, scaling, bias))], dropout, training)[0]
 
@@ -809,7 +812,7 @@ def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
     """The q, k, v projections of one x in one autograd node: ``(q_out, k_out, v_out)``.
 
     Args:
-        x: ``[..., H]`` float tensor.
+        x: ``[..., H]`` float32/float16/bfloat16.
         q, k, v: :class:`LoraWeights` with weights ``[out_j, H]`` of one dtype; adapters of one dtype (or None for a
             plain frozen projection); Qwen2-style biases allowed.
         dropout, training: as :func:`lora_linear`; one independent mask per projection (seeds in order q, k, v).
@@ -821,6 +824,8 @@ def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
     Raises:
         ValueError: as :func:`lora_linear` (naming ``q.weight``, ``k.lora_A``, ...), and q/k/v weights or adapters
             of different dtypes.
+
+    Source: three PEFT ``lora.Linear.forward`` calls on one input (HF attention's q/k/v projections).
     """
     return tuple(_lora_group(x, [("q.", q), ("k.", k), ("v.", v)], dropout, training))
 
@@ -829,7 +834,7 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
     """y = down(act(gate(x)) * up(x)), each projection a LoRA linear (HF LlamaMLP / GemmaMLP under PEFT).
 
     Args:
-        x: ``[..., H]`` float tensor.
+        x: ``[..., H]`` float32/float16/bfloat16.
         gate, up: :class:`LoraWeights` with weights ``[I, H]``; down: weights ``[H_out, I]``.
         activation: ``"swiglu"`` (silu, Llama/Qwen/Mistral), ``"geglu_tanh"`` (gelu tanh, Gemma),
             ``"geglu_erf"`` (exact gelu).
@@ -840,7 +845,10 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
 
     Raises:
         ValueError: shape mismatches (naming e.g. ``down.weight``), dtypes, devices, unknown activation, dropout
-            outside [0, 1).
+            outside [0, 1), a scaling that is not a finite number, a training flag that is not a bool.
+
+    Source: HF ``LlamaMLP.forward`` / ``GemmaMLP.forward`` with PEFT ``lora.Linear`` projections; the GLU backward
+    is :mod:`leantune.ops.glu`'s.
     """
     _check_x(x)
     dropout = _check_dropout(dropout)
