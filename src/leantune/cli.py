@@ -100,7 +100,7 @@ def _bench_ops(args) -> int:
     names = _comma(args.ops)
     unknown = [n for n in names if n not in CASES]
     if unknown or not names:
-        from .train.config import LeantuneError
+        from .errors import LeantuneError
 
         raise LeantuneError(f"unknown op(s) {', '.join(unknown) or '(none given)'}; expected some of "
                             f"{', '.join(CASES)}")
@@ -148,7 +148,7 @@ def _comma(text: str) -> list[str]:
 
 def _impls(text: str) -> list[str]:
     from .bench.e2e import IMPLS
-    from .train.config import LeantuneError
+    from .errors import LeantuneError
 
     impls = _comma(text)
     bad = [i for i in impls if i not in IMPLS]
@@ -159,7 +159,7 @@ def _impls(text: str) -> list[str]:
 
 
 def _gc_list(text: str) -> list[bool]:
-    from .train.config import LeantuneError
+    from .errors import LeantuneError
 
     values = _comma(text)
     if not values or any(v not in ("on", "off") for v in values):
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .train.config import LeantuneError
+    from .errors import LeantuneError
 
     try:
         args = build_parser().parse_args(argv)

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..train.config import LeantuneError
+from ..errors import LeantuneError
 
 GiB = 1024**3
 IMPLS = ("hf+peft", "hf+peft+liger", "leantune")

@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from ..train.config import LeantuneError
+from ..errors import LeantuneError
 
 BASELINE = "hf+peft"
 IMPL_ORDER = ("hf+peft", "hf+peft+liger", "leantune")

@@ -22,9 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-
-class LeantuneError(Exception):
-    """A user-facing error: the CLI prints ``leantune: error: <message>`` on one line and exits non-zero."""
+from ..errors import LeantuneError
 
 
 @dataclass
