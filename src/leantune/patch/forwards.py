@@ -125,30 +125,34 @@ def _has_lora(weights: ops.LoraWeights) -> bool:
     return weights.lora_A is not None
 
 
+def _fusable(status) -> bool:
+    """Whether a :func:`lora_status` result is a LoRA projection that ``ops.lora_linear`` reproduces exactly."""
+    return status[0] is not None and _has_lora(status[0])
+
+
 def carries_fusable_lora(module) -> bool:
     """True when ``module`` is a PEFT LoRA projection that ``ops.lora_linear`` reproduces exactly."""
-    weights = lora_status(module)[0]
-    return weights is not None and _has_lora(weights)
+    return _fusable(lora_status(module))
 
 
-def _fused_group(modules) -> tuple[list[ops.LoraWeights], float, bool] | None:
-    """LoraWeights for projections that read one input, when one fused call can serve all of them exactly."""
-    found = [lora_status(m) for m in modules]
-    if any(w is None for w, _, _, _ in found) or not any(_has_lora(w) for w, _, _, _ in found):
+def _fused_group(statuses) -> tuple[list[ops.LoraWeights], float, bool] | None:
+    """LoraWeights for projections that read one input (their :func:`lora_status`), when one fused call can serve
+    all of them exactly."""
+    if any(w is None for w, _, _, _ in statuses) or not any(_has_lora(w) for w, _, _, _ in statuses):
         return None
-    with_lora = [(p, t) for w, p, t, _ in found if _has_lora(w)]
+    with_lora = [(p, t) for w, p, t, _ in statuses if _has_lora(w)]
     if len(set(with_lora)) != 1:  # one dropout p / mode for the whole group
         return None
     p, training = with_lora[0]
-    return [w for w, _, _, _ in found], p, training
+    return [w for w, _, _, _ in statuses], p, training
 
 
-def _project(module, x, lora: bool):
-    """``module(x)``, through ``ops.lora_linear`` when it carries LoRA the fused op serves exactly."""
-    if lora:
-        weights, p, training, _ = lora_status(module)
-        if weights is not None and _has_lora(weights):
-            return ops.lora_linear(x, *weights, dropout=p, training=training)
+def _project(module, x, status):
+    """``module(x)``, through ``ops.lora_linear`` when its :func:`lora_status` (None: LoRA fusion off) says the
+    fused op serves it exactly."""
+    if status is not None and _fusable(status):
+        weights, p, training, _ = status
+        return ops.lora_linear(x, *weights, dropout=p, training=training)
     return module(x)
 
 
@@ -238,15 +242,17 @@ def mlp_forward(self, x):
     """``down(act(gate(x)) * up(x))``: ``ops.lora_mlp`` when gate/up/down carry fusable LoRA (and the MLP kind is
     on), else per projection (``ops.lora_linear`` where fusable) around ``ops.swiglu``/``ops.geglu``."""
     state = self._leantune
+    # each projection's PEFT state read once per forward (it may change between forwards: set_adapter, merge)
+    statuses = [lora_status(m) for m in (self.gate_proj, self.up_proj, self.down_proj)] if state.lora else [None] * 3
     if state.lora and state.mlp:
-        group = _fused_group((self.gate_proj, self.up_proj, self.down_proj))
+        group = _fused_group(statuses)
         if group is not None:
             (gate, up, down), p, training = group
             return ops.lora_mlp(x, gate, up, down, activation=state.activation, dropout=p, training=training)
-    gate = _project(self.gate_proj, x, state.lora)
-    up = _project(self.up_proj, x, state.lora)
+    gate = _project(self.gate_proj, x, statuses[0])
+    up = _project(self.up_proj, x, statuses[1])
     hidden = _glu(gate, up, state.activation) if state.mlp else self.act_fn(gate) * up
-    return _project(self.down_proj, hidden, state.lora)
+    return _project(self.down_proj, hidden, statuses[2])
 
 
 def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -257,29 +263,32 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     state = self._leantune
     token = _ROPE_ACTIVE.set(state.rope)
     try:
-        if state.lora and any(carries_fusable_lora(m) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)):
-            return _fused_attention(self, state.family, hidden_states, position_embeddings, attention_mask,
-                                    past_key_values, **kwargs)
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        statuses = [lora_status(m) for m in projections] if state.lora else []  # read once per forward
+        if any(_fusable(s) for s in statuses):
+            return _fused_attention(self, state.family, statuses, hidden_states, position_embeddings,
+                                    attention_mask, past_key_values, **kwargs)
         return _call_original(self, hidden_states, position_embeddings=position_embeddings,
                               attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     finally:
         _ROPE_ACTIVE.reset(token)
 
 
-def _fused_attention(self, family: Family, hidden_states, position_embeddings, attention_mask, past_key_values,
-                     **kwargs):
+def _fused_attention(self, family: Family, statuses, hidden_states, position_embeddings, attention_mask,
+                     past_key_values, **kwargs):
     # Mirrors e.g. transformers/models/qwen3/modeling_qwen3.py Qwen3Attention.forward; family differences are data.
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     modeling = importlib.import_module(family.modeling_module)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    group = _fused_group((self.q_proj, self.k_proj, self.v_proj))
+    group = _fused_group(statuses[:3])
     if group is not None:
         (q_w, k_w, v_w), p, training = group
         query, key, value = ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training)
     else:  # e.g. only o_proj fusable, or q/k/v with different dropout: one projection at a time
-        query, key, value = (_project(m, hidden_states, True) for m in (self.q_proj, self.k_proj, self.v_proj))
+        query, key, value = (_project(m, hidden_states, status)
+                             for m, status in zip((self.q_proj, self.k_proj, self.v_proj), statuses))
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
     if family.qk_norm:
         query, key = self.q_norm(query), self.k_norm(key)  # on the head dim: same before or after the transpose
@@ -302,7 +311,7 @@ def _fused_attention(self, family: Family, hidden_states, position_embeddings, a
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return _project(self.o_proj, attn_output, True), attn_weights
+    return _project(self.o_proj, attn_output, statuses[3]), attn_weights
 
 
 def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap):
