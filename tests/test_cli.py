@@ -374,3 +374,69 @@ def test_top_level_help_has_no_rst_markup(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "train (LoRA fine-tuning)" in out and "``" not in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From a new-user pass on the output folder: nothing of the user's lost, resume only of the same run
+
+
+def test_a_users_run_json_is_not_taken_for_a_leantune_run(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "epoch-3").mkdir(parents=True)
+    (out / "checkpoints" / "epoch-3" / "model.bin").write_bytes(b"W")
+    (out / "run.json").write_text('{"tool": "other"}')
+    (out / "metrics.jsonl").write_text("{}\n")
+    before = files_of(out)
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert_error(code, err, "not empty and holds no leantune run")
+    code, err = run_cli(capsys, *train_args(tiny, out, "--overwrite"))
+    assert_error(code, err, "have the names of its outputs", "checkpoints", "run.json")
+    assert files_of(out) == before
+
+
+def test_resume_refuses_other_settings_and_a_step_count_below_the_checkpoint(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out, "--save-every", "1", "--max-steps", "2"))
+    assert code == 0, err
+    before = files_of(out)
+    for flag, value in (("--lora-r", "8"), ("--lora-alpha", "1.0"), ("--seq-len", "32"), ("--seed", "3"),
+                        ("--target-modules", "q_proj,v_proj")):
+        code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "3", flag, value))
+        assert_error(code, err, f"--resume: {flag} {value} differs from the run being resumed", "run.json")
+    other = write_chat_jsonl(tmp_path / "other.jsonl", seed=1)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "3", data=other))
+    assert_error(code, err, "--resume: --data", "differs")
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "1"))
+    assert_error(code, err, "step-000002 is at step 2, past this run's 1 steps")
+    assert files_of(out) == before  # nothing rewritten by a refused resume
+    (out / "checkpoints" / ".tmp-step-000003").mkdir()  # a save cut short by a kill
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "3", "--save-every", "1"))
+    assert code == 0, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003"]
+    assert not (out / ".leantune.lock").exists()
+
+
+def test_output_path_below_a_file_is_refused_before_any_work(tiny, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "afile" / "sub"))
+    assert_error(code, err, "is a file, not a directory")
+    code, err = run_cli(capsys, *train_args(tiny, ""))
+    assert_error(code, err, "--output must name a directory")
+
+
+def test_an_output_folder_in_use_by_a_live_run_is_refused(tiny, tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".leantune.lock").write_text(str(os.getppid()))  # a live process: pytest's parent
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert_error(code, err, f"output dir {out} is in use by another leantune run (pid {os.getppid()})")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / ".leantune.lock").write_text(str(dead.pid))  # a run that died: its lock is stale
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert code == 0, err
+    assert (out / "adapter").is_dir() and not (out / ".leantune.lock").exists()

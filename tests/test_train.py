@@ -288,3 +288,17 @@ def test_metrics_are_strict_json_with_null_for_non_finite(tmp_path):
     text = (tmp_path / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
     assert log.read() == [{"type": "train", "step": 1, "loss": None, "grad_norm": None, "lr": 1e-3}]
+
+
+def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
+    """From a new-user pass: `docker stop` / a scheduler's preemption (SIGTERM) used to kill the run outright."""
+    def terminate(step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    stopped = train(tiny_config(tiny, tmp_path / "run", max_steps=3, save_every=0), progress=False,
+                    on_step=terminate)
+    assert stopped.interrupted and stopped.summary["steps"] == 1
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000001"]
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored after the run

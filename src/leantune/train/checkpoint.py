@@ -68,6 +68,11 @@ def latest_checkpoint(output: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step a checkpoint was saved at (its ``state.json``)."""
+    return int(json.loads((Path(path) / "state.json").read_text())["step"])
+
+
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     """Restore everything saved by ``save_checkpoint`` in place; returns ``state.json``'s dict."""
     device = next(p.device for p in model.parameters())

@@ -15,8 +15,11 @@ exact.
 Output dir: every user error is raised before anything in it is written or removed. A run counts as a run (and
 needs ``--overwrite`` or ``--resume``) once it has a checkpoint, the adapter or summary.json; a run that failed
 before its first checkpoint left only run.json/metrics.jsonl, cannot be resumed, and is simply replaced by the next
-run. Only leantune's own files (``RUN_FILES``) are ever replaced; a folder of other files needs ``--overwrite`` and
-keeps them. Non-finite losses are recorded as null (strict JSON) with a warning.
+run. Only leantune's own files (``RUN_FILES``) are ever replaced, and only next to a run.json that leantune wrote;
+a folder of other files needs ``--overwrite`` and keeps them. ``--resume`` continues only the same run: the settings
+that fix the adapter, the base model and the data rows (``RESUME_FIXED``) must match run.json, and the checkpoint may
+not be past the requested steps. A lock file with the pid keeps a second run out of a folder in use. Ctrl-C or
+SIGTERM finishes the step and saves a checkpoint. Non-finite losses are recorded as null (strict JSON) with a warning.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ from .data import PackedData, chitchat_path, load_dataset
 from .metrics import MetricsLog, plot_losses, to_json
 
 RUN_FILES = ("adapter", "tokenizer", "checkpoints", "metrics.jsonl", "loss.png", "summary.json", "run.json")
+LOCK = ".leantune.lock"  # pid of the run writing into the folder
+# settings a resumed run must share with the run it continues: the adapter's shape and scaling, the base weights,
+# and the data rows each step takes (everything else, e.g. --max-steps, lr, eval and save intervals, may change)
+RESUME_FIXED = ("model", "data", "seq_len", "batch_size", "grad_accum", "lora_r", "lora_alpha", "lora_dropout",
+                "target_modules", "seed", "eval_size", "max_examples")
 
 
 def _say(message: str) -> None:
@@ -252,24 +260,28 @@ def step_rows(step: int, n_rows: int, rows_per_step: int, seed: int) -> torch.Te
 
 
 class _GracefulInterrupt:
-    """First Ctrl-C: finish the current step, save a checkpoint, stop. Second Ctrl-C: abort at once."""
+    """First Ctrl-C or SIGTERM (``docker stop``, a scheduler's preemption): finish the current step, save a
+    checkpoint, stop. A second one: abort at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __enter__(self):
         self.requested = False
-        self.previous = None
+        self.previous = {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        _say("leantune: interrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
+        _say(f"leantune: {signal.Signals(signum).name}: finishing this step and saving a checkpoint (again to "
+             "abort)")
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
         return False
 
 
@@ -283,12 +295,89 @@ class RunResult:
     model: object = None  # the trained PeftModel (for callers in the same process, e.g. tests)
 
 
+def read_run_info(output: Path) -> dict | None:
+    """``run.json`` of ``output`` when leantune wrote it (``"tool": "leantune"``, or the keys every leantune
+    run.json has), else None: a user's file of that name is never taken for a run of ours."""
+    try:
+        info = json.loads((output / "run.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
+        return None
+    if info.get("tool") == "leantune" or {"model_kind", "model_path", "total_steps"} <= info.keys():
+        return info
+    return None
+
+
 def holds_run(output: Path) -> bool:
-    """A leantune run worth keeping: ``run.json`` plus something a crash cannot be the only source of (a complete
-    checkpoint, the adapter or the summary). A run that died before its first checkpoint does not count."""
-    return (output / "run.json").is_file() and (
+    """A leantune run worth keeping: its ``run.json`` plus something a crash cannot be the only source of (a
+    complete checkpoint, the adapter or the summary). A run that died before its first checkpoint does not count."""
+    return read_run_info(output) is not None and (
         (output / "adapter").exists() or (output / "summary.json").exists()
         or checkpoint.latest_checkpoint(output) is not None)
+
+
+def _check_writable(output: Path) -> None:
+    """The output folder (or the first existing folder above it, where it will be created) is a folder that can be
+    written: checked before the model is loaded, not discovered as a traceback after."""
+    probe = output.absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise LeantuneError(f"output path {output}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise LeantuneError(f"output path {output}: {probe} is not writable")
+
+
+def _lock_holder(output: Path) -> int | None:
+    """pid of another live process holding ``output``'s lock, else None (no lock, ours, or a dead run's)."""
+    try:
+        pid = int((output / LOCK).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        return pid
+    return pid
+
+
+def _in_use(output: Path) -> LeantuneError:
+    return LeantuneError(f"output dir {output} is in use by another leantune run (pid {_lock_holder(output)}); wait "
+                         "for it or choose another --output")
+
+
+def _release_lock(output: Path) -> None:
+    try:
+        if (output / LOCK).read_text().strip() == str(os.getpid()):
+            (output / LOCK).unlink()
+    except OSError:
+        pass
+
+
+def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path: Path) -> dict:
+    """The run being resumed (its run.json) when ``config`` keeps every ``RESUME_FIXED`` setting; else a
+    LeantuneError naming the first that differs. Checked before the model is loaded or anything is written."""
+    info = read_run_info(output)
+    if info is None:
+        raise LeantuneError(f"--resume: {output / 'run.json'} is missing or not a leantune run's; cannot check that "
+                            "this run continues it")
+    before, now = info["config"], config.to_dict()
+    for name in RESUME_FIXED:
+        old, new = before.get(name), now.get(name)
+        if name == "model":
+            old, new = info.get("model_path"), str(model_path)
+        elif name == "data":
+            old, new = info.get("data_path"), str(data_path)
+        if old != new:
+            flag = "--" + name.replace("_", "-")
+            raise LeantuneError(f"--resume: {flag} {new} differs from the run being resumed ({old}, in "
+                                f"{output / 'run.json'}); resume with the run's settings or start a new --output")
+    return info
 
 
 def check_output(config: TrainConfig) -> Path | None:
@@ -300,8 +389,13 @@ def check_output(config: TrainConfig) -> Path | None:
     the name of a file leantune writes. Only leantune's own files (``RUN_FILES``) are ever replaced.
     """
     output = Path(config.output)
+    if not str(config.output).strip():
+        raise LeantuneError("--output must name a directory, got an empty path")
     if output.exists() and not output.is_dir():
         raise LeantuneError(f"output path {output} exists and is not a directory")
+    _check_writable(output)
+    if output.is_dir() and _lock_holder(output) is not None:
+        raise _in_use(output)
     if config.resume:
         found = checkpoint.latest_checkpoint(output)
         if found is None:
@@ -314,8 +408,8 @@ def check_output(config: TrainConfig) -> Path | None:
             raise LeantuneError(f"output dir {output} already holds a run; pass --overwrite to replace it or "
                                 "--resume to continue it")
         return None
-    entries = {p.name for p in output.iterdir()}
-    if "run.json" in entries and entries <= set(RUN_FILES):
+    entries = {p.name for p in output.iterdir()} - {LOCK}
+    if "run.json" in entries and entries <= set(RUN_FILES) and read_run_info(output) is not None:
         return None  # an incomplete run of ours
     if entries and not config.overwrite:
         raise LeantuneError(f"output dir {output} is not empty and holds no leantune run; choose another --output "
@@ -341,8 +435,16 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
     """Run ``leantune train`` with ``config`` (already validated); see the module docstring.
 
     ``on_step(step)`` is called after each optimizer step (tests use it to simulate Ctrl-C). Raises LeantuneError
-    for every user error before anything in ``config.output`` is written or removed.
+    for every user error before anything in ``config.output`` is written or removed. While it writes there, the
+    folder holds a lock file with this process's pid: a second run into it is refused.
     """
+    try:
+        return _train(config, progress, on_step)
+    finally:
+        _release_lock(Path(config.output))
+
+
+def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
     output = Path(config.output)
     resume_from = check_output(config)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -353,6 +455,8 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
     kind, model_path = resolve_model(config.model)
     tokenizer = load_tokenizer(kind, model_path)
     data_path = Path(config.data) if config.data else chitchat_path()
+    if resume_from is not None:
+        check_resume(config, output, model_path, data_path)
     train_data, eval_data, data_info = load_dataset(data_path, tokenizer, config.seq_len, config.eval_size,
                                                     config.seed, config.max_examples)
     rows_per_step = config.batch_size * config.grad_accum
@@ -362,6 +466,11 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
                             f"than one step's --batch-size x --grad-accum = {rows_per_step}")
     total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, round(0.05 * total_steps))
+    if resume_from is not None:
+        saved_step = checkpoint.checkpoint_step(resume_from)
+        if saved_step > total_steps:
+            raise LeantuneError(f"--resume: the checkpoint {resume_from.name} is at step {saved_step}, past this run's "
+                                f"{total_steps} steps (--max-steps / --epochs); ask for at least {saved_step}")
     model = load_model(kind, model_path, dtype, device, config.seed)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise LeantuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
@@ -375,18 +484,23 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
 
     # Everything the user could get wrong has been checked: from here on the output dir is ours. A fresh run
     # clears leantune's own files (check_output allowed it: --overwrite or an incomplete run), never others.
-    if resume_from is None and output.is_dir():
+    output.mkdir(parents=True, exist_ok=True)
+    if _lock_holder(output) is not None:  # started since check_output looked
+        raise _in_use(output)
+    (output / LOCK).write_text(str(os.getpid()))
+    if resume_from is None:
         for name in RUN_FILES:
             target = output / name
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():
                 target.unlink()
-    output.mkdir(parents=True, exist_ok=True)
+    for partial in (output / checkpoint.CHECKPOINTS).glob(".tmp-*"):  # a save cut short by a kill
+        shutil.rmtree(partial, ignore_errors=True)
     if data_info["truncated"]:
         _say(f"leantune: warning: {data_info['truncated']} of {data_info['examples']} examples were longer "
                    f"than --seq-len {config.seq_len} and were truncated")
-    run_info = {"config": config.to_dict(), "model_kind": kind, "model_path": str(model_path),
+    run_info = {"tool": "leantune", "config": config.to_dict(), "model_kind": kind, "model_path": str(model_path),
                 "data_path": str(data_path), "data": data_info, "device": device, "dtype": str(dtype),
                 "total_steps": total_steps, "warmup_steps": warmup}
     (output / "run.json").write_text(to_json(run_info, indent=2))
