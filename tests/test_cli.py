@@ -440,3 +440,8 @@ def test_an_output_folder_in_use_by_a_live_run_is_refused(tiny, tmp_path, capsys
     code, err = run_cli(capsys, *train_args(tiny, out))
     assert code == 0, err
     assert (out / "adapter").is_dir() and not (out / ".leantune.lock").exists()
+
+
+def test_options_are_not_abbreviated(tiny, tmp_path, capsys):
+    code, err = run_cli(capsys, "train", "--out", tmp_path / "x", "--max-steps", "1")
+    assert code == 2 and "unrecognized arguments: --out" in err, err

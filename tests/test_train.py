@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from reference import assert_close
 from safetensors.torch import load_file
 
+from leantune.errors import LeantuneError
 from leantune.train import data as data_mod
 from leantune.train.config import TrainConfig, make_config
 from leantune.train.data import IGNORE_INDEX, Document, pack
@@ -302,3 +304,35 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
     assert stopped.interrupted and stopped.summary["steps"] == 1
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000001"]
     assert signal.getsignal(signal.SIGTERM) is handler  # restored after the run
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}', "starts with an assistant turn"),
+    ('{"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "hi"}]}',
+     "unknown role(s) 'robot'"),
+    ('{"text": "bad \\ud800 surrogate"}', "unpaired UTF-16 surrogate"),
+    ('{"prompt": "a", "completion": "\\udfff"}', "unpaired UTF-16 surrogate"),
+])
+def test_data_lines_that_used_to_end_in_tracebacks(tmp_path, line, match):
+    """From a new-user pass: each of these reached the tokenizer or the chat template and raised from there."""
+    from leantune.train.data import read_records
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(LeantuneError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(match)):
+        read_records(path)
+
+
+def test_chitchat_turns_must_be_lists_of_objects_and_a_bom_is_not_data(tmp_path, tokenizer):
+    from leantune.train.data import build_documents, read_records
+
+    bad = tmp_path / "chat.json"
+    bad.write_text(json.dumps({"a": {"messages": [["hi", "there"]]}}))
+    with pytest.raises(LeantuneError, match="conversation 'a': a turn must be a list of {sender, text} objects"):
+        read_records(bad)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"text": "the cat"}\n{"messages": []}\n')
+    records = read_records(bom)
+    assert records == [{"text": "the cat"}, {"messages": []}]
+    documents, _ = build_documents(records, tokenizer, 64)
+    assert len(documents) == 1  # the empty conversation has nothing to learn: dropped, not a template error

@@ -43,7 +43,12 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``leantune: error: ...`` line (exit 2) instead of usage + message."""
+    """argparse, but a usage error is one ``leantune: error: ...`` line (exit 2) instead of usage + message, and
+    options are never abbreviated (``--out`` of ``export`` must not silently mean ``--output`` of ``train``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise _UsageError(f"{message} (see {self.prog} --help)")

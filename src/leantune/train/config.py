@@ -24,6 +24,8 @@ else:  # pragma: no cover - Python 3.10
 
 from ..errors import LeantuneError
 
+MAX_SEQ_LEN = 1 << 20  # tokens per packed sequence: beyond any model's context; bigger only exhausts host memory
+
 
 @dataclass
 class TrainConfig:
@@ -74,6 +76,10 @@ class TrainConfig:
                 raise LeantuneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 2:  # position 0 of a sequence is never a target: 2 tokens is the least that trains
             raise LeantuneError(f"--seq-len must be >= 2 (one token to read and one to predict), got {self.seq_len}")
+        if self.seq_len > MAX_SEQ_LEN:
+            raise LeantuneError(f"--seq-len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
+        if not 0 <= self.seed < 2**63:  # torch's generators take a signed 64-bit seed
+            raise LeantuneError(f"--seed must be in [0, 2^63), got {self.seed}")
         if self.max_steps is not None and self.max_steps < 1:
             raise LeantuneError(f"--max-steps must be >= 1, got {self.max_steps}")
         if self.max_examples is not None and self.max_examples < 1:

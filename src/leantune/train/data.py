@@ -82,7 +82,7 @@ def _parse_json(text: str, where: str):
 def _chitchat_records(raw: dict, path: Path) -> list[dict]:
     """Map chitchat conversations to ``messages`` records; the first sender is the user."""
     records = []
-    for conversation in raw.values():
+    for key, conversation in raw.items():
         turns = conversation.get("messages") if isinstance(conversation, dict) else None
         if not isinstance(turns, list):
             raise LeantuneError(f"{path}: not the chitchat format (a conversation without a 'messages' list)")
@@ -91,12 +91,16 @@ def _chitchat_records(raw: dict, path: Path) -> list[dict]:
         for turn in turns:
             if not turn:
                 continue
+            if not isinstance(turn, list) or not all(isinstance(item, dict) for item in turn):
+                raise LeantuneError(f"{path}: conversation {key!r}: a turn must be a list of {{sender, text}} "
+                                    f"objects, got {json.dumps(turn)[:60]}")
             sender = turn[0].get("sender")
             if sender not in roles:
                 if len(roles) == 2:
                     break  # a third speaker: keep the two-party part
                 roles[sender] = "user" if not roles else "assistant"
             text = "\n".join(str(item.get("text", "")) for item in turn).strip()
+            _check_text(text, f"{path}: conversation {key!r}")
             if messages and messages[-1]["role"] == roles[sender]:
                 messages[-1]["content"] += "\n" + text
             elif text:
@@ -116,7 +120,7 @@ def read_records(path: str | Path) -> list[dict]:
     if path.is_dir():
         raise LeantuneError(f"data file is a directory: {path}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark some editors write is not data
     except OSError as exc:
         raise LeantuneError(f"cannot read data file {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
@@ -138,6 +142,17 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_text(value: str, where: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to unpaired UTF-16 surrogates
+        raise LeantuneError(f"{where}: the text holds {exc.object[exc.start:exc.end]!a}, an unpaired UTF-16 "
+                            "surrogate (not a character)") from None
+
+
 def _check_record(record, where: str) -> dict:
     if not isinstance(record, dict):
         raise LeantuneError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -148,12 +163,23 @@ def _check_record(record, where: str) -> dict:
             for m in messages
         ):
             raise LeantuneError(f"{where}: 'messages' must be a list of {{role, content}} strings")
+        unknown = sorted({m["role"] for m in messages} - set(ROLES))
+        if unknown:
+            raise LeantuneError(f"{where}: unknown role(s) {', '.join(map(repr, unknown))}; expected one of "
+                                f"{', '.join(ROLES)}")
+        if messages and messages[0]["role"] == "assistant":
+            raise LeantuneError(f"{where}: the conversation starts with an assistant turn; it needs a user or system "
+                                "turn before it (the chat template renders what the assistant answers)")
+        for m in messages:
+            _check_text(m["content"], where)
     elif "prompt" in record or "completion" in record:
         if not isinstance(record.get("prompt"), str) or not isinstance(record.get("completion"), str):
             raise LeantuneError(f"{where}: 'prompt' and 'completion' must both be strings")
+        _check_text(record["prompt"] + record["completion"], where)
     elif "text" in record:
         if not isinstance(record["text"], str):
             raise LeantuneError(f"{where}: 'text' must be a string")
+        _check_text(record["text"], where)
     else:
         raise LeantuneError(f"{where}: a record needs 'text', 'messages', or 'prompt' and 'completion'")
     return record
@@ -183,6 +209,8 @@ def tokenize_messages(tokenizer, messages: list[dict]) -> Document:
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise LeantuneError("'messages' data needs a tokenizer with a chat template; this model's tokenizer has none")
+    if not any(m["role"] == "assistant" for m in messages):
+        return Document([], [])  # nothing to learn (dropped by build_documents); templates reject empty lists
     full = _render(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):

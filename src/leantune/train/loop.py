@@ -172,6 +172,11 @@ def wrap_lora(model, config: TrainConfig):
                              if isinstance(m, torch.nn.Linear)})
             raise LeantuneError(f"--target-modules: {', '.join(repr(t) for t in unmatched) or '(none)'} not found "
                                 f"in the model; its linear layers are {', '.join(linear)}")
+    widest = max((min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)),
+                 default=0)
+    if config.lora_r > widest:  # checked before PEFT allocates [r, in] and [out, r] per layer
+        raise LeantuneError(f"--lora-r {config.lora_r} is larger than every linear layer of the model allows: the "
+                            f"widest has min(in, out) = {widest}, and a rank above it is not low-rank")
     model.config.use_cache = False
     if config.gradient_checkpointing == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
