@@ -445,3 +445,28 @@ def test_an_output_folder_in_use_by_a_live_run_is_refused(tiny, tmp_path, capsys
 def test_options_are_not_abbreviated(tiny, tmp_path, capsys):
     code, err = run_cli(capsys, "train", "--out", tmp_path / "x", "--max-steps", "1")
     assert code == 2 and "unrecognized arguments: --out" in err, err
+
+
+def test_a_replaced_run_is_kept_until_the_new_one_finishes(tiny, tmp_path, capsys, monkeypatch):
+    """From a new-user pass: --overwrite deleted the finished run before the new one had produced anything, so a
+    crash (or OOM) of the new run lost both."""
+    from leantune.train import loop
+
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert code == 0, err
+    adapter = {p.relative_to(out): b for p, b in files_of(out / "adapter").items()}
+    real_evaluate = loop.evaluate
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(loop, "evaluate", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main([str(a) for a in train_args(tiny, out, "--overwrite", "--seed", "1")])
+    (kept,) = out.glob(".replaced-*")
+    assert {p.relative_to(kept): b for p, b in files_of(kept / "adapter").items()} == adapter
+    monkeypatch.setattr(loop, "evaluate", real_evaluate)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--seed", "1"))  # the crashed run was incomplete: no flag
+    assert code == 0, err
+    assert not list(out.glob(".replaced-*")) and (out / "adapter").is_dir()

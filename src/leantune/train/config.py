@@ -60,7 +60,8 @@ class TrainConfig:
     max_examples: int | None = field(default=None, metadata={"help": "use at most N examples of the data file "
                                      "(after a seeded shuffle)"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in --output"})
-    overwrite: bool = field(default=False, metadata={"help": "replace a run already in --output"})
+    overwrite: bool = field(default=False, metadata={"help": "replace a run already in --output (kept in "
+                                                                 "--output/.replaced-* until the new run finishes)"})
     seed: int = field(default=0, metadata={"help": "seed for init, data order and dropout"})
     patch: str = field(default="on", metadata={"help": "on|off: apply leantune.patch (the Triton/fused ops)"})
     device: str | None = field(default=None, metadata={"help": "cpu or cuda"})

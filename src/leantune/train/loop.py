@@ -16,6 +16,7 @@ Output dir: every user error is raised before anything in it is written or remov
 needs ``--overwrite`` or ``--resume``) once it has a checkpoint, the adapter or summary.json; a run that failed
 before its first checkpoint left only run.json/metrics.jsonl, cannot be resumed, and is simply replaced by the next
 run. Only leantune's own files (``RUN_FILES``) are ever replaced, and only next to a run.json that leantune wrote;
+the replaced run is moved into ``.replaced-*`` and deleted only when the new run finishes (a crash keeps it);
 a folder of other files needs ``--overwrite`` and keeps them. ``--resume`` continues only the same run: the settings
 that fix the adapter, the base model and the data rows (``RESUME_FIXED``) must match run.json, and the checkpoint may
 not be past the requested steps. A lock file with the pid keeps a second run out of a folder in use. Ctrl-C or
@@ -31,6 +32,7 @@ import resource
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ from .metrics import MetricsLog, plot_losses, to_json
 
 RUN_FILES = ("adapter", "tokenizer", "checkpoints", "metrics.jsonl", "loss.png", "summary.json", "run.json")
 LOCK = ".leantune.lock"  # pid of the run writing into the folder
+REPLACED = ".replaced-"  # prefix of the folder that keeps a replaced run until the new one finishes
 # settings a resumed run must share with the run it continues: the adapter's shape and scaling, the base weights,
 # and the data rows each step takes (everything else, e.g. --max-steps, lr, eval and save intervals, may change)
 RESUME_FIXED = ("model", "data", "seq_len", "batch_size", "grad_accum", "lora_r", "lora_alpha", "lora_dropout",
@@ -413,7 +416,7 @@ def check_output(config: TrainConfig) -> Path | None:
             raise LeantuneError(f"output dir {output} already holds a run; pass --overwrite to replace it or "
                                 "--resume to continue it")
         return None
-    entries = {p.name for p in output.iterdir()} - {LOCK}
+    entries = {p.name for p in output.iterdir() if p.name != LOCK and not p.name.startswith(REPLACED)}
     if "run.json" in entries and entries <= set(RUN_FILES) and read_run_info(output) is not None:
         return None  # an incomplete run of ours
     if entries and not config.overwrite:
@@ -493,13 +496,13 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
     if _lock_holder(output) is not None:  # started since check_output looked
         raise _in_use(output)
     (output / LOCK).write_text(str(os.getpid()))
-    if resume_from is None:
-        for name in RUN_FILES:
-            target = output / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
+    if resume_from is None:  # the files of the run being replaced are kept aside until this run finishes
+        previous = [output / name for name in RUN_FILES if (output / name).exists()]
+        if previous:
+            kept = Path(tempfile.mkdtemp(prefix=f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-", dir=output))
+            for target in previous:
+                os.replace(target, kept / target.name)
+            _say(f"leantune: the run being replaced is kept in {kept} until this run finishes")
     for partial in (output / checkpoint.CHECKPOINTS).glob(".tmp-*"):  # a save cut short by a kill
         shutil.rmtree(partial, ignore_errors=True)
     if data_info["truncated"]:
@@ -599,6 +602,8 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
         **{k: data_info[k] for k in ("train_rows", "eval_rows", "truncated")},
     }
     (output / "summary.json").write_text(to_json(summary, indent=2))
+    for kept in output.glob(REPLACED + "*"):  # this run finished: the one it replaced is no longer needed
+        shutil.rmtree(kept, ignore_errors=True)
     plot_losses(records, output / "loss.png")
     if not math.isfinite(final_eval):
         _say(f"leantune: warning: the final eval loss is non-finite ({final_eval}); summary.json records null")
