@@ -356,7 +356,7 @@ def _lock_holder(output: Path) -> int | None:
 
 def _in_use(output: Path) -> LeantuneError:
     return LeantuneError(f"output dir {output} is in use by another leantune run (pid {_lock_holder(output)}); wait "
-                         "for it or choose another --output")
+                         f"for it or choose another --output (if that pid is no leantune run, delete {output / LOCK})")
 
 
 def _release_lock(output: Path) -> None:
