@@ -470,3 +470,19 @@ def test_a_replaced_run_is_kept_until_the_new_one_finishes(tiny, tmp_path, capsy
     code, err = run_cli(capsys, *train_args(tiny, out, "--seed", "1"))  # the crashed run was incomplete: no flag
     assert code == 0, err
     assert not list(out.glob(".replaced-*")) and (out / "adapter").is_dir()
+
+
+def test_resume_and_export_from_another_working_directory(tiny, tmp_path, capsys, monkeypatch):
+    """run.json keeps absolute paths: the same files spelled relative to another directory are the same run."""
+    monkeypatch.chdir(tiny["data"].parent)
+    out = tmp_path / "out"
+    args = ["--output", out, "--seq-len", "64", "--batch-size", "2", "--eval-size", "2", "--patch", "off",
+            "--device", "cpu", "--save-every", "1"]
+    code, err = run_cli(capsys, "train", "--model", "model/config.json", "--data", "chat.jsonl", *args,
+                        "--max-steps", "1")
+    assert code == 0, err
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(capsys, "train", "--model", tiny["model"], "--data", tiny["data"], *args, "--resume",
+                        "--max-steps", "2")
+    assert code == 0, err
+    assert main(["export", "--adapter", str(out), "--out", str(tmp_path / "merged")]) == 0

@@ -377,11 +377,12 @@ def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path:
     before, now = info["config"], config.to_dict()
     for name in RESUME_FIXED:
         old, new = before.get(name), now.get(name)
-        if name == "model":
-            old, new = info.get("model_path"), str(model_path)
-        elif name == "data":
-            old, new = info.get("data_path"), str(data_path)
-        if old != new:
+        if name in ("model", "data"):  # the files, however they were spelled (relative, absolute, ..)
+            old, new = info.get(f"{name}_path"), str((model_path if name == "model" else data_path).resolve())
+            same = old is not None and Path(old).resolve() == Path(new)
+        else:
+            same = old == new
+        if not same:
             flag = "--" + name.replace("_", "-")
             raise LeantuneError(f"--resume: {flag} {new} differs from the run being resumed ({old}, in "
                                 f"{output / 'run.json'}); resume with the run's settings or start a new --output")
@@ -508,9 +509,10 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
     if data_info["truncated"]:
         _say(f"leantune: warning: {data_info['truncated']} of {data_info['examples']} examples were longer "
                    f"than --seq-len {config.seq_len} and were truncated")
-    run_info = {"tool": "leantune", "config": config.to_dict(), "model_kind": kind, "model_path": str(model_path),
-                "data_path": str(data_path), "data": data_info, "device": device, "dtype": str(dtype),
-                "total_steps": total_steps, "warmup_steps": warmup}
+    # absolute paths: export and --resume may run from another working directory
+    run_info = {"tool": "leantune", "config": config.to_dict(), "model_kind": kind,
+                "model_path": str(model_path.resolve()), "data_path": str(data_path.resolve()), "data": data_info,
+                "device": device, "dtype": str(dtype), "total_steps": total_steps, "warmup_steps": warmup}
     (output / "run.json").write_text(to_json(run_info, indent=2))
 
     start_step = 0
