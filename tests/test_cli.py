@@ -486,3 +486,39 @@ def test_resume_and_export_from_another_working_directory(tiny, tmp_path, capsys
                         "--max-steps", "2")
     assert code == 0, err
     assert main(["export", "--adapter", str(out), "--out", str(tmp_path / "merged")]) == 0
+
+
+def test_second_pass_findings_on_the_output_folder(tiny, tmp_path, capsys, monkeypatch):
+    """From a second new-user pass: a user's own .replaced-* folder was ignored and then deleted; --resume --lr was
+    accepted but the checkpoint's optimizer kept the old lr; a dangling symlink gave a traceback; a run that
+    finished in the folder while another loaded was replaced without --overwrite."""
+    import shutil
+
+    from leantune.train import loop
+
+    out = tmp_path / "out"
+    (out / ".replaced-mine").mkdir(parents=True)
+    (out / ".replaced-mine" / "k.txt").write_text("precious")
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert_error(code, err, "not empty and holds no leantune run")
+    code, err = run_cli(capsys, *train_args(tiny, out, "--overwrite", "--save-every", "1"))
+    assert code == 0, err
+    assert (out / ".replaced-mine" / "k.txt").read_text() == "precious"
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "2", "--lr", "1e-2"))
+    assert_error(code, err, "--resume: --lr 0.01 differs from the run being resumed")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "dangling"))
+    assert_error(code, err, "is a symlink to a missing target")
+
+    race = tmp_path / "race"
+    real_load = loop.load_model
+
+    def load_while_another_run_finishes(*args, **kwargs):
+        shutil.copytree(out, race, ignore=shutil.ignore_patterns(".replaced-*"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "load_model", load_while_another_run_finishes)
+    code, err = run_cli(capsys, *train_args(tiny, race))
+    assert_error(code, err, f"output dir {race} already holds a run")
+    names = lambda folder: {p.name: b for p, b in files_of(folder / "adapter").items()}  # noqa: E731
+    assert names(race) == names(out) and not (race / ".leantune.lock").exists()

@@ -50,9 +50,11 @@ RUN_FILES = ("adapter", "tokenizer", "checkpoints", "metrics.jsonl", "loss.png",
 LOCK = ".leantune.lock"  # pid of the run writing into the folder
 REPLACED = ".replaced-"  # prefix of the folder that keeps a replaced run until the new one finishes
 # settings a resumed run must share with the run it continues: the adapter's shape and scaling, the base weights,
-# and the data rows each step takes (everything else, e.g. --max-steps, lr, eval and save intervals, may change)
+# the data rows each step takes, and the optimizer settings its saved state holds (--max-steps, clipping, eval and
+# save intervals may change)
 RESUME_FIXED = ("model", "data", "seq_len", "batch_size", "grad_accum", "lora_r", "lora_alpha", "lora_dropout",
-                "target_modules", "seed", "eval_size", "max_examples")
+                "target_modules", "seed", "eval_size", "max_examples",
+                "lr", "weight_decay", "warmup_steps", "min_lr_ratio")  # these four live in the optimizer state
 
 
 def _say(message: str) -> None:
@@ -284,8 +286,8 @@ class _GracefulInterrupt:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        _say(f"leantune: {signal.Signals(signum).name}: finishing this step and saving a checkpoint (again to "
-             "abort)")
+        _say(f"leantune: {signal.Signals(signum).name}: finishing the current step (or the final eval) and saving "
+             "(again to abort)")
 
     def __exit__(self, *exc):
         for sig, previous in self.previous.items():
@@ -325,6 +327,12 @@ def holds_run(output: Path) -> bool:
         or checkpoint.latest_checkpoint(output) is not None)
 
 
+def _replaced_runs(output: Path) -> list[Path]:
+    """The ``.replaced-*`` folders of ``output`` that hold a run leantune moved aside (a user's folder of that name,
+    without a leantune run.json, is the user's)."""
+    return [p for p in output.glob(REPLACED + "*") if p.is_dir() and read_run_info(p) is not None]
+
+
 def _check_writable(output: Path) -> None:
     """The output folder (or the first existing folder above it, where it will be created) is a folder that can be
     written: checked before the model is loaded, not discovered as a traceback after."""
@@ -357,6 +365,22 @@ def _lock_holder(output: Path) -> int | None:
 def _in_use(output: Path) -> LeantuneError:
     return LeantuneError(f"output dir {output} is in use by another leantune run (pid {_lock_holder(output)}); wait "
                          f"for it or choose another --output (if that pid is no leantune run, delete {output / LOCK})")
+
+
+def _acquire_lock(output: Path) -> None:
+    """Create ``output``'s lock file atomically with this pid; a stale one (dead pid) is replaced once."""
+    for _ in range(2):
+        try:
+            fd = os.open(output / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if _lock_holder(output) is not None:
+                raise _in_use(output) from None
+            (output / LOCK).unlink(missing_ok=True)  # a dead run's (or our own earlier) lock
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return
+    raise _in_use(output)
 
 
 def _release_lock(output: Path) -> None:
@@ -402,6 +426,8 @@ def check_output(config: TrainConfig) -> Path | None:
         raise LeantuneError("--output must name a directory, got an empty path")
     if output.exists() and not output.is_dir():
         raise LeantuneError(f"output path {output} exists and is not a directory")
+    if output.is_symlink() and not output.exists():
+        raise LeantuneError(f"output path {output} is a symlink to a missing target ({os.readlink(output)})")
     _check_writable(output)
     if output.is_dir() and _lock_holder(output) is not None:
         raise _in_use(output)
@@ -417,7 +443,8 @@ def check_output(config: TrainConfig) -> Path | None:
             raise LeantuneError(f"output dir {output} already holds a run; pass --overwrite to replace it or "
                                 "--resume to continue it")
         return None
-    entries = {p.name for p in output.iterdir() if p.name != LOCK and not p.name.startswith(REPLACED)}
+    ours = {p.name for p in _replaced_runs(output)} | {LOCK}
+    entries = {p.name for p in output.iterdir()} - ours
     if "run.json" in entries and entries <= set(RUN_FILES) and read_run_info(output) is not None:
         return None  # an incomplete run of ours
     if entries and not config.overwrite:
@@ -494,9 +521,9 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
     # Everything the user could get wrong has been checked: from here on the output dir is ours. A fresh run
     # clears leantune's own files (check_output allowed it: --overwrite or an incomplete run), never others.
     output.mkdir(parents=True, exist_ok=True)
-    if _lock_holder(output) is not None:  # started since check_output looked
-        raise _in_use(output)
-    (output / LOCK).write_text(str(os.getpid()))
+    _acquire_lock(output)
+    if resume_from is None:  # another run may have finished here while this one loaded: decide again, locked
+        check_output(config)
     if resume_from is None:  # the files of the run being replaced are kept aside until this run finishes
         previous = [output / name for name in RUN_FILES if (output / name).exists()]
         if previous:
@@ -579,11 +606,14 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
                    "continue with --resume")
         return RunResult({"steps": done}, interrupted=True, output=output, model=model)
 
-    final_eval = evaluate(model, eval_data, config.batch_size, device)
-    metrics.log({"type": "eval", "step": total_steps, "eval_loss": final_eval})
+    # the last step saved before the final eval (a kill during it loses no step); a first Ctrl-C / SIGTERM from here
+    # on lets the run finish its eval and files, a second aborts
     checkpoint.save_checkpoint(output, total_steps, model, optimizer, scheduler, metrics.lines)
-    model.save_pretrained(output / "adapter", save_embedding_layers=False)
-    tokenizer.save_pretrained(output / "tokenizer")
+    with _GracefulInterrupt():
+        final_eval = evaluate(model, eval_data, config.batch_size, device)
+        metrics.log({"type": "eval", "step": total_steps, "eval_loss": final_eval})
+        model.save_pretrained(output / "adapter", save_embedding_layers=False)
+        tokenizer.save_pretrained(output / "tokenizer")
     records = metrics.read()
     evals = [r for r in records if r["type"] == "eval"]
     summary = {
@@ -604,7 +634,7 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
         **{k: data_info[k] for k in ("train_rows", "eval_rows", "truncated")},
     }
     (output / "summary.json").write_text(to_json(summary, indent=2))
-    for kept in output.glob(REPLACED + "*"):  # this run finished: the one it replaced is no longer needed
+    for kept in _replaced_runs(output):  # this run finished: the runs it replaced are no longer needed
         shutil.rmtree(kept, ignore_errors=True)
     plot_losses(records, output / "loss.png")
     if not math.isfinite(final_eval):
