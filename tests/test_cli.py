@@ -522,3 +522,15 @@ def test_second_pass_findings_on_the_output_folder(tiny, tmp_path, capsys, monke
     assert_error(code, err, f"output dir {race} already holds a run")
     names = lambda folder: {p.name: b for p, b in files_of(folder / "adapter").items()}  # noqa: E731
     assert names(race) == names(out) and not (race / ".leantune.lock").exists()
+
+
+def test_resume_of_an_older_run_json_with_a_relative_path_says_where_to_resume_from(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out, "--save-every", "1"))
+    assert code == 0, err
+    info = json.loads((out / "run.json").read_text())
+    info.pop("tool")
+    info["model_path"] = "model/config.json"  # as leantune wrote it before run.json held absolute paths
+    (out / "run.json").write_text(json.dumps(info))
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "2"))
+    assert_error(code, err, "--resume: --model", "relative to where that run started")

@@ -408,8 +408,11 @@ def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path:
             same = old == new
         if not same:
             flag = "--" + name.replace("_", "-")
+            relative = name in ("model", "data") and old is not None and not Path(old).is_absolute()
+            hint = ("; run.json of an older leantune holds it relative to where that run started: resume from there"
+                    if relative else "")
             raise LeantuneError(f"--resume: {flag} {new} differs from the run being resumed ({old}, in "
-                                f"{output / 'run.json'}); resume with the run's settings or start a new --output")
+                                f"{output / 'run.json'}{hint}); resume with the run's settings or start a new --output")
     return info
 
 
