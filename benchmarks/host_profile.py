@@ -10,9 +10,9 @@ import cProfile
 import importlib
 import io
 import pstats
-import time
 
 import torch
+from _host import host_us
 from torch.profiler import ProfilerActivity, profile
 
 bench = importlib.import_module("leantune.bench.ops")
@@ -26,15 +26,9 @@ args = parser.parse_args()
 for name in args.ops.split(","):
     case = bench.CASES[name]()
     call = bench._fwd_bwd(case.impls[args.impl], case.leaves, case.grad_outputs)
-    for _ in range(3):
+    for _ in range(2):
         call()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(1e9))
-    t0 = time.perf_counter()
-    for _ in range(args.calls):
-        call()
-    host_us = (time.perf_counter() - t0) / args.calls * 1e6
-    torch.cuda.synchronize()
+    issue_us = host_us(call, args.calls, int(1e9))
     torch.cuda._sleep(int(1e9))
     prof = cProfile.Profile()
     prof.enable()
@@ -48,7 +42,7 @@ for name in args.ops.split(","):
         torch.cuda.synchronize()
     blocking = {e.key: e.count // 3 for e in tprof.key_averages()
                 if any(s in e.key for s in ("Synchronize", "Memcpy", "item", "_local_scalar_dense"))}
-    print(f"== {name} [{args.impl}]: host {host_us:.1f} us per fwd+bwd; blocking calls per fwd+bwd: {blocking}")
+    print(f"== {name} [{args.impl}]: host {issue_us:.1f} us per fwd+bwd; blocking calls per fwd+bwd: {blocking}")
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text).strip_dirs().sort_stats("tottime")
     stats.print_stats(args.top)

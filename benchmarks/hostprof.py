@@ -9,11 +9,11 @@ Usage: PYTHONPATH=src python3 benchmarks/hostprof.py rms_norm,rope,lora_qkv   (c
 """
 import importlib
 import sys
-import time
 
 import torch
 import triton
 import triton.language as tl
+from _host import host_us
 
 bench = importlib.import_module("leantune.bench.ops")
 
@@ -21,19 +21,6 @@ bench = importlib.import_module("leantune.bench.ops")
 @triton.jit
 def _noop(X, n, BLOCK: tl.constexpr):
     pass
-
-
-def host_us(fn, n=20):
-    """Mean host time of ``fn`` in microseconds, issued behind ~1 s of GPU sleep."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return dt
 
 
 @triton.jit

@@ -11,9 +11,8 @@ host issue time (20 calls behind a GPU sleep), for
 Usage (GPU): ``PYTHONPATH=src python3 benchmarks/qkv_variants.py``. Prints one table.
 """
 import importlib
-import time
 
-import torch
+from _host import host_us
 
 bench = importlib.import_module("leantune.bench.ops")
 lora = importlib.import_module("leantune.ops.lora")
@@ -22,18 +21,6 @@ split_k = lora._splits
 
 def one_split(device, n_tiles, n_inner, block, per_sm):
     return 1, -(-n_inner // block) * block
-
-
-def host_us(call, n=20):
-    call()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(5e8))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 rows = []

@@ -358,7 +358,7 @@ def _lock_holder(output: Path) -> int | None:
     except ProcessLookupError:
         return None
     except PermissionError:  # alive, another user's
-        return pid
+        pass
     return pid
 
 
@@ -525,9 +525,9 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
     # clears leantune's own files (check_output allowed it: --overwrite or an incomplete run), never others.
     output.mkdir(parents=True, exist_ok=True)
     _acquire_lock(output)
-    if resume_from is None:  # another run may have finished here while this one loaded: decide again, locked
-        check_output(config)
-    if resume_from is None:  # the files of the run being replaced are kept aside until this run finishes
+    if resume_from is None:
+        check_output(config)  # another run may have finished here while this one loaded: decide again, locked
+        # the files of the run being replaced are kept aside until this run finishes
         previous = [output / name for name in RUN_FILES if (output / name).exists()]
         if previous:
             kept = Path(tempfile.mkdtemp(prefix=f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-", dir=output))
