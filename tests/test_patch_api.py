@@ -111,12 +111,16 @@ def test_peft_forward_kept_where_fused_ops_cannot_serve(case):
             ref_loss = model(input_ids=input_ids, labels=labels).loss.detach()
             leantune.patch(model)
             loss = model(input_ids=input_ids, labels=labels).loss.detach()
+            with torch.no_grad():
+                disabled_logits = model(input_ids=input_ids).logits
         assert rel_err(loss, ref_loss) <= 1e-5
         assert model.leantune_summary["counts"]["lora"] == 0
         assert all("adapters disabled" in why for why in model.leantune_summary["unpatched"].values())
         with torch.no_grad():
-            enabled_loss = model(input_ids=input_ids, labels=labels).loss
-        assert rel_err(enabled_loss, ref_loss) > 1e-3, "re-enabled adapters must count again"
+            enabled_logits = model(input_ids=input_ids).logits
+        # logits, not the scalar loss: the adapters' effect on the mean loss can be 5e-4 for some draws (seed
+        # 2063096002); on the logits it is ~1 relative (0.94-1.11 over 21 draws)
+        assert rel_err(enabled_logits, disabled_logits) > 1e-3, "re-enabled adapters must count again"
         return
     if case == "merged":
         with torch.no_grad():
