@@ -93,7 +93,7 @@ def bench():
     dw = torch.zeros(n_vocab, n_hidden, device=dev, dtype=dt)
     loss = torch.empty(n_tok, device=dev)
     lse = torch.empty(n_tok, device=dev)
-    opts = check_options(labels, n_vocab, -100, 0.0, None, 0.0, "mean", None)
+    opts, _ = check_options(labels, n_vocab, -100, 0.0, None, 0.0, "mean", None)
     scale = torch.tensor(1.0 / (32 * n_tok), device=dev)
     torch.mm(h, w.t(), out=buf)
     rows = [
@@ -136,7 +136,37 @@ def bench():
         print(f"best config rel err vs float64: {((out.double() - ref).norm() / ref.norm()).item():.2e}")
 
 
+def _chunk_gemms(h, g, dh, w, dw):
+    return {
+        "logits = h W^T": lambda: torch.mm(h, w.t(), out=g),
+        "dh = G W": lambda: torch.mm(g, w, out=dh),
+        "dW.addmm_(G^T, h)": lambda: dw.addmm_(g.t(), h),
+        "dW^T.addmm_(h^T, G)": lambda: dw.t().addmm_(h.t(), g),
+    }
+
+
+def layouts():
+    """The same dW += G^T h through other cuBLAS call layouts, and the three GEMMs' time per token by chunk rows
+    (what a larger or smaller logits buffer would buy)."""
+    from triton.testing import do_bench
+
+    n_hidden, n_vocab, dev, dt = 4096, 128256, "cuda", torch.bfloat16
+    w = torch.randn(n_vocab, n_hidden, device=dev, dtype=dt) * 0.02
+    dw = torch.zeros(n_vocab, n_hidden, device=dev, dtype=dt)
+    for rows in (384, 512, 640, 1024):
+        h = torch.randn(rows, n_hidden, device=dev, dtype=dt)
+        g = torch.randn(rows, n_vocab, device=dev, dtype=dt) * 1e-5
+        dh = torch.empty(rows, n_hidden, device=dev, dtype=dt)
+        times = {k: do_bench(fn, warmup=25, rep=200, return_mode="median")
+                 for k, fn in _chunk_gemms(h, g, dh, w, dw).items()}
+        per_tok = {k: 1e3 * v / rows for k, v in times.items()}
+        print(f"rows {rows:5d}: " + "; ".join(f"{k} {v:.3f} ms ({per_tok[k]:.2f} us/token)"
+                                              for k, v in times.items()))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="CPU: the kernel vs float64 through the interpreter")
-    check() if parser.parse_args().check else bench()
+    parser.add_argument("--layouts", action="store_true", help="GPU: dW call layouts and chunk rows, cuBLAS only")
+    args = parser.parse_args()
+    check() if args.check else layouts() if args.layouts else bench()

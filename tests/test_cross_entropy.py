@@ -329,3 +329,8 @@ def test_label_check_is_exact_at_the_boundary(backend):
     loss = ops.cross_entropy(logits, labels, ignore_index=4)
     ref = cross_entropy_ref(logits, labels, ignore_index=4)
     assert rel_err(loss, ref) <= 1e-5
+    far = torch.tensor([2**62, 3, 2**62], device=DEVICE)  # an ignore_index far outside [0, V): ignored, not checked
+    loss = ops.cross_entropy(logits, far, ignore_index=2**62)
+    assert_close("loss", loss, cross_entropy_ref(logits[1:2], far[1:2]), torch.float32)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 10\)"):
+        ops.cross_entropy(logits, far)

@@ -272,8 +272,10 @@ def gradient_rows(impl, logits, labels, lse, scale, opts, grad, col_offset=0, n_
 
 
 # ------------------------------------------------------------------------------------------ shared host-side logic
-def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_loss, reduction, num_items) -> Options:
-    """Validate the loss keywords and labels (ValueError); the shared front door of both loss ops."""
+def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_loss, reduction,
+                  num_items) -> tuple[Options, int]:
+    """Validate the loss keywords and labels (ValueError); the shared front door of both loss ops. Returns the
+    options and count(labels != ignore_index), read in the same host sync as the labels' range."""
     if not isinstance(labels, torch.Tensor):
         raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")  # noqa: TRY004 (contract)
     if labels.dtype != torch.int64:
@@ -310,26 +312,31 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
             raise ValueError(f"num_items must be > 0, got {num_items}")
         elif num_items >= 2**63:
             raise ValueError(f"num_items must be < 2^63 (a token count), got {num_items}")
-    bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= n_vocab))).any()
-    flags = torch.stack([bad_label, item_bad]) if item_bad is not None else bad_label[None]
-    flags = flags.tolist()  # the one host sync: labels are checked before any kernel reads logits[label]
-    if flags[0]:
+    opts = Options(int(ignore_index), label_smoothing, softcap, z_loss)
+    if labels.numel() == 0:
+        return opts, 0
+    # few small kernels, then the one host sync: labels are checked before any kernel reads logits[label]; whatever
+    # runs between this sync and the first large kernel leaves the GPU idle, so the valid count comes along
+    valid = labels != ignore_index
+    low, high = torch.aminmax(torch.where(valid, labels, 0))
+    stats = [low, high, valid.sum()] + ([] if item_bad is None else [item_bad.long()])
+    low, high, n_valid, *bad_items = torch.stack(stats).tolist()
+    if low < 0 or high >= n_vocab:
         raise ValueError(f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found one outside")
-    if item_bad is not None and flags[1]:
+    if bad_items and bad_items[0]:
         raise ValueError(f"num_items must be > 0, finite and whole (a token count), got {num_items.item()}")
-    return Options(int(ignore_index), label_smoothing, softcap, z_loss)
+    return opts, n_valid
 
 
-def mean_divisor(labels, opts: Options, reduction, num_items):
-    """0-dim fp32 tensor on labels' device: num_items, else count(valid) clamped to >= 1 (its loss sum is then 0);
-    None for reductions other than "mean"."""
+def mean_divisor(n_valid: int, reduction, num_items, device):
+    """0-dim fp32 tensor on ``device``: num_items, else ``n_valid`` (count of valid labels, from
+    :func:`check_options`) clamped to >= 1 (its loss sum is then 0); None for reductions other than "mean"."""
     if reduction != "mean":
         return None
-    if num_items is None:
-        return (labels != opts.ignore_index).sum().clamp_min(1).to(torch.float32)
     if isinstance(num_items, torch.Tensor):
-        return num_items.detach().to(device=labels.device, dtype=torch.float32)
-    return torch.tensor(float(num_items), dtype=torch.float32, device=labels.device)
+        return num_items.detach().to(device=device, dtype=torch.float32)
+    count = max(n_valid, 1) if num_items is None else num_items
+    return torch.full((), float(count), dtype=torch.float32, device=device)
 
 
 def reduce(row_loss, reduction, divisor):
@@ -406,10 +413,11 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
         raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")  # noqa: TRY004 (contract)
     _runtime.check_shape("labels", labels, (logits.shape[0],), "logits' first dim N")
     _runtime.check_same_device(logits=logits, labels=labels)
-    opts = check_options(labels, logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, reduction,
-                         num_items)
+    opts, n_valid = check_options(labels, logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, reduction,
+                                  num_items)
     _runtime.backend(logits.device)  # raise configuration errors before any work
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     labels = labels.contiguous()
-    return CrossEntropyFunction.apply(logits, labels, opts, reduction, mean_divisor(labels, opts, reduction, num_items))
+    divisor = mean_divisor(n_valid, reduction, num_items, labels.device)
+    return CrossEntropyFunction.apply(logits, labels, opts, reduction, divisor)

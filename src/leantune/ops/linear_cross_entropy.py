@@ -241,8 +241,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         compute_dtype = hidden.dtype
     if isinstance(labels, torch.Tensor):  # shape first: the range check reads the labels
         _runtime.check_shape("labels", labels, (hidden.shape[0],), "hidden's first dim N")
-    opts = check_options(labels, weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, reduction,
-                         num_items)
+    opts, n_valid = check_options(labels, weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, reduction,
+                                  num_items)
     _runtime.backend(hidden.device)  # raise configuration errors before any work
     grad_on = torch.is_grad_enabled()
     wants = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
@@ -250,6 +250,6 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     labels = labels.contiguous()
-    return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, opts, reduction,
-                                            mean_divisor(labels, opts, reduction, num_items), memory, int(chunk_bytes),
-                                            wants, compute_dtype)
+    divisor = mean_divisor(n_valid, reduction, num_items, labels.device)
+    return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, opts, reduction, divisor, memory,
+                                            int(chunk_bytes), wants, compute_dtype)
