@@ -534,3 +534,24 @@ def test_resume_of_an_older_run_json_with_a_relative_path_says_where_to_resume_f
     (out / "run.json").write_text(json.dumps(info))
     code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "2"))
     assert_error(code, err, "--resume: --model", "relative to where that run started")
+
+
+@pytest.mark.parametrize("signum, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_interrupted_train_exits_with_128_plus_the_signal(tiny, tmp_path, monkeypatch, signum, status):
+    """Ctrl-C and SIGTERM both checkpoint and stop; the exit status says which, as a shell reports a signal (SIGTERM
+    used to exit with 130 too)."""
+    import os
+    import signal
+
+    import leantune.train as train_package
+
+    real_train = train_package.train
+
+    def train_then_signal(config):
+        return real_train(config, progress=False,
+                          on_step=lambda step: os.kill(os.getpid(), getattr(signal, signum)) if step == 1 else None)
+
+    monkeypatch.setattr(train_package, "train", train_then_signal)
+    out = tmp_path / "run"
+    assert main([str(a) for a in train_args(tiny, out, "--max-steps", "2")]) == status
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]

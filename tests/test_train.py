@@ -243,7 +243,7 @@ def test_ctrl_c_then_resume_gives_the_same_weights(tiny, tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
 
     stopped = train(tiny_config(tiny, tmp_path / "split", **common), progress=False, on_step=interrupt)
-    assert stopped.interrupted and stopped.summary["steps"] == 3
+    assert stopped.interrupted and stopped.summary["steps"] == 3 and stopped.stop_signal == signal.SIGINT
     assert [p.name for p in (tmp_path / "split" / "checkpoints").iterdir()] == ["step-000003"]
     assert not (tmp_path / "split" / "adapter").exists()
     resumed = train(tiny_config(tiny, tmp_path / "split", resume=True, **common), progress=False)
@@ -301,7 +301,7 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
     handler = signal.getsignal(signal.SIGTERM)
     stopped = train(tiny_config(tiny, tmp_path / "run", max_steps=3, save_every=0), progress=False,
                     on_step=terminate)
-    assert stopped.interrupted and stopped.summary["steps"] == 1
+    assert stopped.interrupted and stopped.summary["steps"] == 1 and stopped.stop_signal == signal.SIGTERM
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000001"]
     assert signal.getsignal(signal.SIGTERM) is handler  # restored after the run
 

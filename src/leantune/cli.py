@@ -4,13 +4,15 @@ Subcommands: ``train`` (LoRA fine-tuning), ``demo`` (``train`` with the embedded
 into runs/demo), ``export`` (merge an adapter into a standalone HF folder), ``check`` (every op against a float64
 reference), ``bench ops|e2e|max-context|report`` (GPU benchmarks; ``report`` rebuilds tables anywhere).
 User errors print one line, ``leantune: error: ...``, to stderr without a traceback and exit 1 (2 for a
-command-line syntax error).
+command-line syntax error). A training run stopped by Ctrl-C or SIGTERM saves a checkpoint and exits 128 + the
+signal's number (130, 143), as a shell reports a process ended by that signal.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from pathlib import Path
 
@@ -87,7 +89,9 @@ def _train(args) -> int:
 
     config = _config_from_args(args, args.defaults)
     result = train(config)
-    return 130 if result.interrupted else 0
+    if not result.interrupted:
+        return 0
+    return 128 + (result.stop_signal or signal.SIGINT)  # 130 after Ctrl-C, 143 after SIGTERM, as a shell reports
 
 
 def _export(args) -> int:

@@ -277,6 +277,7 @@ class _GracefulInterrupt:
 
     def __enter__(self):
         self.requested = False
+        self.signum = None  # the first signal, for the exit status (128 + signum, as a shell reports it)
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
@@ -285,7 +286,7 @@ class _GracefulInterrupt:
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signum = True, signum
         _say(f"leantune: {signal.Signals(signum).name}: finishing the current step (or the final eval) and saving "
              "(again to abort)")
 
@@ -297,10 +298,12 @@ class _GracefulInterrupt:
 
 @dataclass
 class RunResult:
-    """What ``train`` returns: the summary dict, whether it stopped early, and the output directory."""
+    """What ``train`` returns: the summary dict, whether it stopped early (and on which signal), and the output
+    directory."""
 
     summary: dict
     interrupted: bool = False
+    stop_signal: int | None = None  # signal.SIGINT or signal.SIGTERM when interrupted
     output: Path = field(default_factory=Path)
     model: object = None  # the trained PeftModel (for callers in the same process, e.g. tests)
 
@@ -607,7 +610,8 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
     if interrupted:
         _say(f"leantune: stopped at step {done}; checkpoint saved in {output / checkpoint.CHECKPOINTS}; "
                    "continue with --resume")
-        return RunResult({"steps": done}, interrupted=True, output=output, model=model)
+        return RunResult({"steps": done}, interrupted=True, stop_signal=interrupt.signum, output=output,
+                         model=model)
 
     # the last step saved before the final eval (a kill during it loses no step); a first Ctrl-C / SIGTERM from here
     # on lets the run finish its eval and files, a second aborts
