@@ -526,15 +526,15 @@ def _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, stack, proj_needs, grads):
     ldt = meta.lora_dtype
     skinny_dy = _skinny_ok(meta, meta.compute_dtype) and meta.compute_dtype != ldt
     g_cat = None
-    if skinny_dy and stack and len(lora) > 1:
+    if stack and len(lora) > 1:
         g_cat = _runtime.empty((x2d.shape[0], sum(projs[j].lora_A.shape[0] for j in lora)), dtype=ldt,
                                device=x2d.device)
     gs, g_col = {}, 0
     for j in lora:
         lora_B, rank, scaling = projs[j].lora_B, projs[j].lora_A.shape[0], meta.scalings[j]
+        g_cols = None if g_cat is None else g_cat[:, g_col:g_col + rank]
+        g_col += rank
         if skinny_dy:
-            g_cols = None if g_cat is None else g_cat[:, g_col:g_col + rank]
-            g_col += rank
             gs[j] = _skinny_matmul(dys[j], lora_B.to(ldt), scaling, out=g_cols, out_dtype=ldt)
             if proj_needs[j][2]:  # dB written as [out, r] through a transposed view
                 d_b = _runtime.empty(lora_B.shape, dtype=lora_B.dtype, device=lora_B.device)
@@ -542,12 +542,20 @@ def _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, stack, proj_needs, grads):
                 _skinny_tn(xas[j], dys[j], scaling, out=d_b.T)
             continue
         dyl = dys[j].to(ldt)
-        gs[j] = (dyl @ lora_B.to(ldt)).mul_(scaling)
+        gs[j] = _scaled_mm(dyl, lora_B.to(ldt), scaling, out=g_cols)
         if proj_needs[j][2]:
-            grads[j][2] = (dyl.T @ xas[j]).mul_(scaling).to(lora_B.dtype)
+            grads[j][2] = _scaled_mm(dyl.T, xas[j], scaling).to(lora_B.dtype)
     if stack and g_cat is None:
-        g_cat = torch.cat([gs[j] for j in lora], 1) if len(lora) > 1 else gs[lora[0]]
+        g_cat = gs[lora[0]]
     return gs, g_cat
+
+
+def _scaled_mm(a, b, scale, *, out=None):
+    """scale * (a @ b) in one matmul (alpha = scale and beta = 0: out's contents are ignored, NaN included); one
+    rounding, and on the GPU one launch instead of a matmul and a scaling pass. ``out`` may be a column slice."""
+    if out is None:
+        out = _runtime.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    return torch.addmm(out, a, b, beta=0, alpha=scale, out=out)
 
 
 def _lora_dA_dx(dx, g_cat, x2d, projs, meta, lora, need_x, proj_needs, grads):
