@@ -261,9 +261,10 @@ def test_confident_prediction_keeps_true_class_gradient(backend):
     ("z_loss", float("nan"), "z_loss must be finite"),
     ("z_loss", 10**400, "z_loss must be finite"),
     ("ignore_index", 2**70, "ignore_index must fit in int64"),
-    ("num_items", torch.tensor(float("nan")), "num_items must be > 0, finite and whole"),
-    ("num_items", torch.tensor(float("inf")), "num_items must be > 0, finite and whole"),
-    ("num_items", torch.tensor(2.5), "num_items must be > 0, finite and whole"),
+    ("num_items", torch.tensor(float("nan")), "num_items must be > 0, finite, whole and < 2\\^63"),
+    ("num_items", torch.tensor(float("inf")), "num_items must be > 0, finite, whole and < 2\\^63"),
+    ("num_items", torch.tensor(2.5), "num_items must be > 0, finite, whole and < 2\\^63"),
+    ("num_items", torch.tensor(1e30), "num_items must be > 0, finite, whole and < 2\\^63"),
     ("num_items", torch.tensor(3, device="meta"), "num_items must be on labels' device"),
     ("num_items", 10**400, "num_items must be < 2\\^63"),
 ])
@@ -334,3 +335,54 @@ def test_label_check_is_exact_at_the_boundary(backend):
     assert_close("loss", loss, cross_entropy_ref(logits[1:2], far[1:2]), torch.float32)
     with pytest.raises(ValueError, match=r"labels must be in \[0, 10\)"):
         ops.cross_entropy(logits, far)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(-1.0), torch.tensor(0), torch.tensor(float("nan")), torch.tensor(2.5)])
+def test_num_items_tensor_is_checked_without_rows(backend, value):
+    """From a break-it pass: with N = 0 the label check had nothing to read, and skipped num_items' check with it
+    (NaN or -0.0 came back instead of the ValueError)."""
+    labels = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    for op, args in ((ops.cross_entropy, (torch.randn(0, 5, device=DEVICE), labels)),
+                     (ops.linear_cross_entropy, (torch.randn(0, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE),
+                                                 labels))):
+        with pytest.raises(ValueError, match="num_items must be > 0"):
+            op(*args, num_items=value.to(DEVICE))
+        assert op(*args, num_items=torch.tensor(3, device=DEVICE)).item() == 0.0
+
+
+def test_label_error_names_the_bad_label(backend):
+    logits = torch.randn(3, 10, device=DEVICE)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 10\) or equal ignore_index=-100; found 97"):
+        ops.cross_entropy(logits, torch.tensor([1, 97, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="found -3"):
+        ops.cross_entropy(logits, torch.tensor([1, -3, 12], device=DEVICE))
+
+
+@pytest.mark.parametrize("options", [{}, {"softcap": 30.0}, {"z_loss": 1e-3, "label_smoothing": 0.1}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ignored_row_with_huge_logits_has_zero_gradient(backend, options, dtype):
+    """From a break-it pass: an ignored row's gradient was exp(z - 0) * 0, NaN once a logit exceeded ~88.7 (fp32
+    exp overflow); after HF's shift every sequence's last position is ignored, so this poisoned whole steps."""
+    logits = torch.randn(3, 11, device=DEVICE)
+    logits[0, 3], logits[2, 5] = 89.0, 1e4
+    logits = logits.to(dtype).requires_grad_()
+    labels = torch.tensor([-100, 2, -100], device=DEVICE)
+    loss = ops.cross_entropy(logits, labels, **options)
+    loss.backward()
+    assert torch.equal(logits.grad[0::2], torch.zeros_like(logits.grad[0::2]))
+    ref_logits = logits.detach()[1:2].clone().requires_grad_()
+    ref = ops.cross_entropy(ref_logits, labels[1:2], **options)
+    ref.backward()
+    assert torch.equal(loss, ref) and torch.equal(logits.grad[1:2], ref_logits.grad)
+
+
+@pytest.mark.parametrize("memory", ["fast", "low"])
+def test_linear_ce_ignored_row_with_huge_logits_keeps_weight_grad_finite(backend, memory):
+    hidden = torch.tensor([[10.0, 0.0], [0.1, 0.2]], device=DEVICE, requires_grad=True)
+    weight = torch.tensor([[10.0, 0.0], [0.0, 1.0], [1.0, 1.0]], device=DEVICE, requires_grad=True)
+    ops.linear_cross_entropy(hidden, weight, torch.tensor([-100, 1], device=DEVICE), memory=memory).backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    torch.nn.functional.cross_entropy(h64[1:] @ w64.T, torch.tensor([1], device=DEVICE)).backward()
+    assert torch.equal(hidden.grad[0], torch.zeros_like(hidden.grad[0]))
+    assert_close("dhidden", hidden.grad[1:], h64.grad[1:], torch.float32)
+    assert_close("dweight", weight.grad, w64.grad, torch.float32)

@@ -71,7 +71,7 @@ def _softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _write_gradient(
-    logits_row, grad_row, start, cols, n_cols, col_offset, label, lse, scale, n_vocab,
+    logits_row, grad_row, start, cols, n_cols, col_offset, label, valid, lse, scale, n_vocab,
     label_smoothing, softcap, z_loss,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
 ):
@@ -87,7 +87,8 @@ def _write_gradient(
         p = p - label_smoothing / n_vocab
         target_weight = 1.0 - label_smoothing
     g = tl.where(offs + col_offset == label, p - target_weight, p)  # p - 1 stays in fp32 (confident rows)
-    g = g * dz_dx * scale
+    # an ignored row's gradient is exactly 0 whatever its logits (exp(z - lse) may be inf or NaN there)
+    g = tl.where(valid, g * dz_dx * scale, 0.0)
     tl.store(grad_row + offs, g.to(grad_row.dtype.element_ty), mask=mask)
 
 
@@ -131,11 +132,10 @@ def _cross_entropy_forward_kernel(
     tl.store(LOSS + row, tl.where(valid, loss, 0.0))
     tl.store(LSE + row, lse)
     if WRITE_GRAD:
-        scale = tl.where(valid, tl.load(GRAD_SCALE), 0.0)
-        lse_safe = tl.where(valid, lse, 0.0)  # an ignored all -inf row must write 0, not NaN
+        scale = tl.load(GRAD_SCALE)
         grad_row = GRAD + row * stride_grad
         for start in range(0, n_cols, BLOCK):
-            _write_gradient(logits_row, grad_row, start, cols, n_cols, 0, label, lse_safe, scale, n_cols,
+            _write_gradient(logits_row, grad_row, start, cols, n_cols, 0, label, valid, lse, scale, n_cols,
                             label_smoothing, softcap, z_loss, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
 
 
@@ -150,12 +150,12 @@ def _cross_entropy_backward_kernel(
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(LABELS + row)
     valid = label != ignore_index
-    scale = tl.where(valid, tl.load(SCALE + row * stride_scale), 0.0)
-    lse = tl.where(valid, tl.load(LSE + row), 0.0)
+    scale = tl.load(SCALE + row * stride_scale)
+    lse = tl.load(LSE + row)
     cols = tl.arange(0, BLOCK)
     for start in range(0, n_cols, BLOCK):
         _write_gradient(LOGITS + row * stride_logits, GRAD + row * stride_grad, start, cols, n_cols, col_offset,
-                        label, lse, scale, n_vocab, label_smoothing, softcap, z_loss,
+                        label, valid, lse, scale, n_vocab, label_smoothing, softcap, z_loss,
                         HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
 
 
@@ -212,7 +212,6 @@ def _gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab):
     """fp32 gradient of a row tile, the same terms as ``_write_gradient``."""
     valid = labels != opts.ignore_index
     z, dz_dx = _softcap_torch(logits.float(), opts.softcap)
-    lse = torch.where(valid, lse, 0.0)
     p = torch.exp(z - lse[:, None])
     if opts.z_loss > 0.0:
         p = p * (1.0 + 2.0 * opts.z_loss * lse[:, None])
@@ -226,8 +225,8 @@ def _gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab):
     p[rows, local[rows]] -= target_weight
     if dz_dx is not None:
         p = p * dz_dx
-    scale = torch.where(valid, scale.float().expand(labels.shape), 0.0)
-    return p * scale[:, None]
+    # an ignored row's gradient is exactly 0 whatever its logits (exp(z - lse) may be inf or NaN there)
+    return torch.where(valid[:, None], p * scale.float().expand(labels.shape)[:, None], 0.0)
 
 
 def _forward_torch(logits, labels, opts, loss, lse, grad, grad_scale):
@@ -304,28 +303,33 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
                     raise ValueError(f"num_items must be on labels' device {labels.device} (or a CPU scalar), "
                                      f"got {num_items.device}")
                 num_items = num_items.to(labels.device)
-            # a count: positive, finite and whole (gradient accumulation passes the global number of valid tokens)
+            # a count: positive, finite, whole and < 2^63 as an int must be (gradient accumulation passes the global
+            # number of valid tokens); every int64 is below 2^63
             item_bad = ~((num_items > 0) & torch.isfinite(num_items) & (num_items == torch.round(num_items)))
+            if num_items.is_floating_point():
+                item_bad |= num_items >= 2.0**63
         elif isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral):
             raise ValueError(f"num_items must be an int or a 0-dim tensor, got {type(num_items).__name__}")
         elif num_items <= 0:
             raise ValueError(f"num_items must be > 0, got {num_items}")
         elif num_items >= 2**63:
             raise ValueError(f"num_items must be < 2^63 (a token count), got {num_items}")
-    opts = Options(int(ignore_index), label_smoothing, softcap, z_loss)
-    if labels.numel() == 0:
-        return opts, 0
-    # few small kernels, then the one host sync: labels are checked before any kernel reads logits[label]; whatever
+    # a few small kernels, then the one host sync: labels are checked before any kernel reads logits[label]; whatever
     # runs between this sync and the first large kernel leaves the GPU idle, so the valid count comes along
-    valid = labels != ignore_index
-    low, high = torch.aminmax(torch.where(valid, labels, 0))
-    stats = [low, high, valid.sum()] + ([] if item_bad is None else [item_bad.long()])
-    low, high, n_valid, *bad_items = torch.stack(stats).tolist()
+    checks = []
+    if labels.numel():
+        valid = labels != ignore_index
+        checks += [*torch.aminmax(torch.where(valid, labels, 0)), valid.sum()]
+    if item_bad is not None:
+        checks.append(item_bad.long())
+    values = torch.stack(checks).tolist() if checks else []
+    if item_bad is not None and values.pop():
+        raise ValueError(f"num_items must be > 0, finite, whole and < 2^63 (a token count), got {num_items.item()}")
+    low, high, n_valid = values or (0, 0, 0)
     if low < 0 or high >= n_vocab:
-        raise ValueError(f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found one outside")
-    if bad_items and bad_items[0]:
-        raise ValueError(f"num_items must be > 0, finite and whole (a token count), got {num_items.item()}")
-    return opts, n_valid
+        raise ValueError(f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found "
+                         f"{low if low < 0 else high}")
+    return Options(int(ignore_index), label_smoothing, softcap, z_loss), n_valid
 
 
 def mean_divisor(n_valid: int, reduction, num_items, device):
