@@ -183,6 +183,8 @@ def test_errors_before_any_kernel(backend):
         ops.rms_norm(x, casting="t5")
     with pytest.raises(ValueError, match="offset must be 0"):
         ops.rms_norm(x, torch.ones(64, device=DEVICE), offset=1.0)
+    with pytest.raises(ValueError, match="offset must be 0 without a weight"):  # was silently ignored
+        ops.rms_norm(x, None, offset=5.0, casting="gemma")
     if ON_GPU:
         with pytest.raises(ValueError, match="one device"):
             ops.rms_norm(x, torch.ones(64))

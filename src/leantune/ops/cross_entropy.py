@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from . import _runtime
 
@@ -372,6 +373,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return reduce(loss, reduction, divisor)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output):
         logits, labels, lse, divisor = ctx.saved_tensors
         grad = _runtime.empty(logits.shape, dtype=logits.dtype, device=logits.device)

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from . import _dot, _runtime
 from ._dot import mixed_dot
@@ -643,6 +644,7 @@ class LoraGroupFunction(torch.autograd.Function):
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *dys):
         saved = ctx.saved_tensors
         count = ctx.count
@@ -685,6 +687,7 @@ class LoraMLPFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         if ctx.used:
             raise RuntimeError("lora_mlp's backward overwrites its saved activations and cannot run twice "

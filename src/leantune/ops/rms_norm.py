@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from . import _runtime
 
@@ -191,6 +192,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @once_differentiable  # hand-derived backward: a second derivative is a clear error, never a silent None
     def backward(ctx, dy):
         x2d, weight, rstd = ctx.saved_tensors
         dy2d = _runtime.as_rows(dy)
@@ -217,8 +219,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
 
     Raises:
         ValueError: non-float or unsupported dtype, weight not ``[H]``, tensors on different devices, unknown
-            ``casting``, ``offset`` not a finite number or non-zero with ``casting="llama"``, eps negative or not
-            finite, or H = 0 or > 65536.
+            ``casting``, ``offset`` not a finite number or non-zero with ``casting="llama"`` or without a weight, eps
+            negative or not finite, or H = 0 or > 65536.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("x", x)
@@ -230,6 +232,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
     offset = _runtime.check_real("offset", offset)
     if casting == "llama" and offset != 0.0:
         raise ValueError(f"offset must be 0 with casting='llama' (use casting='gemma' for 1 + w), got {offset}")
+    if weight is None and offset != 0.0:
+        raise ValueError(f"offset must be 0 without a weight (the scale is offset + weight), got {offset}")
     hidden = x.shape[-1]
     if hidden == 0:
         raise ValueError(f"x's last dim (the normalised one) must be >= 1, got shape {tuple(x.shape)}")

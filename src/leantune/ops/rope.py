@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from . import _runtime
 
@@ -228,6 +229,7 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @once_differentiable
     def backward(ctx, dq_out, dk_out):
         cos, sin = ctx.saved_tensors
         grads = []
@@ -250,7 +252,7 @@ def rope(q, k, cos, sin):
     Args:
         q: ``[B, Hq, S, D]`` float32/float16/bfloat16, any strides (e.g. a transposed view of a packed qkv output).
         k: ``[B, Hk, S, D]`` float, any strides; Hk may differ from Hq (GQA/MQA).
-        cos: ``[B, S, R]`` (per-row positions; a batch of 1 broadcasts) or ``[S, R]``, any float dtype; R even,
+        cos: ``[B, S, R]`` (per-row positions; a batch of 1 broadcasts) or ``[S, R]``, float32/float16/bfloat16; R even,
             0 < R <= D. Treated as a constant: it gets no gradient.
         sin: same shape as ``cos``.
 

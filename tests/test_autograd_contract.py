@@ -1,0 +1,47 @@
+"""What every op's autograd node promises beyond first gradients: its backward is hand-derived and not itself
+differentiable, so a second derivative (``create_graph=True`` then backward through the gradients) must raise on both
+backends. From a break-it pass: rms_norm's torch path returned ``x.grad = None`` there without a word (its saved
+rstd carries no graph), and the Triton path raised autograd's unrelated "does not require grad"."""
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from leantune import ops
+
+
+def _cases():
+    x = torch.randn(5, 24, device=DEVICE)
+    w = torch.randn(24, device=DEVICE)
+    q, k = torch.randn(2, 4, 3, 8, device=DEVICE), torch.randn(2, 2, 3, 8, device=DEVICE)
+    cos, sin = torch.randn(3, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE)
+    labels = torch.tensor([1, 0, -100, 7, 3], device=DEVICE)
+    head = torch.randn(11, 24, device=DEVICE)
+    lora = ops.LoraWeights(torch.randn(16, 24, device=DEVICE), torch.randn(4, 24, device=DEVICE),
+                           torch.randn(16, 4, device=DEVICE), 2.0)
+    down = ops.LoraWeights(torch.randn(24, 16, device=DEVICE), torch.randn(4, 16, device=DEVICE),
+                           torch.randn(24, 4, device=DEVICE), 2.0)
+    return {
+        "rms_norm": ([x, w], lambda x, w: ops.rms_norm(x, w)),
+        "rope": ([q, k], lambda q, k: ops.rope(q, k, cos, sin)),
+        "swiglu": ([x, x.flip(0)], lambda g, u: ops.swiglu(g, u)),
+        "geglu": ([x, x.flip(0)], lambda g, u: ops.geglu(g, u)),
+        "cross_entropy": ([x[:, :11]], lambda z: ops.cross_entropy(z, labels)),
+        "linear_cross_entropy": ([x, head], lambda h, w: ops.linear_cross_entropy(h, w, labels)),
+        "lora_linear": ([x], lambda x: ops.lora_linear(x, *lora)),
+        "lora_qkv": ([x], lambda x: ops.lora_qkv(x, lora, lora, lora)),
+        "lora_mlp": ([x], lambda x: ops.lora_mlp(x, lora, lora, down)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_second_derivative_raises_instead_of_a_silent_wrong_answer(backend, name):
+    inputs, fn = _cases()[name]
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    loss = sum((o.float() ** 2).sum() for o in outs)
+    grads = torch.autograd.grad(loss, leaves, create_graph=True)
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)  # first derivatives still work
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum((g**2).sum() for g in grads).backward()
