@@ -857,6 +857,8 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
     Raises:
         ValueError: shape mismatches (naming e.g. ``down.weight``), dtypes, devices, unknown activation, dropout
             outside [0, 1), a scaling that is not a finite number, a training flag that is not a bool.
+        RuntimeError: a second backward through one forward (``retain_graph=True``): the backward overwrites the
+            saved gate/up outputs with their gradients, which is how the block saves no extra [N, I] buffer.
 
     Source: HF ``LlamaMLP.forward`` / ``GemmaMLP.forward`` with PEFT ``lora.Linear`` projections; the GLU backward
     is :mod:`leantune.ops.glu`'s.
