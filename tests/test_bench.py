@@ -618,3 +618,37 @@ def test_ok_runs_must_record_their_numbers(tmp_path, field):
     _write(tmp_path, "x.json", {**_row("hf+peft"), "mfu": "high"})
     with pytest.raises(report.ReportError, match="field 'mfu' must be a number"):
         report.load_results(tmp_path)
+
+
+def test_ops_short_calls_take_the_median_of_interleaved_rounds(monkeypatch):
+    """The lent hosts' speed drifts within a run (1.80 vs 2.82 ms for the same code a minute apart): short calls get
+    ROUNDS timings taken in turns over the implementations, and their median; long calls and failed rows one."""
+    from leantune.bench import ops
+
+    order, script = [], {"a": [4.0, 1.0], "b": [2.0, 9.0]}
+    monkeypatch.setattr(ops, "harness_ms", lambda fn, case: (order.append(fn), script[fn].pop(0))[1])
+    case = ops.Case("op", "s", [], None, bytes=10**9)
+    ceilings = {"copy_bytes_per_s": 4e12, "matmul_flop_per_s": 7e14}
+
+    def rows(*ms):
+        out = [{"impl": impl, "ms": m, "error": None} for impl, m in zip("abc", ms)]
+        for row in out:
+            ops._rates(row, case, ceilings)
+        return out
+
+    short = rows(2.0, 3.0)
+    ops._interleaved_rounds(short, {"a": "a", "b": "b"}, case, ceilings, rounds=3)
+    assert order == ["a", "b", "a", "b"]  # in turns, not one implementation's rounds back to back
+    assert [r["ms_rounds"] for r in short] == [[2.0, 4.0, 1.0], [3.0, 2.0, 9.0]]
+    assert [r["ms"] for r in short] == [2.0, 3.0]
+    assert short[1]["gb_per_s"] == pytest.approx(1e9 / 3e-3 / 1e9)
+    assert "median of 3 timings" in ops._rounds_note(short) and ops._rounds_note(rows(1.0)) == ""
+
+    order.clear()
+    script["a"] = [4.0]
+    long = rows(2.0, ops.GRAPH_MAX_MS + 1)  # one device-bound row: a single timing for all (no interleaving cost)
+    failed = rows(2.0) + [{"impl": "b", "ms": math.nan, "error": "boom"}]
+    ops._interleaved_rounds(long, {"a": "a", "b": "b"}, case, ceilings)
+    assert order == [] and "ms_rounds" not in long[0]
+    ops._interleaved_rounds(failed, {"a": "a"}, case, ceilings, rounds=2)
+    assert order == ["a"] and "ms_rounds" not in failed[1] and failed[0]["ms"] == 3.0  # median of [2.0, 4.0]

@@ -2,10 +2,12 @@
 
 One harness for every implementation (DESIGN.md, "Roofline"): inputs are created once as leaves with
 ``requires_grad``; the timed call sets ``.grad`` to None, runs forward and backward with pre-made gradient outputs;
-the time is the median of ``triton.testing.do_bench``. The copy ceiling (device-to-device copy, read + write bytes)
-and the bf16 matmul ceiling (8192^3) are measured in the same run, and each op is judged against its floor
-``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is ``max_memory_allocated`` during one
-call minus what was allocated before it (inputs and gradient outputs), so parameter gradients count.
+the time is the median of ``triton.testing.do_bench``; for calls under 20 ms, the median of 3 such timings taken
+in turns over the implementations (``ROUNDS``: the host's speed drifts within a run). The copy ceiling
+(device-to-device copy, read + write bytes) and the bf16 matmul ceiling (8192^3) are measured in the same run, and
+each op is judged against its floor ``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is
+``max_memory_allocated`` during one call minus what was allocated before it (inputs and gradient outputs), so
+parameter gradients count.
 
 A second time, ``graph ms``, replays the same fwd+bwd captured once in a CUDA graph (also through ``do_bench``, with
 its L2 flush): the device time without the host. When the host issues kernels slower than the GPU runs them (small
@@ -25,6 +27,7 @@ import gc
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -81,10 +84,18 @@ def _fwd_bwd(fn: Callable, leaves: list[torch.Tensor], grad_outputs) -> Callable
     return call
 
 
-def time_and_peak(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) -> tuple[float, float]:
-    """(median ms of fwd+bwd, extra peak GiB over what was allocated before the call)."""
+def harness_ms(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) -> float:
+    """Median ms of fwd+bwd through ``do_bench`` (DESIGN.md's harness), grads cleared after."""
     from triton.testing import do_bench
 
+    ms = do_bench(_fwd_bwd(fn, case.leaves, case.grad_outputs), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    for t in case.leaves:
+        t.grad = None
+    return ms
+
+
+def time_and_peak(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) -> tuple[float, float]:
+    """(median ms of fwd+bwd, extra peak GiB over what was allocated before the call)."""
     call = _fwd_bwd(fn, case.leaves, case.grad_outputs)
     call()  # compile / autotune outside the measurement
     for t in case.leaves:
@@ -97,13 +108,16 @@ def time_and_peak(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 
     call()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / GiB
-    ms = do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     for t in case.leaves:
         t.grad = None
-    return ms, peak
+    return harness_ms(fn, case, warmup_ms, rep_ms), peak
 
 
 GRAPH_MAX_MS = 20.0  # longer calls are device-bound: a graph replay would only repeat do_bench
+# Calls shorter than GRAPH_MAX_MS are often host-bound, and the lent hosts' speed drifts within a process (the same
+# code measured 1.80 and 2.82 ms a minute apart): their harness time is the median of ROUNDS timings taken in turns
+# over the implementations (A B C A B C ...), so that a slow stretch of the host hits every implementation alike.
+ROUNDS = 3
 
 
 def graph_ms(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) -> float:
@@ -373,13 +387,40 @@ CASES = {
 
 
 # --------------------------------------------------------------------------------------------------------- reporting
+def _interleaved_rounds(rows: list[dict], fns: dict, case: Case, ceilings: dict, rounds: int = ROUNDS) -> None:
+    """For short calls (every row under GRAPH_MAX_MS), time ``rounds - 1`` more rounds in turns over the
+    implementations; each row's ``ms`` becomes the median of its rounds (kept as ``ms_rounds``), rates follow."""
+    timed = [r for r in rows if r["error"] is None]
+    if not timed or rounds < 2 or any(r["ms"] >= GRAPH_MAX_MS for r in timed):
+        return
+    for row in timed:
+        row["ms_rounds"] = [row["ms"]]
+    for _ in range(rounds - 1):
+        for row in timed:
+            row["ms_rounds"].append(harness_ms(fns[row["impl"]], case))
+    for row in timed:
+        row["ms"] = statistics.median(row["ms_rounds"])
+        _rates(row, case, ceilings)
+
+
+def _rates(row: dict, case: Case, ceilings: dict) -> None:
+    """Achieved bandwidth or FLOP rate of ``row["ms"]`` and its share of the run's ceiling."""
+    if case.bytes:
+        row["gb_per_s"] = case.bytes / (row["ms"] * 1e-3) / 1e9
+        row["pct_copy_ceiling"] = 100 * case.bytes / (row["ms"] * 1e-3) / ceilings["copy_bytes_per_s"]
+    if case.flops:
+        row["tflop_per_s"] = case.flops / (row["ms"] * 1e-3) / 1e12
+        row["pct_matmul_ceiling"] = 100 * case.flops / (row["ms"] * 1e-3) / ceilings["matmul_flop_per_s"]
+
+
 def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
     """Measure each op of ``op_names`` (keys of CASES) for every implementation (or those in ``impl_filter``).
 
     Returns ``{date, gpu, versions, ceilings: {copy_bytes_per_s, matmul_flop_per_s}, rows}``; a row is
     ``{op, shape, impl, ms, graph_ms, graph_error, extra_peak_gib, saved_gib, floor_ms, error}`` (ms of fwd+bwd, GiB)
-    plus ``gb_per_s`` / ``pct_copy_ceiling`` or ``tflop_per_s`` / ``pct_matmul_ceiling``. An implementation that
-    raises gives a row with NaN numbers and its error."""
+    plus ``gb_per_s`` / ``pct_copy_ceiling`` or ``tflop_per_s`` / ``pct_matmul_ceiling``, and for short calls
+    ``ms_rounds`` (``ms`` is then their median, see ROUNDS). An implementation that raises gives a row with NaN
+    numbers and its error."""
     import transformers
     import triton
 
@@ -408,14 +449,10 @@ def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
             row = {"op": case.op, "shape": case.shape, "impl": impl, "ms": ms, "graph_ms": math.nan,
                    "graph_error": None, "extra_peak_gib": peak, "saved_gib": saved, "floor_ms": floor_ms,
                    "error": error}
-            if case.bytes:
-                row["gb_per_s"] = case.bytes / (ms * 1e-3) / 1e9
-                row["pct_copy_ceiling"] = 100 * case.bytes / (ms * 1e-3) / ceilings["copy_bytes_per_s"]
-            if case.flops:
-                row["tflop_per_s"] = case.flops / (ms * 1e-3) / 1e12
-                row["pct_matmul_ceiling"] = 100 * case.flops / (ms * 1e-3) / ceilings["matmul_flop_per_s"]
+            _rates(row, case, ceilings)
             rows.append(row)
             fns[impl] = fn
+        _interleaved_rounds(rows, fns, case, ceilings)
         # graph replays after every harness time, eager last: a failed capture can leave the process unable to
         # capture again, and eager's many small kernels are the likeliest to fail
         for row in sorted(rows, key=lambda r: r["impl"] == "eager"):
@@ -434,6 +471,15 @@ def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
     return result
 
 
+def _rounds_note(rows: list[dict]) -> str:
+    """The header's word on interleaved rounds, for runs that took them (older JSON has a single timing)."""
+    counts = {len(r["ms_rounds"]) for r in rows if r.get("ms_rounds")}
+    if not counts:
+        return ""
+    return (f" fwd+bwd ms of the calls under {GRAPH_MAX_MS:.0f} ms: the median of {max(counts)} timings taken in "
+            "turns over the implementations.")
+
+
 def markdown(result: dict) -> str:
     """ops.md: a header (date, GPU, versions, the run's ceilings) and one table row per (op, implementation): ms of
     fwd+bwd (harness), CUDA-graph ms ("—" when not captured), floor ms, % of the copy or matmul ceiling, extra peak
@@ -445,7 +491,7 @@ def markdown(result: dict) -> str:
         f"{result['date']}, {result['gpu']}, torch {result['versions']['torch']}, triton "
         f"{result['versions']['triton']}, transformers {result['versions']['transformers']}. Ceilings measured in "
         f"this run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flop_per_s'] / 1e12:.0f} "
-        "TFLOP/s.",
+        "TFLOP/s." + _rounds_note(result["rows"]),
         "",
         "| op | shape | impl | fwd+bwd ms | graph ms | floor ms | % of ceiling | extra peak GiB | saved GiB |",
         "|---|---|---|---|---|---|---|---|---|",
