@@ -645,10 +645,20 @@ def test_ops_short_calls_take_the_median_of_interleaved_rounds(monkeypatch):
     assert "median of 3 timings" in ops._rounds_note(short) and ops._rounds_note(rows(1.0)) == ""
 
     order.clear()
+    script.update(a=[4.0, 6.0], c=[])
+    long = rows(2.0, ops.GRAPH_MAX_MS + 1)  # the device-bound row keeps its single timing (no interleaving cost)
+    ops._interleaved_rounds(long, {"a": "a", "b": "b"}, case, ceilings, rounds=3)
+    assert order == ["a", "a"] and long[0]["ms"] == 4.0 and "ms_rounds" not in long[1]
+    order.clear()
     script["a"] = [4.0]
-    long = rows(2.0, ops.GRAPH_MAX_MS + 1)  # one device-bound row: a single timing for all (no interleaving cost)
     failed = rows(2.0) + [{"impl": "b", "ms": math.nan, "error": "boom"}]
-    ops._interleaved_rounds(long, {"a": "a", "b": "b"}, case, ceilings)
-    assert order == [] and "ms_rounds" not in long[0]
     ops._interleaved_rounds(failed, {"a": "a"}, case, ceilings, rounds=2)
     assert order == ["a"] and "ms_rounds" not in failed[1] and failed[0]["ms"] == 3.0  # median of [2.0, 4.0]
+
+    def oom(fn, case):  # a later round that raises: the row keeps what was measured and says why it stopped
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(ops, "harness_ms", oom)
+    broken = rows(2.0)
+    ops._interleaved_rounds(broken, {"a": "a"}, case, ceilings, rounds=3)
+    assert broken[0]["ms_rounds"] == [2.0] and broken[0]["rounds_error"].startswith("RuntimeError: CUDA out")

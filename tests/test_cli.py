@@ -555,3 +555,22 @@ def test_interrupted_train_exits_with_128_plus_the_signal(tiny, tmp_path, monkey
     out = tmp_path / "run"
     assert main([str(a) for a in train_args(tiny, out, "--max-steps", "2")]) == status
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+
+
+def test_second_signal_aborts_with_128_plus_that_signal(tiny, tmp_path, monkeypatch, capsys):
+    """A second SIGTERM aborts at once; the status names the signal as for the first (review: it exited 130)."""
+    import os
+    import signal
+
+    import leantune.train as train_package
+
+    real_train = train_package.train
+
+    def twice(step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(train_package, "train", lambda config: real_train(config, progress=False, on_step=twice))
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "run", "--max-steps", "2"))
+    assert code == 143 and "leantune: aborted" in err

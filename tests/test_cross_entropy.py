@@ -373,7 +373,8 @@ def test_ignored_row_with_huge_logits_has_zero_gradient(backend, options, dtype)
     ref_logits = logits.detach()[1:2].clone().requires_grad_()
     ref = ops.cross_entropy(ref_logits, labels[1:2], **options)
     ref.backward()
-    assert torch.equal(loss, ref) and torch.equal(logits.grad[1:2], ref_logits.grad)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # the same row in a 1-row batch: reduction order may differ
+    assert rel_err(loss, ref) <= 1e-5 and rel_err(logits.grad[1:2], ref_logits.grad) <= tol
 
 
 @pytest.mark.parametrize("memory", ["fast", "low"])

@@ -5,7 +5,8 @@ into runs/demo), ``export`` (merge an adapter into a standalone HF folder), ``ch
 reference), ``bench ops|e2e|max-context|report`` (GPU benchmarks; ``report`` rebuilds tables anywhere).
 User errors print one line, ``leantune: error: ...``, to stderr without a traceback and exit 1 (2 for a
 command-line syntax error). A training run stopped by Ctrl-C or SIGTERM saves a checkpoint and exits 128 + the
-signal's number (130, 143), as a shell reports a process ended by that signal.
+signal's number (130, 143), as a shell reports a process ended by that signal; a second signal aborts at once, with
+the same rule.
 """
 
 from __future__ import annotations
@@ -287,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     except LeantuneError as exc:
         print(f"leantune: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a plain Ctrl-C outside a run, or a run's second signal (Aborted)
         print("leantune: aborted", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
 if __name__ == "__main__":

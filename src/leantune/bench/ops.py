@@ -388,16 +388,20 @@ CASES = {
 
 # --------------------------------------------------------------------------------------------------------- reporting
 def _interleaved_rounds(rows: list[dict], fns: dict, case: Case, ceilings: dict, rounds: int = ROUNDS) -> None:
-    """For short calls (every row under GRAPH_MAX_MS), time ``rounds - 1`` more rounds in turns over the
-    implementations; each row's ``ms`` becomes the median of its rounds (kept as ``ms_rounds``), rates follow."""
-    timed = [r for r in rows if r["error"] is None]
-    if not timed or rounds < 2 or any(r["ms"] >= GRAPH_MAX_MS for r in timed):
-        return
+    """Rows under GRAPH_MAX_MS get ``rounds - 1`` more timings, taken in turns over their implementations; each such
+    row's ``ms`` becomes the median of its timings (kept as ``ms_rounds``) and its rates follow. A timing that
+    raises ends that row's rounds (``rounds_error``); the timings taken stand."""
+    timed = [r for r in rows if r["error"] is None and r["ms"] < GRAPH_MAX_MS]
     for row in timed:
         row["ms_rounds"] = [row["ms"]]
     for _ in range(rounds - 1):
         for row in timed:
-            row["ms_rounds"].append(harness_ms(fns[row["impl"]], case))
+            if row.get("rounds_error"):
+                continue
+            try:
+                row["ms_rounds"].append(harness_ms(fns[row["impl"]], case))
+            except Exception as exc:  # e.g. an OOM after another implementation's run: keep what was measured
+                row["rounds_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     for row in timed:
         row["ms"] = statistics.median(row["ms_rounds"])
         _rates(row, case, ceilings)
@@ -473,10 +477,10 @@ def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
 
 def _rounds_note(rows: list[dict]) -> str:
     """The header's word on interleaved rounds, for runs that took them (older JSON has a single timing)."""
-    counts = {len(r["ms_rounds"]) for r in rows if r.get("ms_rounds")}
+    counts = {len(r["ms_rounds"]) for r in rows if len(r.get("ms_rounds") or ()) > 1}
     if not counts:
         return ""
-    return (f" fwd+bwd ms of the calls under {GRAPH_MAX_MS:.0f} ms: the median of {max(counts)} timings taken in "
+    return (f" fwd+bwd ms of the rows under {GRAPH_MAX_MS:.0f} ms: the median of {max(counts)} timings taken in "
             "turns over the implementations.")
 
 

@@ -145,6 +145,31 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------------------- autograd
+def first_derivative_only(backward: Callable) -> Callable:
+    """Decorator for the hand-derived ``backward`` of every op's ``autograd.Function``: it runs without building a
+    graph, and under ``create_graph=True`` each gradient it returns carries a node that raises RuntimeError
+    ("trying to differentiate twice") if differentiated again. torch's ``once_differentiable`` adds that node only
+    when an incoming gradient requires grad; a second derivative through a loss op (incoming gradient: a constant)
+    or ``(y * c).sum()`` would then silently lose the op's second-order terms."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grad_outputs):
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        if not torch.is_grad_enabled():  # the engine enables grad mode in backward only for create_graph=True
+            return grads
+        single = not isinstance(grads, tuple)
+        grads = (grads,) if single else grads
+        error = torch._C._functions.DelayedError(
+            b"trying to differentiate twice through a leantune op: its backward is derived by hand and has no "
+            b"derivative of its own", len(grads))
+        out = error(*[None if g is None else g.detach().requires_grad_() for g in grads])
+        return out if single or isinstance(out, tuple) else (out,)
+
+    return wrapper
+
+
 # ---------------------------------------------------------------------------------------------------- input checks
 def check_tensor(name: str, t, *, float_only: bool = True) -> None:
     """Raise ValueError unless ``t`` is a tensor of a supported float dtype (fp32, fp16, bf16)."""

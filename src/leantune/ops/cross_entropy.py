@@ -29,8 +29,9 @@ the caller's tensor is never overwritten and no [N, V] buffer exists between for
 moves in all, the roofline's minimum for a gradient that must not alias the input. Inside the fused
 linear_cross_entropy, which owns its logits chunks, :func:`loss_rows` writes the gradient in place in the same launch.
 
-Labels outside [0, V) other than ignore_index raise ValueError: one small reduction on the host before the launch
-(an out-of-range label would otherwise read out of bounds in the kernel).
+Labels outside [0, V) other than ignore_index raise ValueError before the launch (an out-of-range label would
+otherwise read out of bounds in the kernel): their range and the valid count are reduced on the device and read back
+in one host sync.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from . import _runtime
 
@@ -373,7 +373,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return reduce(loss, reduction, divisor)
 
     @staticmethod
-    @once_differentiable
+    @_runtime.first_derivative_only
     def backward(ctx, grad_output):
         logits, labels, lse, divisor = ctx.saved_tensors
         grad = _runtime.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -406,8 +406,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
     Raises:
         ValueError: logits not a 2-D float tensor, labels not int64 ``[N]``, tensors on different devices, a label
             outside ``[0, V)`` that is not ``ignore_index``, an unknown reduction, ``num_items`` not a whole number
-            > 0 or given without ``"mean"``, label_smoothing outside [0, 1], softcap <= 0, z_loss < 0, any of these
-            three not a finite real number, an ignore_index outside int64.
+            in [1, 2^63) or given without ``"mean"``, label_smoothing outside [0, 1], softcap <= 0, z_loss < 0, any
+            of these three not a finite real number, an ignore_index outside int64.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("logits", logits)

@@ -50,7 +50,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from . import _dot, _runtime
 from ._dot import mixed_dot
@@ -461,7 +460,7 @@ class GLUFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    @once_differentiable
+    @_runtime.first_derivative_only
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         d_gate, d_up = _backward(dh, gate, up, ctx.activation, ctx.impl, inplace=False)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import numbers
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _runtime
 from .cross_entropy import check_options, gradient_rows, loss_rows, mean_divisor, reduce, row_scale
@@ -168,7 +167,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return reduce(loss, reduction, divisor)
 
     @staticmethod
-    @once_differentiable
+    @_runtime.first_derivative_only
     def backward(ctx, grad_output):
         if ctx.fast:
             if getattr(ctx, "consumed", False):

@@ -60,7 +60,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from . import _dot, _runtime
 from ._dot import mixed_dot
@@ -522,8 +521,9 @@ def _frozen_backward(dys, x2d, projs, cdt, need_x, proj_needs):
 
 def _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, stack, proj_needs, grads):
     """g_j = s_j dY_j B_j [N, r_j] per adapter ({j: g_j}) and dB_j = s_j dY_j^T xa_j into ``grads``; with ``stack``
-    (no dropout) also g_cat [N, sum r], the g's side by side for the one dA product (None otherwise). The skinny path
-    reads dY as stored (no [N, out] copy in the LoRA dtype) and writes each g into its g_cat columns directly."""
+    (no dropout) also g_cat [N, sum r], the g's side by side for the one dA product (None otherwise), each g written
+    into its g_cat columns directly. The skinny path reads dY as stored (no [N, out] copy in the LoRA dtype); the
+    cuBLAS path scales inside the matmul (:func:`_scaled_product`)."""
     ldt = meta.lora_dtype
     skinny_dy = _skinny_ok(meta, meta.compute_dtype) and meta.compute_dtype != ldt
     g_cat = None
@@ -543,15 +543,15 @@ def _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, stack, proj_needs, grads):
                 _skinny_tn(xas[j], dys[j], scaling, out=d_b.T)
             continue
         dyl = dys[j].to(ldt)
-        gs[j] = _scaled_mm(dyl, lora_B.to(ldt), scaling, out=g_cols)
+        gs[j] = _scaled_product(dyl, lora_B.to(ldt), scaling, out=g_cols)
         if proj_needs[j][2]:
-            grads[j][2] = _scaled_mm(dyl.T, xas[j], scaling).to(lora_B.dtype)
+            grads[j][2] = _scaled_product(dyl.T, xas[j], scaling).to(lora_B.dtype)
     if stack and g_cat is None:
         g_cat = gs[lora[0]]
     return gs, g_cat
 
 
-def _scaled_mm(a, b, scale, *, out=None):
+def _scaled_product(a, b, scale, *, out=None):
     """scale * (a @ b) in one matmul (alpha = scale and beta = 0: out's contents are ignored, NaN included); one
     rounding, and on the GPU one launch instead of a matmul and a scaling pass. ``out`` may be a column slice."""
     if out is None:
@@ -644,7 +644,7 @@ class LoraGroupFunction(torch.autograd.Function):
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
-    @once_differentiable
+    @_runtime.first_derivative_only
     def backward(ctx, *dys):
         saved = ctx.saved_tensors
         count = ctx.count
@@ -687,7 +687,7 @@ class LoraMLPFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    @once_differentiable
+    @_runtime.first_derivative_only
     def backward(ctx, dy):
         if ctx.used:
             raise RuntimeError("lora_mlp's backward overwrites its saved activations and cannot run twice "

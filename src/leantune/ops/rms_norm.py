@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from . import _runtime
 
@@ -192,7 +191,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
-    @once_differentiable  # hand-derived backward: a second derivative is a clear error, never a silent None
+    @_runtime.first_derivative_only
     def backward(ctx, dy):
         x2d, weight, rstd = ctx.saved_tensors
         dy2d = _runtime.as_rows(dy)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from . import _runtime
 
@@ -229,7 +228,7 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    @once_differentiable
+    @_runtime.first_derivative_only
     def backward(ctx, dq_out, dk_out):
         cos, sin = ctx.saved_tensors
         grads = []

@@ -269,6 +269,14 @@ def step_rows(step: int, n_rows: int, rows_per_step: int, seed: int) -> torch.Te
 # The run
 
 
+class Aborted(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM: stop at once (``signum`` gives the CLI its exit status, 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class _GracefulInterrupt:
     """First Ctrl-C or SIGTERM (``docker stop``, a scheduler's preemption): finish the current step, save a
     checkpoint, stop. A second one: abort at once."""
@@ -285,7 +293,7 @@ class _GracefulInterrupt:
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            raise Aborted(signum)
         self.requested, self.signum = True, signum
         _say(f"leantune: {signal.Signals(signum).name}: finishing the current step (or the final eval) and saving "
              "(again to abort)")
