@@ -8,10 +8,10 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 mkdir -p "$OUT/next"
-timeout 330 python3 -m pytest -q -p no:cacheprovider -k triton tests/test_lora.py tests/test_autograd_contract.py \
+timeout 320 python3 -m pytest -q -p no:cacheprovider -k triton tests/test_lora.py tests/test_autograd_contract.py \
   > "$OUT/next/pytest.log" 2>&1
 echo "GPU tests (lora, autograd contract): $(tail -1 "$OUT/next/pytest.log")"
-python3 -m leantune bench ops --ops rms_norm,rope,lora_qkv,lora_qkv_bf16 --out "$OUT/next/ops" --budget-s 150 2>&1 \
+python3 -m leantune bench ops --ops rms_norm,lora_qkv,lora_qkv_bf16 --out "$OUT/next/ops" --budget-s 140 2>&1 \
   | grep "^|"
 timeout 90 python3 benchmarks/qkv_variants.py 2>&1 | tee "$OUT/next/qkv_variants.txt" | tail -12
 tar czf "$OUT/next.tgz" -C "$OUT" next && rm -rf "$OUT/next"
