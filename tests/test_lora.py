@@ -680,3 +680,25 @@ def test_mlp_fuses_lowrank_into_glu_on_triton(monkeypatch):
         for g, r in zip(torch.autograd.grad(y, leaves, dy), ref_grads):
             assert rel_err(g, r) <= 3e-2
         assert calls == ["glu_forward"]  # backward recomputes h from the saved (already summed) gate/up
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+def test_dropout_keeps_non_finite_inputs_non_finite_as_peft(backend, adapter_dtype):
+    """From a break-it pass: the Triton kernels zeroed dropped elements by selection, so a NaN row of x reached only
+    the kept columns of dA, where PEFT's dropout multiplies (NaN * 0 = NaN) and the torch path agreed with PEFT."""
+    n, d_in, d_out, r, p = 6, 40, 32, 8, 0.3
+    x = torch.randn(n, d_in, device=DEVICE, dtype=torch.bfloat16)
+    x[2] = float("nan")
+    x.requires_grad_()
+    w = torch.randn(d_out, d_in, device=DEVICE, dtype=torch.bfloat16)
+    a = torch.randn(r, d_in, device=DEVICE, dtype=adapter_dtype, requires_grad=True)
+    b = torch.randn(d_out, r, device=DEVICE, dtype=adapter_dtype, requires_grad=True)
+    y, seeds = _seeds_of(lambda: ops.lora_linear(x, w, a, b, 0.5, dropout=p), 1)
+    d_a, d_x = torch.autograd.grad(y, (a, x), torch.ones_like(y))
+    m = _mask(seeds, 0, n, d_in, p)
+    ref = x.detach().double() * m.double()  # PEFT: dropout(x) = x * mask / (1 - p)
+    ref_y = x.detach().double() @ w.double().T + 0.5 * (ref @ a.detach().double().T) @ b.detach().double().T
+    ref_da = 0.5 * (torch.ones_like(ref_y) @ b.detach().double()).T @ ref
+    assert torch.equal(torch.isfinite(y), torch.isfinite(ref_y))
+    assert torch.equal(torch.isfinite(d_a), torch.isfinite(ref_da))  # every entry: a NaN row meets every column
+    assert torch.isfinite(d_x[[0, 1, 3, 4, 5]]).all()  # the bad row's dX stays in its row

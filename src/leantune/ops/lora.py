@@ -43,9 +43,10 @@ the LoRA branch's traffic). ``_skinny_matmul_kernel`` (C[M, r] = A[M, K] @ B[K, 
 product in fp32 registers: bf16 x fp32 as three bf16 tensor-core dots against an exact three-way bf16 split of the
 fp32 factor (every bf16 product is exact in fp32, accumulation is fp32), fp16/fp32 x fp32 as an IEEE fp32 dot;
 ``precision="ieee"`` forces the latter. Partials of the splits are summed by torch in a fixed order (deterministic).
-They also take dropout: the mask is regenerated in registers from the seed and applied as a 0/1 select, so m*x is
-never stored. Used where the upcast to the LoRA dtype is exact (one dtype, or fp32 adapters); otherwise (autocast
-to bf16 from fp32 inputs) the LoRA branch rounds its inputs first, as autocast does, through torch.
+They also take dropout: the mask is regenerated in registers from the seed and applied as a 0/1 product (as
+PEFT's dropout multiplies: a NaN/inf input element stays non-finite where dropped), so m*x is never stored. Used
+where the upcast to the LoRA dtype is exact (one dtype, or fp32 adapters); otherwise (autocast to bf16 from fp32
+inputs) the LoRA branch rounds its inputs first, as autocast does, through torch.
 
 GLU fusion (Triton path, gate and up both with adapters): the B terms of gate and up are added inside the GLU
 forward pass (:func:`leantune.ops.glu.glu_forward_lowrank`), which writes the summed gate/up in place (saved for
@@ -97,7 +98,7 @@ def _dropout_kernel(
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     keep = _keep(tl.load(SEEDS + seed_index), rows64, cols, n_cols, p)
-    xd = tl.where(keep, x * inv_keep, 0.0)
+    xd = x * tl.where(keep, inv_keep, 0.0)  # a product, as PEFT's dropout: a NaN/inf x stays non-finite
     tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], xd.to(XD.dtype.element_ty), mask=mask)
 
 
@@ -127,20 +128,20 @@ def _lowrank_add_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     if HAS_MASK:
         keep = _keep(tl.load(SEEDS + seed_index), rows64, cols, n_cols, p)
-        acc = tl.where(keep, acc * inv_keep, 0.0)
+        acc = acc * tl.where(keep, inv_keep, 0.0)
     base = tl.load(BASE + rows64[:, None] * stride_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out = base + scale * acc
     tl.store(OUT + rows64[:, None] * stride_out + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
     if WRITE_XD:
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_MASK:
-            x = tl.where(keep, x * inv_keep, 0.0)
+            x = x * tl.where(keep, inv_keep, 0.0)
         tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], x.to(XD.dtype.element_ty), mask=mask)
 
 
 # Skinny products of the LoRA branch: one operand is a wide activation tile (x, h or dY: [M, K], any float dtype,
 # loaded as stored), the other the small fp32/bf16 factor (A^T, B, xa or g), multiplied by ``_dot.mixed_dot`` without
-# a materialised upcast copy. The dropout mask is a 0/1 select on the stored values (exact in any dtype);
+# a materialised upcast copy. The dropout mask is a 0/1 product on the stored values (exact in any dtype);
 # 1 / (1 - p) rides on the final scale.
 @triton.jit
 def _skinny_matmul_kernel(
@@ -167,7 +168,7 @@ def _skinny_matmul_kernel(
         k_ok = ks < k_end
         a = tl.load(A + rows64[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if HAS_MASK:
-            a = tl.where(_keep(seed, rows64, ks, n_inner, p), a, 0.0).to(A.dtype.element_ty)
+            a = (a * tl.where(_keep(seed, rows64, ks, n_inner, p), 1.0, 0.0)).to(A.dtype.element_ty)  # exact
         b = tl.load(B + ks.to(tl.int64)[:, None] * stride_bk + rr[None, :] * stride_br,
                     mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = mixed_dot(acc, a, b, True, DOT_MODE, UPCAST)
@@ -201,7 +202,7 @@ def _skinny_tn_kernel(
         m_ok = rows < m_end
         x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :], other=0.0)
         if HAS_MASK:
-            x = tl.where(_keep(seed, rows64, cols, n_cols, p), x, 0.0).to(X.dtype.element_ty)
+            x = (x * tl.where(_keep(seed, rows64, cols, n_cols, p), 1.0, 0.0)).to(X.dtype.element_ty)  # exact
         # P^T tile loaded transposed ([R, BLOCK_M]): no tl.trans needed
         pt = tl.load(P + rows64[None, :] * stride_pm + rr[:, None], mask=r_ok[:, None] & m_ok[None, :], other=0.0)
         acc = mixed_dot(acc, pt, x, False, DOT_MODE, UPCAST)
