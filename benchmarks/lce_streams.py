@@ -7,7 +7,10 @@ every SM, so this script also tries an SM carveout (``torch._C._set_sm_carveout_
 free of cuBLAS kernels. For each variant it times the 32-chunk loop (logits, cross-entropy, dh, dW) with CUDA events
 and checks dh and dW against the sequential run.
 
-Usage (GPU): ``PYTHONPATH=src python3 benchmarks/lce_streams.py``
+It also runs the sequential loop with cuBLASLt as torch's preferred BLAS library (``--blas``: only the sequential
+variants).
+
+Usage (GPU): ``PYTHONPATH=src python3 benchmarks/lce_streams.py [--blas]``
 """
 import torch
 
@@ -48,7 +51,7 @@ def chunk_loop(h, w, labels, buf, dh, dw, rows, streams, opts, scale):
         main.wait_stream(streams[1])
 
 
-def main():
+def main(only_blas=False):
     from leantune.ops.cross_entropy import check_options
 
     n, hidden, vocab, rows = 16384, 4096, 128256, 512
@@ -61,11 +64,15 @@ def main():
     scale = torch.tensor(1.0 / n, device=dev)
     buf = torch.empty(rows, vocab, device=dev, dtype=dt)
     results = {}
-    variants = [("sequential", False, None), ("two streams", True, None)]
-    variants += [(f"two streams, {k} SMs free", True, k) for k in (16, 33, 66)]
-    for label, two, carveout in variants:
+    variants = [("sequential", False, None, "cublas"), ("two streams", True, None, "cublas")]
+    variants += [(f"two streams, {k} SMs free", True, k, "cublas") for k in (16, 33, 66)]
+    variants += [("sequential, cuBLASLt", False, None, "cublaslt"), ("two streams, cuBLASLt", True, None, "cublaslt")]
+    if only_blas:
+        variants = [v for v in variants if not v[1]]
+    for label, two, carveout, blas in variants:
         streams = [torch.cuda.Stream(), torch.cuda.Stream()] if two else []
         torch._C._set_sm_carveout_experimental(carveout)
+        torch.backends.cuda.preferred_blas_library(blas)
         dh = torch.empty(n, hidden, device=dev, dtype=dt)
         dw = torch.empty(vocab, hidden, device=dev, dtype=dt)
         times = []
@@ -78,11 +85,31 @@ def main():
             times.append(start.elapsed_time(end))
         results[label] = (min(times[1:]), dh, dw)
         torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library("cublas")
     _, dh0, dw0 = results["sequential"]
     for label, (ms, dh, dw) in results.items():  # another carveout may pick other cuBLAS kernels: rounding differs
         diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in ((dh, dh0), (dw, dw0)))
         print(f"{label:<28} {ms:7.2f} ms for 32 chunks   rel diff vs sequential {diff:.1e}")
+    if only_blas:  # the whole op, fwd+bwd, as bench ops times it (weight requires grad)
+        from triton.testing import do_bench
+
+        from leantune.ops import linear_cross_entropy
+
+        hg = h.detach().requires_grad_()
+        wg = w.detach().requires_grad_()
+        for blas in ("cublas", "cublaslt", "cublas"):
+            torch.backends.cuda.preferred_blas_library(blas)
+
+            def step():
+                hg.grad = wg.grad = None
+                linear_cross_entropy(hg, wg, labels).backward()
+
+            ms = do_bench(step, warmup=3, rep=600, return_mode="median")
+            print(f"ops.linear_cross_entropy fwd+bwd, {blas:<9} {ms:7.2f} ms")
+        torch.backends.cuda.preferred_blas_library("cublas")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(only_blas="--blas" in sys.argv)
