@@ -367,3 +367,29 @@ def test_mlp_off_counts_no_fused_lora_mlp():
     leantune.patch(model, mlp=False)
     counts = model.leantune_summary["counts"]
     assert counts["mlp"] == 0 and counts["lora_mlp"] == 0 and counts["lora"] == 14
+
+
+def test_float64_and_meta_models_run_hf_forwards(monkeypatch):
+    """The ops take fp32/fp16/bf16 on a real device. A float64 model (gradient checks) and a model on the meta
+    device (shape tracing) run HF's forwards instead: float64 failed in every forward, meta failed with labels."""
+    from test_patch_families import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_peft_model("gemma2").double()  # RMSNorm offset, softcaps: every patched kind has a fallback
+    input_ids, labels = batch()
+    ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
+    leantune.patch(model)
+    loss, _, grads = loss_and_grads(model, input_ids, labels)
+    assert loss.dtype == ref_loss.dtype and torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    model.float()  # the same patched model serves fp32 through the ops again
+    calls = _rope_calls(monkeypatch)
+    assert torch.isfinite(model(input_ids=input_ids, labels=labels).loss) and calls["rope"] > 0
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    leantune.patch(meta)
+    ids = torch.zeros(1, 5, dtype=torch.long, device="meta")
+    out = meta(input_ids=ids, labels=ids)
+    assert out.loss.device.type == "meta" and out.loss.shape == ()
+    assert meta(input_ids=ids).logits.shape == (1, 5, meta.config.vocab_size)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..ops import _runtime
 from .families import Family
 
 
@@ -59,6 +60,12 @@ class ModuleState:
 
 def _call_original(module, *args, **kwargs):
     return type(module).forward(module, *args, **kwargs)
+
+
+def _served(*tensors) -> bool:
+    """Whether the ops take these tensors: fp32/fp16/bf16 on a real device. Anything else (a float64 model for
+    gradient checks, the meta device for shape tracing) runs HF's forward, which handles it."""
+    return all(t.dtype in _runtime.FLOAT_DTYPES and t.device.type != "meta" for t in tensors)
 
 
 # ------------------------------------------------------------------------------------------------------ PEFT LoRA
@@ -163,6 +170,8 @@ _rope_originals: dict[str, object] = {}
 
 
 def _rope_fits(q, k, cos, sin) -> bool:
+    if not _served(q, k, cos, sin):
+        return False
     if q.dim() != 4 or k.dim() != 4 or cos.shape != sin.shape or cos.dim() not in (2, 3):
         return False
     rotary_dim = cos.shape[-1]
@@ -227,6 +236,8 @@ def rope_installed(family: Family) -> bool:
 # ------------------------------------------------------------------------------------------------------ forwards
 def rms_norm_forward(self, hidden_states):
     """HF ``*RMSNorm.forward`` as ``ops.rms_norm`` with the family's casting and offset."""
+    if not _served(hidden_states, self.weight):
+        return _call_original(self, hidden_states)
     family = self._leantune.family
     eps = getattr(self, family.norm_eps_attr)
     return ops.rms_norm(hidden_states, self.weight, eps, offset=family.norm_offset, casting=family.norm_casting)
@@ -241,6 +252,8 @@ def _glu(gate, up, activation: str):
 def mlp_forward(self, x):
     """``down(act(gate(x)) * up(x))``: ``ops.lora_mlp`` when gate/up/down carry fusable LoRA (and the MLP kind is
     on), else per projection (``ops.lora_linear`` where fusable) around ``ops.swiglu``/``ops.geglu``."""
+    if not _served(x):
+        return _call_original(self, x)
     state = self._leantune
     # each projection's PEFT state read once per forward (it may change between forwards: set_adapter, merge)
     statuses = [lora_status(m) for m in (self.gate_proj, self.up_proj, self.down_proj)] if state.lora else [None] * 3
@@ -260,6 +273,9 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     """The family's attention with ``ops.rope`` (through the dispatcher, when the rope kind is on). When any of
     q/k/v/o carries fusable LoRA, leantune's copy of the attention runs (``ops.lora_qkv`` for q/k/v when all three
     can be served in one call, ``ops.lora_linear`` per projection otherwise); else HF's own forward runs."""
+    if not _served(hidden_states):  # before the RoPE flag: HF's own function then serves the rotation too
+        return _call_original(self, hidden_states, position_embeddings=position_embeddings,
+                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     state = self._leantune
     token = _ROPE_ACTIVE.set(state.rope)
     try:
@@ -364,10 +380,13 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
 
     Labels are shifted as HF's ``ForCausalLMLoss`` does (pad with ignore_index, drop the first);
     ``num_items_in_batch`` divides the summed loss as in HF's ``fixed_cross_entropy`` (same value, dtype and shape for
-    any input HF accepts); the family's final-logit softcap is applied in the op.
+    any input HF accepts); the family's final-logit softcap is applied in the op. One difference from HF: when no
+    token has a label the loss is 0.0 with zero gradients (HF: NaN), the ops' rule (DESIGN.md).
     """
     # HF computes a loss only with labels; a logits_to_keep slice asks for logits (generation): HF's forward for both
-    if labels is None or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+    head_weight = next(self.lm_head.parameters(), None)
+    if (labels is None or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
+            or (head_weight is not None and not _served(head_weight))):
         return _call_original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                               use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
