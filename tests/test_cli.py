@@ -4,8 +4,10 @@ overwritten; ``--help`` documents every option with its default; the demo subcom
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+import torch
 from test_train import write_chat_jsonl, write_tiny_model
 
 from leantune.cli import DEMO_DEFAULTS, main
@@ -149,7 +151,7 @@ def test_help_lists_every_option_with_default(capsys, command):
     assert set(options) == {"--config"} | {"--" + name.replace("_", "-") for name in FIELDS}
     for flag, action in options.items():
         assert flag in text
-        assert flag == "--config" or "(default: " in action.help, flag
+        assert "(default: " in action.help, flag
         assert " ".join(action.help.replace("%%", "%").split()) in text, flag
     if command == "demo":
         assert f"output directory (default: {DEMO_DEFAULTS['output']})" in text
@@ -448,28 +450,57 @@ def test_options_are_not_abbreviated(tiny, tmp_path, capsys):
 
 
 def test_a_replaced_run_is_kept_until_the_new_one_finishes(tiny, tmp_path, capsys, monkeypatch):
-    """From a new-user pass: --overwrite deleted the finished run before the new one had produced anything, so a
-    crash (or OOM) of the new run lost both."""
+    """From new-user passes: --overwrite deleted the finished run before the new one had produced anything, so a
+    crash (or OOM) of the new run lost both. Later, a crash before the first checkpoint left the old run hidden in
+    .replaced-* and the next plain run into the folder deleted it. Now the old run is kept aside while the new one
+    has nothing to resume, put back if the new one fails or is stopped then, and deleted when the new one finishes."""
     from leantune.train import loop
 
     out = tmp_path / "out"
     code, err = run_cli(capsys, *train_args(tiny, out))
     assert code == 0, err
-    adapter = {p.relative_to(out): b for p, b in files_of(out / "adapter").items()}
+    finished = files_of(out)
     real_evaluate = loop.evaluate
+    seen = []
 
     def crash(*args, **kwargs):
+        seen.extend((p / "adapter").is_dir() for p in out.glob(".replaced-*"))
         raise RuntimeError("simulated crash")
 
     monkeypatch.setattr(loop, "evaluate", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         main([str(a) for a in train_args(tiny, out, "--overwrite", "--seed", "1")])
-    (kept,) = out.glob(".replaced-*")
-    assert {p.relative_to(kept): b for p, b in files_of(kept / "adapter").items()} == adapter
+    assert seen == [True]  # kept aside while the new run ran
+    assert files_of(out) == finished and "is back in" in capsys.readouterr().err
     monkeypatch.setattr(loop, "evaluate", real_evaluate)
-    code, err = run_cli(capsys, *train_args(tiny, out, "--seed", "1"))  # the crashed run was incomplete: no flag
+    code, err = run_cli(capsys, *train_args(tiny, out, "--seed", "1"))  # the finished run is back: refused
+    assert_error(code, err, "already holds a run")
+    code, err = run_cli(capsys, *train_args(tiny, out, "--seed", "1", "--overwrite"))
     assert code == 0, err
-    assert not list(out.glob(".replaced-*")) and (out / "adapter").is_dir()
+    assert not list(out.glob(".replaced-*")) and files_of(out / "adapter") != {
+        p: b for p, b in finished.items() if "adapter" in p.parts}
+
+
+def test_a_plain_run_never_deletes_what_a_crashed_run_kept_aside(tiny, tmp_path, capsys, monkeypatch):
+    """A run killed (no cleanup possible) after moving a finished run aside leaves it in .replaced-*; the next run
+    without --overwrite replaces the crashed, incomplete run but keeps the finished one it had set aside."""
+    from leantune.train import loop
+
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert code == 0, err
+    kept = out / ".replaced-20260101-000000-x"
+    kept.mkdir()
+    for name in loop.RUN_FILES:
+        if (out / name).exists():
+            (out / name).rename(kept / name)
+    assert loop.read_run_info(kept) is not None
+    (out / "run.json").write_text((kept / "run.json").read_text())  # the killed run's run.json, no checkpoint
+    assert not loop.holds_run(out)
+    before = files_of(kept)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--seed", "2"))
+    assert code == 0, err
+    assert files_of(kept) == before
 
 
 def test_resume_and_export_from_another_working_directory(tiny, tmp_path, capsys, monkeypatch):
@@ -574,3 +605,109 @@ def test_second_signal_aborts_with_128_plus_that_signal(tiny, tmp_path, monkeypa
     monkeypatch.setattr(train_package, "train", lambda config: real_train(config, progress=False, on_step=twice))
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "run", "--max-steps", "2"))
     assert code == 143 and "leantune: aborted" in err
+
+
+def test_export_of_a_tied_lm_head_adapter_unties_and_matches_the_adapter(tiny, tmp_path, capsys):
+    """From a new-user pass: LoRA on lm_head of a model with tied embeddings was merged into the shared matrix, so
+    the export's input embeddings changed too (max logit difference 17.9 against the adapter model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from leantune.train import loop
+
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny, run, "--target-modules", "q_proj,v_proj,lm_head", "--lr", "1e-2"),
+                        "--max-steps", "3")
+    assert code == 0, err
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
+    assert code == 0, err
+    seed = json.loads((run / "run.json").read_text())["config"]["seed"]
+    base = loop.load_model("config", tiny["model"], torch.float32, "cpu", seed)
+    embeddings = base.get_input_embeddings().weight.detach().clone()
+    adapted = PeftModel.from_pretrained(base, run / "adapter").eval()
+    lora_B = adapted.base_model.model.lm_head.lora_B["default"].weight
+    assert lora_B.abs().max() > 0  # the lm_head adapter was trained
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert torch.equal(merged.get_input_embeddings().weight, embeddings)
+    ids = torch.randint(0, embeddings.shape[0], (2, 17))
+    with torch.no_grad():
+        diff = (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
+    assert diff < 1e-4, diff
+
+
+def test_export_never_replaces_a_model_folder_or_the_base_and_takes_dot(tiny, tmp_path, capsys, monkeypatch):
+    """From a new-user pass: a folder of save_pretrained files counted as a previous export, so --overwrite replaced
+    a user's model (the run's own base among them); --out . crashed with a traceback; --out "" meant the cwd."""
+    from transformers import AutoModelForCausalLM
+
+    from leantune.train import loop
+
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny, run))
+    assert code == 0, err
+    users_model = tmp_path / "users-model"
+    AutoModelForCausalLM.from_config(loop.load_model("config", tiny["model"], torch.float32, "cpu", 0).config) \
+        .save_pretrained(users_model)
+    before = files_of(users_model)
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", users_model, "--overwrite")
+    assert_error(code, err, str(users_model), "not a leantune export")
+    assert files_of(users_model) == before
+    base_folder = tiny["model"].parent
+    before = files_of(base_folder)
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", base_folder, "--overwrite")
+    assert_error(code, err, "base model")
+    assert files_of(base_folder) == before
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", "")
+    assert_error(code, err, "--out", "empty")
+    here = tmp_path / "empty-cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", ".")
+    assert code == 0, err
+    assert (here / "leantune_export.json").is_file() and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_corrupt_or_mismatched_weights_are_one_error_line(tiny, tmp_path, capsys):
+    """From a new-user pass: a truncated model.safetensors and weights of another shape than config.json ended in
+    tracebacks (SafetensorError, RuntimeError)."""
+    from leantune.train import loop
+
+    good = tmp_path / "good"
+    model = loop.load_model("config", tiny["model"], torch.float32, "cpu", 0)
+    model.save_pretrained(good)
+    for path in tiny["model"].parent.iterdir():  # the tokenizer's files
+        if path.is_file() and path.name != "config.json":
+            (good / path.name).write_bytes(path.read_bytes())
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good, corrupt)
+    (corrupt / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:1000])
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", model=corrupt))
+    assert_error(code, err, "cannot load model", str(corrupt))
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(good, mismatched)
+    config = json.loads((mismatched / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (mismatched / "config.json").write_text(json.dumps(config))
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o2", model=mismatched))
+    assert_error(code, err, "cannot load model", str(mismatched))
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_demo_resume_overrides_the_demos_overwrite_default(tmp_path):
+    """From a new-user pass: an interrupted demo said "continue with --resume", which the demo's own overwrite
+    default then refused ("--resume and --overwrite exclude each other")."""
+    from leantune.cli import _config_from_args, build_parser
+    from leantune.train.config import LeantuneError
+
+    def config(*argv):
+        args = build_parser().parse_args(["demo", *argv])
+        return _config_from_args(args, args.defaults)
+
+    assert config().overwrite and not config().resume
+    resumed = config("--resume")
+    assert resumed.resume and not resumed.overwrite
+    toml = tmp_path / "c.toml"
+    toml.write_text("resume = true\n")
+    assert not config("--config", str(toml)).overwrite
+    with pytest.raises(LeantuneError, match="exclude each other"):
+        config("--resume", "--overwrite")

@@ -62,7 +62,8 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
     from .train.config import NONE_DEFAULTS, TrainConfig, field_type
 
     parser.add_argument("--config", metavar="TOML", default=None,
-                        help="TOML file with any of the options below (keys as the option names); flags override it")
+                        help="TOML file with any of the options below (keys as the option names); flags override it "
+                             "(default: none)")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = defaults.get(field.name, field.default)
@@ -81,6 +82,9 @@ def _config_from_args(args, defaults: dict):
 
     file_values = load_toml(args.config) if args.config else {}
     flags = {name: getattr(args, name) for name in FIELDS}
+    asked = {**file_values, **{k: v for k, v in flags.items() if v is not None}}
+    if asked.get("resume") and "overwrite" not in asked:  # the demo's overwrite default yields to an asked --resume
+        defaults = {k: v for k, v in defaults.items() if k != "overwrite"}
     base = TrainConfig(**{**dataclasses.asdict(TrainConfig()), **defaults})
     return make_config(file_values, flags, base=base)
 

@@ -56,7 +56,8 @@ class TrainConfig:
                                         "backward"})
     eval_every: int = field(default=50, metadata={"help": "eval every N steps (0: only at start and end)"})
     eval_size: int = field(default=32, metadata={"help": "held-out packed sequences for eval"})
-    save_every: int = field(default=100, metadata={"help": "checkpoint every N steps (0: never)"})
+    save_every: int = field(default=100, metadata={"help": "checkpoint every N steps (0: only the ones "
+                                                                "always written: at the last step and on Ctrl-C)"})
     max_examples: int | None = field(default=None, metadata={"help": "use at most N examples of the data file "
                                      "(after a seeded shuffle)"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in --output"})

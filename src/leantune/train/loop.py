@@ -16,8 +16,9 @@ Output dir: every user error is raised before anything in it is written or remov
 needs ``--overwrite`` or ``--resume``) once it has a checkpoint, the adapter or summary.json; a run that failed
 before its first checkpoint left only run.json/metrics.jsonl, cannot be resumed, and is simply replaced by the next
 run. Only leantune's own files (``RUN_FILES``) are ever replaced, and only next to a run.json that leantune wrote;
-the replaced run is moved into ``.replaced-*`` and deleted only when the new run finishes (a crash keeps it);
-a folder of other files needs ``--overwrite`` and keeps them. ``--resume`` continues only the same run: the settings
+the replaced run is moved into ``.replaced-*``, put back if the new run fails or is stopped before its first
+checkpoint, and deleted only when the new run finishes (a kill keeps it; a later run deletes it only with
+``--overwrite`` or ``--resume``); a folder of other files needs ``--overwrite`` and keeps them. ``--resume`` continues only the same run: the settings
 that fix the adapter, the base model and the data rows (``RESUME_FIXED``) must match run.json, and the checkpoint may
 not be past the requested steps. A lock file with the pid keeps a second run out of a folder in use. Ctrl-C or
 SIGTERM finishes the step and saves a checkpoint. Non-finite losses are recorded as null (strict JSON) with a warning.
@@ -142,6 +143,7 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
 
     Raises LeantuneError for an unsupported model type or unreadable weights.
     """
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -156,8 +158,8 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (ValueError, KeyError) as exc:
         raise LeantuneError(f"unsupported model type in {path}: {str(exc).splitlines()[0]}") from None
-    except OSError as exc:
-        raise LeantuneError(f"cannot load model {path}: {str(exc).splitlines()[0]}") from None
+    except (OSError, RuntimeError, SafetensorError) as exc:  # missing, truncated or mismatched weights
+        raise LeantuneError(f"cannot load model {path}: {_one_line(exc)[:400]}") from None
     return model.to(device)
 
 
@@ -488,13 +490,34 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
     for every user error before anything in ``config.output`` is written or removed. While it writes there, the
     folder holds a lock file with this process's pid: a second run into it is refused.
     """
+    replaced: list[Path] = []  # the .replaced-* folder this run moved the previous run into, if any
+    output = Path(config.output)
     try:
-        return _train(config, progress, on_step)
+        return _train(config, progress, on_step, replaced)
+    except BaseException:
+        if replaced and checkpoint.latest_checkpoint(output) is None:
+            _put_back(output, replaced[0])
+        raise
     finally:
-        _release_lock(Path(config.output))
+        _release_lock(output)
 
 
-def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
+def _put_back(output: Path, kept: Path) -> None:
+    """Undo the move of a replaced run: the new run failed or was stopped before its first checkpoint, so it left
+    nothing to resume, and the run it was replacing is the folder's run again."""
+    for name in RUN_FILES:  # every file of that name in ``output`` now is the new run's: the old ones were moved
+        new, old = output / name, kept / name
+        if new.is_dir():
+            shutil.rmtree(new)
+        elif new.exists():
+            new.unlink()
+        if old.exists():
+            os.replace(old, new)
+    shutil.rmtree(kept, ignore_errors=True)
+    _say(f"leantune: the run this one was replacing is back in {output}")
+
+
+def _train(config: TrainConfig, progress: bool, on_step, replaced: list[Path]) -> RunResult:
     output = Path(config.output)
     resume_from = check_output(config)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -544,6 +567,7 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
             kept = Path(tempfile.mkdtemp(prefix=f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-", dir=output))
             for target in previous:
                 os.replace(target, kept / target.name)
+            replaced.append(kept)
             _say(f"leantune: the run being replaced is kept in {kept} until this run finishes")
     for partial in (output / checkpoint.CHECKPOINTS).glob(".tmp-*"):  # a save cut short by a kill
         shutil.rmtree(partial, ignore_errors=True)
@@ -649,7 +673,9 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
         **{k: data_info[k] for k in ("train_rows", "eval_rows", "truncated")},
     }
     (output / "summary.json").write_text(to_json(summary, indent=2))
-    for kept in _replaced_runs(output):  # this run finished: the runs it replaced are no longer needed
+    # this run finished: the run it replaced is no longer needed. Older kept runs go only when this run was asked to
+    # replace or continue (a fresh run into a crashed run's folder never deletes what that run had kept aside).
+    for kept in _replaced_runs(output) if config.overwrite or resume_from is not None else replaced:
         shutil.rmtree(kept, ignore_errors=True)
     plot_losses(records, output / "loss.png")
     if not math.isfinite(final_eval):
@@ -664,34 +690,39 @@ def _train(config: TrainConfig, progress: bool, on_step) -> RunResult:
 
 
 EXPORT_MARKER = "leantune_export.json"
-# What save_pretrained of a model and a tokenizer writes: a folder of only these (with config.json and weights) is
-# a previous export even without the marker, so --overwrite may replace it.
-_EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                 "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                 EXPORT_MARKER)
 
 
-def _looks_like_export(folder: Path) -> bool:
-    names = {p.name for p in folder.iterdir()}
-    if EXPORT_MARKER in names:
-        return True
-    weights = {n for n in names if n.startswith("model") and n.endswith(".safetensors")}
-    return "config.json" in names and bool(weights) and all(n in _EXPORT_NAMES or n in weights for n in names)
-
-
-def _check_export_target(target: Path, overwrite: bool) -> None:
-    """Refuse a file, a non-empty folder without ``overwrite``, and with it any folder that is not an export."""
+def _check_export_target(target: Path, overwrite: bool, base_model: Path) -> None:
+    """Refuse a file, the run's base model, a non-empty folder without ``overwrite``, and with it any folder that is
+    not a leantune export (one holding the marker file: a model folder of save_pretrained's files is not one)."""
     for parent in (target, *target.parents):
         if parent.exists() and not parent.is_dir():
             raise LeantuneError(f"export target {target}: {parent} exists and is not a directory")
+    base = base_model.resolve()
+    if target.resolve() in (base, base.parent if base.is_file() else base):
+        raise LeantuneError(f"export target {target} is the run's base model; choose another --out")
     if not target.is_dir() or not any(target.iterdir()):
         return
     if not overwrite:
         raise LeantuneError(f"export target {target} is not empty; pass --overwrite to replace a previous export")
-    if not _looks_like_export(target):
-        raise LeantuneError(f"export target {target} holds files that are not a leantune export; --overwrite only "
-                            "replaces a previous export: choose another --out")
+    if not (target / EXPORT_MARKER).is_file():
+        raise LeantuneError(f"export target {target} holds files that are not a leantune export (no "
+                            f"{EXPORT_MARKER}); --overwrite only replaces a previous export: choose another --out")
+
+
+def _untie_output_embeddings(peft_model) -> bool:
+    """Give a LoRA-adapted lm_head that shares its weight with the input embeddings a copy of its own, so that merging
+    changes the output projection only (merged into the shared matrix, the adapter would change the input embeddings
+    too). Returns whether it untied; the merged model's config then says the embeddings are not tied."""
+    model = peft_model.get_base_model()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    base_layer = getattr(head, "base_layer", None)
+    if base_layer is None or embed is None or base_layer.weight is not embed.weight:
+        return False
+    base_layer.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    return True
 
 
 def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
@@ -712,27 +743,37 @@ def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
         raise LeantuneError(f"no adapter in {adapter}: expected a run directory or its adapter/ folder")
     if not (run_dir / "run.json").is_file():
         raise LeantuneError(f"no run.json next to {adapter_dir}: export needs the run directory that made it")
-    target = Path(out)
-    _check_export_target(target, overwrite)
+    if not str(out).strip():
+        raise LeantuneError("--out must name a folder, got an empty path")
+    target = Path(out).absolute()  # "." has no name to put a temporary folder beside
     run = json.loads((run_dir / "run.json").read_text())
     kind, model_path = run["model_kind"], Path(run["model_path"])
+    _check_export_target(target, overwrite, model_path)
     if not model_path.exists():
         raise LeantuneError(f"the base model of this run is gone: {model_path}")
     tokenizer_dir = run_dir / "tokenizer"
     tokenizer = (load_tokenizer("hf", tokenizer_dir) if tokenizer_dir.is_dir()
                  else load_tokenizer(kind, model_path))
     base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    peft_model = PeftModel.from_pretrained(base, adapter_dir)
+    _untie_output_embeddings(peft_model)
+    merged = peft_model.merge_and_unload()
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
     try:
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"adapter": str(adapter_dir.resolve()),
                                                      "base_model": str(model_path)}, indent=2))
-    except OSError as exc:
+        if target.exists():  # checked above: empty, or a previous export; set aside until the new one is in place
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException as exc:  # a full disk or Ctrl-C: no half-written folder, the previous export back
         shutil.rmtree(tmp, ignore_errors=True)
-        raise LeantuneError(f"cannot write the export to {target}: {exc.strerror or exc}") from None
-    if target.exists():  # checked above: empty, or a previous export being replaced
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+        if old.exists() and not target.exists():
+            os.replace(old, target)
+        if isinstance(exc, OSError):
+            raise LeantuneError(f"cannot write the export to {target}: {exc.strerror or exc}") from None
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     return target
