@@ -711,3 +711,45 @@ def test_demo_resume_overrides_the_demos_overwrite_default(tmp_path):
     assert not config("--config", str(toml)).overwrite
     with pytest.raises(LeantuneError, match="exclude each other"):
         config("--resume", "--overwrite")
+
+
+def test_export_keeps_a_16_bit_base_in_its_dtype_and_odd_data_or_toml_is_refused(tiny, tmp_path, capsys):
+    """From a new-user pass: a bf16 base was exported in fp32 (twice the disk), a .csv failed as "malformed JSON",
+    and a TOML file with both seq_len and seq-len silently took the last."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from leantune.train import loop
+
+    base16 = tmp_path / "base16"
+    loop.load_model("config", tiny["model"], torch.bfloat16, "cpu", 0).save_pretrained(base16)
+    for path in tiny["model"].parent.iterdir():  # the tokenizer's files
+        if path.is_file() and path.name != "config.json":
+            (base16 / path.name).write_bytes(path.read_bytes())
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny, run, "--lr", "1e-2", model=base16))
+    assert code == 0, err
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
+    assert code == 0, err
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base16, dtype=torch.float32),
+                                        run / "adapter").merge_and_unload()
+    for name, param in adapted.named_parameters():  # the fp32 merge, rounded once to bf16
+        assert torch.equal(merged.get_parameter(name), param.to(torch.bfloat16)), name
+
+    csv = tmp_path / "chats.csv"
+    csv.write_text("a,b\n")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", data=csv))
+    assert_error(code, err, str(csv), "unsupported extension '.csv'", ".jsonl")
+    toml = tmp_path / "c.toml"
+    toml.write_text("seq_len = 64\nseq-len = 128\n")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o2"), "--config", toml)
+    assert_error(code, err, "'seq-len'", "repeats", "seq-len")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_seq_len_beyond_the_models_context_warns(tiny, tmp_path, capsys):
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--seq-len", "300"))
+    assert code == 0, err
+    assert "--seq-len 300 is longer than the model's context (max_position_embeddings = 256)" in err

@@ -198,6 +198,9 @@ def load_toml(path: str | Path) -> dict:
         name = key.replace("-", "_")
         if name not in FIELDS:
             raise LeantuneError(f"unknown key {key!r} in {path}")
+        if name in values:  # seq_len and seq-len: TOML sees two keys, the run one option
+            raise LeantuneError(f"config key {key!r} in {path} repeats an option already set there "
+                                f"({name.replace('_', '-')})")
         values[name] = coerce(name, value, f"config key {key!r} in {path}")
     return values
 

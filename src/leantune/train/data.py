@@ -7,6 +7,7 @@ Formats (auto-detected):
 - ``.json``: the chitchat-dataset format (``{id: {"messages": [[{text, sender}, ...], ...]}}``: each inner list is
   one turn, alternating senders map to user/assistant), or a JSON list of records as in JSONL.
 - ``.txt``: one token stream, cut into ``seq_len`` windows, loss on every token.
+- Any other extension is refused (``.ndjson`` and no extension read as JSONL).
 
 Labels follow transformers' causal-LM convention: ``labels`` is aligned with ``input_ids`` and the model shifts it
 (position j predicts ``labels[j+1]``). A token is a target when its label is its own id; everything else is -100.
@@ -29,6 +30,7 @@ import torch
 from .config import LeantuneError
 
 IGNORE_INDEX = -100
+DATA_SUFFIXES = (".jsonl", ".ndjson", "", ".json", ".txt")
 
 
 @dataclass
@@ -119,13 +121,16 @@ def read_records(path: str | Path) -> list[dict]:
         raise LeantuneError(f"data file not found: {path}")
     if path.is_dir():
         raise LeantuneError(f"data file is a directory: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in DATA_SUFFIXES:  # e.g. a .csv would otherwise fail as "malformed JSON" on its first line
+        raise LeantuneError(f"data file {path}: unsupported extension {path.suffix!r}; expected .jsonl (or .ndjson or "
+                            "no extension), .json or .txt")
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark some editors write is not data
     except OSError as exc:
         raise LeantuneError(f"cannot read data file {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise LeantuneError(f"cannot read data file {path}: not UTF-8 text") from None
-    suffix = path.suffix.lower()
     if suffix == ".txt":
         return [{"stream": text}]
     if suffix == ".json":

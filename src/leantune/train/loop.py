@@ -12,16 +12,17 @@ same thread count. On CUDA, bf16 results are reproducible up to the run-to-run n
 reductions in the Triton kernels and in cuBLAS split-K) and of SDPA's backward; the data order and LoRA init stay
 exact.
 
-Output dir: every user error is raised before anything in it is written or removed. A run counts as a run (and
-needs ``--overwrite`` or ``--resume``) once it has a checkpoint, the adapter or summary.json; a run that failed
-before its first checkpoint left only run.json/metrics.jsonl, cannot be resumed, and is simply replaced by the next
-run. Only leantune's own files (``RUN_FILES``) are ever replaced, and only next to a run.json that leantune wrote;
-the replaced run is moved into ``.replaced-*``, put back if the new run fails or is stopped before its first
-checkpoint, and deleted only when the new run finishes (a kill keeps it; a later run deletes it only with
-``--overwrite`` or ``--resume``); a folder of other files needs ``--overwrite`` and keeps them. ``--resume`` continues only the same run: the settings
-that fix the adapter, the base model and the data rows (``RESUME_FIXED``) must match run.json, and the checkpoint may
-not be past the requested steps. A lock file with the pid keeps a second run out of a folder in use. Ctrl-C or
-SIGTERM finishes the step and saves a checkpoint. Non-finite losses are recorded as null (strict JSON) with a warning.
+Output dir: every user error is raised before anything in it is written or removed. A run counts as a run (and needs
+``--overwrite`` or ``--resume``) once it has a checkpoint, the adapter or summary.json; a run that failed before its
+first checkpoint left only run.json/metrics.jsonl, cannot be resumed, and is simply replaced by the next run. Only
+leantune's own files (``RUN_FILES``) are ever replaced, and only next to a run.json that leantune wrote; the replaced
+run is moved into ``.replaced-*``, put back if the new run fails or is stopped before its first checkpoint, and
+deleted only when the new run finishes (a kill keeps it; a later run deletes it only with ``--overwrite`` or
+``--resume``); a folder of other files needs ``--overwrite`` and keeps them. ``--resume`` continues only the same run:
+the settings that fix the adapter, the base model and the data rows (``RESUME_FIXED``) must match run.json, and the
+checkpoint may not be past the requested steps. A lock file with the pid keeps a second run out of a folder in use.
+Ctrl-C or SIGTERM finishes the step and saves a checkpoint. Non-finite losses are recorded as null (strict JSON) with
+a warning.
 """
 
 from __future__ import annotations
@@ -548,6 +549,10 @@ def _train(config: TrainConfig, progress: bool, on_step, replaced: list[Path]) -
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise LeantuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                             f"{model.get_input_embeddings().num_embeddings}")
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(context, int) and config.seq_len > context:
+        _say(f"leantune: warning: --seq-len {config.seq_len} is longer than the model's context "
+             f"(max_position_embeddings = {context}); positions beyond it were never trained")
     model = wrap_lora(model, config)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -710,6 +715,19 @@ def _check_export_target(target: Path, overwrite: bool, base_model: Path) -> Non
                             f"{EXPORT_MARKER}); --overwrite only replaces a previous export: choose another --out")
 
 
+def _checkpoint_dtype(kind: str, path: Path) -> torch.dtype | None:
+    """The 16-bit dtype a Hugging Face folder's config.json declares (an export is written in it, as the base was),
+    or None: fp32, undeclared, a GGUF or a random init (written in fp32)."""
+    from transformers import AutoConfig
+
+    if kind != "hf":
+        return None
+    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
 def _untie_output_embeddings(peft_model) -> bool:
     """Give a LoRA-adapted lm_head that shares its weight with the input embeddings a copy of its own, so that merging
     changes the output projection only (merged into the shared matrix, the adapter would change the input embeddings
@@ -729,8 +747,10 @@ def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
     """Merge a trained adapter into its base model and save a standalone HF folder (model + tokenizer).
 
     ``adapter`` is a run directory (holding ``run.json`` and ``adapter/``) or its ``adapter/`` folder. The base is
-    rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed). The folder is
-    written next to ``out`` and renamed into place, with a marker file ``leantune_export.json``. Raises
+    rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed) and merged in fp32;
+    the weights are stored in the base folder's 16-bit dtype when its config.json declares one (else fp32). A LoRA
+    lm_head over tied embeddings is merged into an untied copy. The folder is written next to ``out`` and renamed
+    into place, with a marker file ``leantune_export.json``. Raises
     LeantuneError for a missing adapter, an ``out`` that is a file, or an ``out`` that is not empty (without
     ``overwrite``; with it, only a previous export is replaced, never a folder of other files).
     """
@@ -757,7 +777,10 @@ def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
     base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
     peft_model = PeftModel.from_pretrained(base, adapter_dir)
     _untie_output_embeddings(peft_model)
-    merged = peft_model.merge_and_unload()
+    merged = peft_model.merge_and_unload()  # in fp32, then stored in the base checkpoint's own 16-bit dtype
+    saved_dtype = _checkpoint_dtype(kind, model_path)
+    if saved_dtype is not None:
+        merged = merged.to(saved_dtype)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
     try:
