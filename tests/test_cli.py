@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -753,3 +754,165 @@ def test_seq_len_beyond_the_models_context_warns(tiny, tmp_path, capsys):
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--seq-len", "300"))
     assert code == 0, err
     assert "--seq-len 300 is longer than the model's context (max_position_embeddings = 256)" in err
+
+
+def _weights_folder(tiny, folder, weights_dtype=torch.float32, **config_changes):
+    """The tiny model saved with weights (and its tokenizer); ``config_changes`` edit config.json afterwards."""
+    from leantune.train import loop
+
+    loop.load_model("config", tiny["model"], weights_dtype, "cpu", 0).save_pretrained(folder)
+    for path in tiny["model"].parent.iterdir():  # the tokenizer's files
+        if path.is_file() and path.name != "config.json":
+            (folder / path.name).write_bytes(path.read_bytes())
+    if config_changes:
+        config = json.loads((folder / "config.json").read_text())
+        config.update(config_changes)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_weights_missing_from_or_extra_to_config_json(tiny, tmp_path, capsys):
+    """From a second new-user pass: a config.json asking for a third layer (or an untied lm_head) trained on a
+    randomly initialised layer with only transformers' table printed; a size mismatch printed that table too."""
+    for name, changes, fragment in (("three", {"num_hidden_layers": 3}, "model.layers.2."),
+                                    ("untied", {"tie_word_embeddings": False}, "lm_head.weight")):
+        folder = _weights_folder(tiny, tmp_path / name, **changes)
+        code, err = run_cli(capsys, *train_args(tiny, tmp_path / f"o-{name}", model=folder))
+        assert_error(code, err, "cannot load model", "lacks", fragment, "at random")
+        assert "LOAD REPORT" not in err and not (tmp_path / f"o-{name}").exists()
+    folder = _weights_folder(tiny, tmp_path / "inter", intermediate_size=96)
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o-inter", model=folder))
+    assert_error(code, err, "do not match its config.json", "(64, 128) in the checkpoint, (64, 96) in the model")
+    assert "LOAD REPORT" not in err
+    folder = _weights_folder(tiny, tmp_path / "one", num_hidden_layers=1)
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o-one", model=folder))
+    assert code == 0 and "has no place for, ignored: model.layers.1." in err
+
+
+def test_export_of_a_tied_embed_tokens_adapter_and_weights_dtype(tiny, tmp_path, capsys):
+    """LoRA on embed_tokens of tied embeddings changed the output projection too when merged (logits off by 58.8);
+    the export dtype followed config.json's "dtype" rather than the stored weights."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from leantune.train import loop
+
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny, run, "--target-modules", "embed_tokens,q_proj", "--lr", "5e-2"),
+                        "--max-steps", "3")
+    assert code == 0, err
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
+    assert code == 0, err
+    seed = json.loads((run / "run.json").read_text())["config"]["seed"]
+    base = loop.load_model("config", tiny["model"], torch.float32, "cpu", seed)
+    head = base.get_output_embeddings().weight.detach().clone()
+    adapted = PeftModel.from_pretrained(base, run / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert torch.equal(merged.get_output_embeddings().weight, head)
+    ids = torch.randint(0, head.shape[0], (2, 17))
+    with torch.no_grad():
+        assert (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-4
+
+    undeclared = _weights_folder(tiny, tmp_path / "bf16-undeclared", torch.bfloat16)
+    config = json.loads((undeclared / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (undeclared / "config.json").write_text(json.dumps(config))
+    declared = _weights_folder(tiny, tmp_path / "fp32-declared-bf16", dtype="bfloat16")
+    for folder, expected in ((undeclared, torch.bfloat16), (declared, torch.float32)):
+        run = tmp_path / f"run-{folder.name}"
+        code, err = run_cli(capsys, *train_args(tiny, run, model=folder))
+        assert code == 0, err
+        code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / f"merged-{folder.name}")
+        assert code == 0, err
+        out = AutoModelForCausalLM.from_pretrained(tmp_path / f"merged-{folder.name}", dtype="auto")
+        assert {p.dtype for p in out.parameters()} == {expected}, folder.name
+        with safe_open(str(tmp_path / f"merged-{folder.name}" / "model.safetensors"), framework="pt") as fh:
+            assert {fh.get_tensor(k).dtype for k in fh.keys()} == {expected}, folder.name
+
+
+def test_sigterm_before_the_first_checkpoint_puts_the_replaced_run_back(tiny, tmp_path, capsys, monkeypatch):
+    """From a second new-user pass: SIGTERM outside the training loop (loading, the first eval) killed the process
+    with the finished run hidden in .replaced-* and a stale lock; it now stops like Ctrl-C, exit 143."""
+    import os
+    import signal
+
+    from leantune.train import loop
+
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert code == 0, err
+    finished = files_of(out)
+    real_evaluate = loop.evaluate
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*args, **kwargs)
+
+    def outside(signum, frame):  # what the old code let happen: the signal reached the process's own handler
+        raise RuntimeError("SIGTERM was not handled by leantune")
+
+    monkeypatch.setattr(loop, "evaluate", terminated)
+    previous = signal.signal(signal.SIGTERM, outside)
+    try:
+        code, err = run_cli(capsys, *train_args(tiny, out, "--overwrite", "--seed", "1"))
+        assert signal.getsignal(signal.SIGTERM) is outside  # restored after the run
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and "aborted" in err and "is back in" in err, err
+    assert files_of(out) == finished and not (out / loop.LOCK).exists()
+
+
+def test_export_stopped_or_failing_keeps_the_previous_export_and_cwd(tiny, tmp_path, capsys, monkeypatch):
+    """From a second new-user pass: SIGTERM during an export left a full-size .tmp folder (or hid the previous
+    export in .old-PID); a full disk (SafetensorError) was a traceback; --out . replaced the shell's cwd."""
+    import os
+    import signal
+
+    from safetensors import SafetensorError
+
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny, run))
+    assert code == 0, err
+    merged = tmp_path / "merged"
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", merged)
+    assert code == 0, err
+    previous = files_of(merged)
+    real_replace = os.replace
+
+    def terminated_between_renames(src, dst):
+        real_replace(src, dst)
+        if ".old-" in str(dst):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def outside(signum, frame):
+        raise RuntimeError("SIGTERM was not handled by leantune")
+
+    monkeypatch.setattr(os, "replace", terminated_between_renames)
+    previous_handler = signal.signal(signal.SIGTERM, outside)
+    try:
+        code, err = run_cli(capsys, "export", "--adapter", run, "--out", merged, "--overwrite")
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+        monkeypatch.setattr(os, "replace", real_replace)
+    assert code == 143, err
+    assert files_of(merged) == previous and sorted(p.name for p in tmp_path.iterdir()) == ["merged", "run"]
+
+    from transformers import PreTrainedModel
+
+    def disk_full(self, *args, **kwargs):
+        raise SafetensorError("No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full)
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", merged, "--overwrite")
+    assert_error(code, err, "cannot write the export", "No space left")
+    monkeypatch.undo()
+    assert files_of(merged) == previous and sorted(p.name for p in tmp_path.iterdir()) == ["merged", "run"]
+
+    here = tmp_path / "cwd"
+    here.mkdir()
+    inode = here.stat().st_ino
+    monkeypatch.chdir(here)
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", ".")
+    assert code == 0, err
+    assert here.stat().st_ino == inode and (Path.cwd() / "leantune_export.json").is_file()

@@ -283,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import LeantuneError
 
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # imports torch and peft: seconds in which Ctrl-C may come
     except _UsageError as exc:
         print(f"leantune: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("leantune: aborted", file=sys.stderr)
+        return 128 + signal.SIGINT
     try:
         return args.func(args)
     except LeantuneError as exc:

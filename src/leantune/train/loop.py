@@ -146,6 +146,7 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     try:
         if kind == "config":
@@ -156,12 +157,39 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
         elif kind == "gguf":
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            verbosity = transformers_logging.get_verbosity()
+            transformers_logging.set_verbosity_error()  # its load report table: the checks below say it in a line
+            try:
+                model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
+                                                                   ignore_mismatched_sizes=True)
+            finally:
+                transformers_logging.set_verbosity(verbosity)
+            _check_loading_info(path, info)
     except (ValueError, KeyError) as exc:
         raise LeantuneError(f"unsupported model type in {path}: {str(exc).splitlines()[0]}") from None
     except (OSError, RuntimeError, SafetensorError) as exc:  # missing, truncated or mismatched weights
         raise LeantuneError(f"cannot load model {path}: {_one_line(exc)[:400]}") from None
     return model.to(device)
+
+
+def _check_loading_info(path: Path, info: dict) -> None:
+    """Weights that do not fit config.json are an error: a missing tensor would be initialised at random and a
+    mismatched one replaced (transformers only prints a table); tensors the model has no place for are a warning."""
+    def some(keys):
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)
+        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+    if info.get("mismatched_keys"):
+        key, stored, expected = sorted(info["mismatched_keys"], key=str)[0]
+        raise LeantuneError(f"cannot load model {path}: the weights do not match its config.json ({key} is "
+                            f"{tuple(stored)} in the checkpoint, {tuple(expected)} in the model; "
+                            f"{len(info['mismatched_keys'])} tensors differ)")
+    if info.get("missing_keys"):
+        raise LeantuneError(f"cannot load model {path}: its config.json asks for weights the checkpoint lacks "
+                            f"({some(info['missing_keys'])}); they would be initialised at random")
+    if info.get("unexpected_keys"):
+        _say(f"leantune: warning: {path} holds weights its config.json has no place for, ignored: "
+             f"{some(info['unexpected_keys'])}")
 
 
 def wrap_lora(model, config: TrainConfig):
@@ -304,6 +332,26 @@ class _GracefulInterrupt:
     def __exit__(self, *exc):
         for sig, previous in self.previous.items():
             signal.signal(sig, previous)
+        return False
+
+
+class _TerminateAborts:
+    """SIGTERM raises :class:`Aborted` (as Ctrl-C raises KeyboardInterrupt) while a command writes files, so that its
+    cleanup runs (a replaced run put back, a half-written export removed) instead of the process dying mid-write."""
+
+    def __enter__(self):
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    @staticmethod
+    def _handle(signum, frame):
+        raise Aborted(signum)
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
         return False
 
 
@@ -494,7 +542,8 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
     replaced: list[Path] = []  # the .replaced-* folder this run moved the previous run into, if any
     output = Path(config.output)
     try:
-        return _train(config, progress, on_step, replaced)
+        with _TerminateAborts():
+            return _train(config, progress, on_step, replaced)
     except BaseException:
         if replaced and checkpoint.latest_checkpoint(output) is None:
             _put_back(output, replaced[0])
@@ -716,28 +765,43 @@ def _check_export_target(target: Path, overwrite: bool, base_model: Path) -> Non
 
 
 def _checkpoint_dtype(kind: str, path: Path) -> torch.dtype | None:
-    """The 16-bit dtype a Hugging Face folder's config.json declares (an export is written in it, as the base was),
-    or None: fp32, undeclared, a GGUF or a random init (written in fp32)."""
-    from transformers import AutoConfig
+    """The dtype of a Hugging Face folder's floating-point safetensors weights when it is 16-bit (an export is
+    written in it, as the base was stored), else None: fp32, .bin weights, a GGUF or a random init (fp32)."""
+    from safetensors import SafetensorError, safe_open
 
     if kind != "hf":
         return None
-    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            first = sorted(set(json.loads(index.read_text())["weight_map"].values()))[0]
+            weights = path / first
+        else:
+            weights = path / "model.safetensors"
+        if not weights.is_file():
+            return None
+        with safe_open(str(weights), framework="pt") as fh:
+            dtypes = {fh.get_slice(key).get_dtype() for key in fh.keys()}
+    except (OSError, ValueError, KeyError, IndexError, SafetensorError):  # unreadable here: write fp32
+        return None
+    floats = dtypes & {"F32", "F16", "BF16", "F64"}
+    return {frozenset({"BF16"}): torch.bfloat16, frozenset({"F16"}): torch.float16}.get(frozenset(floats))
 
 
-def _untie_output_embeddings(peft_model) -> bool:
-    """Give a LoRA-adapted lm_head that shares its weight with the input embeddings a copy of its own, so that merging
-    changes the output projection only (merged into the shared matrix, the adapter would change the input embeddings
-    too). Returns whether it untied; the merged model's config then says the embeddings are not tied."""
+def _untie_embeddings(peft_model) -> bool:
+    """Give the output projection its own copy of a weight it shares with the input embeddings when a LoRA sits on
+    either of them, so that merging changes only the adapted one (merged into the shared matrix, an lm_head adapter
+    would change the input embeddings too, and an embed_tokens adapter the output logits). Returns whether it
+    untied; the merged model's config then says the embeddings are not tied."""
     model = peft_model.get_base_model()
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    base_layer = getattr(head, "base_layer", None)
-    if base_layer is None or embed is None or base_layer.weight is not embed.weight:
+    if head is None or embed is None:
         return False
-    base_layer.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+    head_owner, embed_owner = getattr(head, "base_layer", head), getattr(embed, "base_layer", embed)
+    adapted = head_owner is not head or embed_owner is not embed
+    if not adapted or head_owner.weight is not embed_owner.weight:
+        return False
+    head_owner.weight = torch.nn.Parameter(embed_owner.weight.detach().clone(), requires_grad=False)
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.tie_word_embeddings = False
     return True
@@ -748,13 +812,20 @@ def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
 
     ``adapter`` is a run directory (holding ``run.json`` and ``adapter/``) or its ``adapter/`` folder. The base is
     rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed) and merged in fp32;
-    the weights are stored in the base folder's 16-bit dtype when its config.json declares one (else fp32). A LoRA
-    lm_head over tied embeddings is merged into an untied copy. The folder is written next to ``out`` and renamed
-    into place, with a marker file ``leantune_export.json``. Raises
-    LeantuneError for a missing adapter, an ``out`` that is a file, or an ``out`` that is not empty (without
-    ``overwrite``; with it, only a previous export is replaced, never a folder of other files).
+    the weights are stored in the dtype of the base folder's safetensors weights when that is 16-bit (else fp32). A
+    LoRA on lm_head or embed_tokens of tied embeddings is merged into an untied copy. The folder is written next to
+    ``out`` and moved into place, with a marker file ``leantune_export.json``; a failure, Ctrl-C or SIGTERM leaves
+    no partial folder and the previous export in place. Raises LeantuneError for a missing adapter, an ``out`` that
+    is a file or the base model, or an ``out`` that is not empty (without ``overwrite``; with it, only a previous
+    export is replaced, never a folder of other files).
     """
+    with _TerminateAborts():
+        return _export(adapter, out, overwrite)
+
+
+def _export(adapter: str, out: str, overwrite: bool) -> Path:
     from peft import PeftModel
+    from safetensors import SafetensorError
 
     src = Path(adapter)
     run_dir = src if (src / "run.json").is_file() else src.parent
@@ -776,27 +847,38 @@ def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
                  else load_tokenizer(kind, model_path))
     base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
     peft_model = PeftModel.from_pretrained(base, adapter_dir)
-    _untie_output_embeddings(peft_model)
+    _untie_embeddings(peft_model)
     merged = peft_model.merge_and_unload()  # in fp32, then stored in the base checkpoint's own 16-bit dtype
-    saved_dtype = _checkpoint_dtype(kind, model_path)
-    if saved_dtype is not None:
-        merged = merged.to(saved_dtype)
+    saved_dtype = _checkpoint_dtype(kind, model_path) or torch.float32
+    merged = merged.to(saved_dtype)
+    merged.config.dtype = saved_dtype  # config.json says what the weights are (the base's may say otherwise)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    previous = target.is_dir() and any(target.iterdir())  # checked above: a previous export
+    empty = target.is_dir() and not previous
     try:
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"adapter": str(adapter_dir.resolve()),
                                                      "base_model": str(model_path)}, indent=2))
-        if target.exists():  # checked above: empty, or a previous export; set aside until the new one is in place
-            os.replace(target, old)
-        os.replace(tmp, target)
-    except BaseException as exc:  # a full disk or Ctrl-C: no half-written folder, the previous export back
+        if empty:  # keep the folder itself (it may be the shell's working directory): move the files in
+            for entry in tmp.iterdir():
+                os.replace(entry, target / entry.name)
+            tmp.rmdir()
+        else:
+            if previous:  # set aside until the new one is in place
+                os.replace(target, old)
+            os.replace(tmp, target)
+    except BaseException as exc:  # a full disk, Ctrl-C or SIGTERM: no half-written folder, the previous export back
         shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not target.exists():
+        if previous and old.exists() and not target.exists():
             os.replace(old, target)
-        if isinstance(exc, OSError):
-            raise LeantuneError(f"cannot write the export to {target}: {exc.strerror or exc}") from None
+        if empty:  # it was empty: whatever is in it now was moved in by this export
+            for entry in target.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        if isinstance(exc, (OSError, SafetensorError)):
+            raise LeantuneError(f"cannot write the export to {target}: {getattr(exc, 'strerror', None) or exc}") \
+                from None
         raise
     shutil.rmtree(old, ignore_errors=True)
     return target
