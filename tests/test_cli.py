@@ -608,28 +608,32 @@ def test_second_signal_aborts_with_128_plus_that_signal(tiny, tmp_path, monkeypa
     assert code == 143 and "leantune: aborted" in err
 
 
-def test_export_of_a_tied_lm_head_adapter_unties_and_matches_the_adapter(tiny, tmp_path, capsys):
-    """From a new-user pass: LoRA on lm_head of a model with tied embeddings was merged into the shared matrix, so
-    the export's input embeddings changed too (max logit difference 17.9 against the adapter model)."""
+@pytest.mark.parametrize("targets, unchanged", [("q_proj,v_proj,lm_head", "input"), ("embed_tokens,q_proj", "output")])
+def test_export_of_a_tied_embedding_adapter_unties_and_matches_the_adapter(tiny, tmp_path, capsys, targets,
+                                                                             unchanged):
+    """From new-user passes: LoRA on lm_head (or embed_tokens) of a model with tied embeddings was merged into the
+    shared matrix, so the export's other embedding changed too (max logit difference 17.9, and 58.8 for
+    embed_tokens, against the adapter model)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from leantune.train import loop
 
     run = tmp_path / "run"
-    code, err = run_cli(capsys, *train_args(tiny, run, "--target-modules", "q_proj,v_proj,lm_head", "--lr", "1e-2"),
-                        "--max-steps", "3")
+    code, err = run_cli(capsys, *train_args(tiny, run, "--target-modules", targets, "--lr", "5e-2"), "--max-steps", "3")
     assert code == 0, err
     code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
     assert code == 0, err
     seed = json.loads((run / "run.json").read_text())["config"]["seed"]
     base = loop.load_model("config", tiny["model"], torch.float32, "cpu", seed)
-    embeddings = base.get_input_embeddings().weight.detach().clone()
+    embeddings = getattr(base, f"get_{unchanged}_embeddings")().weight.detach().clone()
     adapted = PeftModel.from_pretrained(base, run / "adapter").eval()
-    lora_B = adapted.base_model.model.lm_head.lora_B["default"].weight
-    assert lora_B.abs().max() > 0  # the lm_head adapter was trained
+    adapted_name = "lm_head" if unchanged == "input" else "embed_tokens"
+    lora_B = next(p for n, p in adapted.named_parameters()  # PEFT's lora.Embedding names it lora_embedding_B
+                  if adapted_name in n and ("lora_B" in n or "lora_embedding_B" in n))
+    assert lora_B.abs().max() > 0  # the embedding's adapter was trained
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    assert torch.equal(merged.get_input_embeddings().weight, embeddings)
+    assert torch.equal(getattr(merged, f"get_{unchanged}_embeddings")().weight, embeddings)
     ids = torch.randint(0, embeddings.shape[0], (2, 17))
     with torch.no_grad():
         diff = (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
@@ -671,14 +675,8 @@ def test_export_never_replaces_a_model_folder_or_the_base_and_takes_dot(tiny, tm
 def test_corrupt_or_mismatched_weights_are_one_error_line(tiny, tmp_path, capsys):
     """From a new-user pass: a truncated model.safetensors and weights of another shape than config.json ended in
     tracebacks (SafetensorError, RuntimeError)."""
-    from leantune.train import loop
 
-    good = tmp_path / "good"
-    model = loop.load_model("config", tiny["model"], torch.float32, "cpu", 0)
-    model.save_pretrained(good)
-    for path in tiny["model"].parent.iterdir():  # the tokenizer's files
-        if path.is_file() and path.name != "config.json":
-            (good / path.name).write_bytes(path.read_bytes())
+    good = _weights_folder(tiny, tmp_path / "good")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(good, corrupt)
     (corrupt / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:1000])
@@ -720,13 +718,8 @@ def test_export_keeps_a_16_bit_base_in_its_dtype_and_odd_data_or_toml_is_refused
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from leantune.train import loop
 
-    base16 = tmp_path / "base16"
-    loop.load_model("config", tiny["model"], torch.bfloat16, "cpu", 0).save_pretrained(base16)
-    for path in tiny["model"].parent.iterdir():  # the tokenizer's files
-        if path.is_file() and path.name != "config.json":
-            (base16 / path.name).write_bytes(path.read_bytes())
+    base16 = _weights_folder(tiny, tmp_path / "base16", torch.bfloat16)
     run = tmp_path / "run"
     code, err = run_cli(capsys, *train_args(tiny, run, "--lr", "1e-2", model=base16))
     assert code == 0, err
@@ -789,30 +782,11 @@ def test_weights_missing_from_or_extra_to_config_json(tiny, tmp_path, capsys):
     assert code == 0 and "has no place for, ignored: model.layers.1." in err
 
 
-def test_export_of_a_tied_embed_tokens_adapter_and_weights_dtype(tiny, tmp_path, capsys):
-    """LoRA on embed_tokens of tied embeddings changed the output projection too when merged (logits off by 58.8);
-    the export dtype followed config.json's "dtype" rather than the stored weights."""
-    from peft import PeftModel
+def test_export_dtype_follows_the_stored_weights(tiny, tmp_path, capsys):
+    """From a second new-user pass: the export dtype followed config.json's "dtype" rather than the stored weights
+    (bf16 weights without a declared dtype were exported in fp32, fp32 weights declared bf16 were rounded)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
-
-    from leantune.train import loop
-
-    run = tmp_path / "run"
-    code, err = run_cli(capsys, *train_args(tiny, run, "--target-modules", "embed_tokens,q_proj", "--lr", "5e-2"),
-                        "--max-steps", "3")
-    assert code == 0, err
-    code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
-    assert code == 0, err
-    seed = json.loads((run / "run.json").read_text())["config"]["seed"]
-    base = loop.load_model("config", tiny["model"], torch.float32, "cpu", seed)
-    head = base.get_output_embeddings().weight.detach().clone()
-    adapted = PeftModel.from_pretrained(base, run / "adapter").eval()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    assert torch.equal(merged.get_output_embeddings().weight, head)
-    ids = torch.randint(0, head.shape[0], (2, 17))
-    with torch.no_grad():
-        assert (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-4
 
     undeclared = _weights_folder(tiny, tmp_path / "bf16-undeclared", torch.bfloat16)
     config = json.loads((undeclared / "config.json").read_text())
