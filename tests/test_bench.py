@@ -242,9 +242,10 @@ def test_report_cli_writes_table_and_pngs(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------------- the CLI
-@pytest.mark.parametrize("argv", [["e2e", "--configs", "x"], ["max-context", "--config", "x"], ["ops"]])
-def test_cli_needs_cuda(argv, monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("argv", [["e2e", "--configs", "CONFIG"], ["max-context", "--config", "CONFIG"], ["ops"]])
+def test_cli_needs_cuda(argv, monkeypatch, capsys, tmp_path, tiny_config):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [tiny_config if a == "CONFIG" else a for a in argv]
     code = cli_main(["bench", *argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
@@ -662,3 +663,82 @@ def test_ops_short_calls_take_the_median_of_interleaved_rounds(monkeypatch):
     broken = rows(2.0)
     ops._interleaved_rounds(broken, {"a": "a"}, case, ceilings, rounds=3)
     assert broken[0]["ms_rounds"] == [2.0] and broken[0]["rounds_error"].startswith("RuntimeError: CUDA out")
+
+
+# ------------------------------------------------------------------------------ bad values before any run (new user)
+@pytest.mark.parametrize("argv, message", [
+    (["ops", "--out", "AFILE"], "exists and is not a directory"),
+    (["ops", "--out", "AFILE/sub"], "exists and is not a directory"),
+    (["ops", "--budget-s", "-5"], "--budget-s must be a positive number of seconds, got -5.0"),
+    (["ops", "--budget-s", "nan"], "--budget-s must be a positive number of seconds, got nan"),
+    (["e2e", "--configs", "CONFIG", "--seq", "0"], "--seq must be >= 1, got 0"),
+    (["e2e", "--configs", "CONFIG", "--batch", "0"], "--batch must be >= 1, got 0"),
+    (["e2e", "--configs", "CONFIG", "--layers", "0"], "--layers must be >= 1, got 0"),
+    (["e2e", "--configs", "CONFIG", "--matmul-tflops", "-5"], "--matmul-tflops must be a positive number"),
+    (["e2e", "--configs", "AFILE"], "cannot read model config AFILE"),
+    (["e2e", "--configs", "BADJSON"], "cannot read model config BADJSON"),
+    (["max-context", "--config", "/nonexistent"], "model config not found: /nonexistent"),
+    (["max-context", "--config", "CONFIG", "--layers", "-1"], "--layers must be >= 1, got -1"),
+])
+def test_bench_values_are_checked_before_anything_runs(argv, message, tmp_path, tiny_config, capsys, monkeypatch):
+    """From a new-user pass: these ran (on a GPU) and wrote files, or ended in tracebacks."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the checks come before the GPU is needed
+    monkeypatch.setattr(e2e, "run_child", lambda *a, **k: pytest.fail("a child process was started"))
+    afile = tmp_path / "afile.txt"
+    afile.write_text("keep")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    subs = {"CONFIG": tiny_config, "AFILE": str(afile), "BADJSON": str(bad)}
+    argv = [subs.get(a, a.replace("AFILE", str(afile))) for a in argv]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
+    code = cli_main(["bench", *argv, *out])
+    err = capsys.readouterr().err
+    message = message.replace("AFILE", str(afile)).replace("BADJSON", str(bad))
+    assert code == 1 and "Traceback" not in err and message in err, err
+    assert afile.read_text() == "keep" and not (tmp_path / "out").exists()
+
+
+def test_a_failing_rerun_keeps_the_earlier_result_and_exits_non_zero(tmp_path, tiny_config, capsys, monkeypatch):
+    """From a new-user pass: run_child deleted the stored result before the child ran, a failed e2e run replaced a
+    good JSON with its error, and both commands exited 0."""
+    stored = {"status": "ok", "kept": True}
+    result, log = tmp_path / "r.json", tmp_path / "r.log"
+    result.write_text(json.dumps(stored))
+    crashed = e2e.run_child(["--bogus-flag"], result, log, 60)  # the e2e child rejects it: exit 2
+    assert crashed["status"] == "crashed" and json.loads(result.read_text()) == stored
+    src = tmp_path / "src.json"
+    src.write_text(json.dumps({"status": "ok", "new": 1}))
+    done = e2e.run_child([str(src), str(result)], result, log, 60, module="json.tool")  # a child that succeeds
+    assert done["new"] == 1 and json.loads(result.read_text()) == {"status": "ok", "new": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.log", "src.json", "tiny"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(e2e, "run_child", lambda *a, **k: {"status": "crashed", "error": "exit 1: boom",
+                                                           "wall_s": 1.0})
+    out = tmp_path / "out"
+    spec = e2e.RunSpec("leantune", tiny_config, 64, 1, True, 0, 1, 0)
+    out.mkdir()
+    good = {**_row("leantune", model="tiny", seq=64), "name": spec.name, "kept": True}
+    (out / f"{spec.name}.json").write_text(json.dumps(good))
+    code = cli_main(["bench", "e2e", "--configs", tiny_config, "--impls", "leantune", "--gc", "on", "--seq", "64",
+                     "--batch", "1", "--warmup", "0", "--steps", "1", "--matmul-tflops", "700", "--out", str(out)])
+    err = capsys.readouterr()
+    assert json.loads((out / f"{spec.name}.json").read_text())["kept"] is True
+    assert code == 1 and "no run produced a measurement (crashed)" in err.err and "kept the earlier" in err.out
+
+
+def test_check_names_a_device_or_backend_it_cannot_use(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, message in ((["--device", "cuda"], "--device cuda: no CUDA device is visible"),
+                          (["--device", ""], "--device must be cpu or cuda, got ''"),
+                          (["--device", "meta"], "--device must be cpu or cuda, got 'meta'")):
+        assert cli_main(["check", *argv]) == 1
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    monkeypatch.setenv("LEANTUNE_BACKEND", "bogus")
+    assert cli_main(["check"]) == 1
+    assert "LEANTUNE_BACKEND must be auto, triton or torch; got 'bogus'" in capsys.readouterr().err
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    assert cli_main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{name} " in out for name in ("lora_linear", "lora_qkv", "lora_mlp")), out  # all nine ops

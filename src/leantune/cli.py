@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 from pathlib import Path
@@ -36,9 +37,26 @@ DEMO_DEFAULTS = {
 
 
 def _check(args) -> int:
-    from .bench.check import run_check
+    import torch
 
-    return 0 if run_check(args.device) else 1
+    from .bench.check import run_check
+    from .errors import LeantuneError
+    from .ops import _runtime
+
+    device = args.device if args.device is not None else "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise LeantuneError(f"--device must be cpu or cuda, got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise LeantuneError(f"--device {device}: no CUDA device is visible")
+    try:
+        _runtime.backend(torch.device(device))  # LEANTUNE_BACKEND=triton on the CPU needs the interpreter
+    except (ValueError, RuntimeError) as exc:
+        raise LeantuneError(str(exc)) from None
+    return 0 if run_check(device) else 1
 
 
 class _UsageError(Exception):
@@ -107,6 +125,37 @@ def _export(args) -> int:
     return 0
 
 
+def _check_bench_args(args) -> None:
+    """Every bench value checked before anything runs or is written: --out a folder (or absent), --budget-s and the
+    sizes positive, the model configs readable (ops, e2e and max-context would otherwise fail in a child process
+    after the parent has written its files)."""
+    import math
+
+    from .errors import LeantuneError
+
+    out = Path(args.out)
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            raise LeantuneError(f"--out {args.out}: {path} exists and is not a directory")
+    budget = getattr(args, "budget_s", None)
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise LeantuneError(f"--budget-s must be a positive number of seconds, got {budget}")
+    for name, low in (("seq", 1), ("batch", 1), ("layers", 1), ("steps", 1), ("warmup", 0)):
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise LeantuneError(f"--{name} must be >= {low}, got {value}")
+    tflops = getattr(args, "matmul_tflops", None)
+    if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
+        raise LeantuneError(f"--matmul-tflops must be a positive number, got {tflops}")
+    configs = _comma(args.configs) if getattr(args, "configs", None) else []
+    configs += [args.config] if getattr(args, "config", None) else []
+    if configs:
+        from .bench.e2e import load_config
+
+        for config in configs:
+            load_config(config)
+
+
 def _bench_ops(args) -> int:
     from .bench.e2e import require_cuda
     from .bench.ops import CASES, run_isolated
@@ -118,8 +167,12 @@ def _bench_ops(args) -> int:
 
         raise LeantuneError(f"unknown op(s) {', '.join(unknown) or '(none given)'}; expected some of "
                             f"{', '.join(CASES)}")
+    _check_bench_args(args)
     require_cuda()
-    run_isolated(names, args.impls, Path(args.out), args.budget_s)
+    if not run_isolated(names, args.impls, Path(args.out), args.budget_s):
+        from .errors import LeantuneError
+
+        raise LeantuneError(f"no op produced a result (the ops_*.log files in {args.out} say why)")
     return 0
 
 
@@ -128,12 +181,13 @@ def _bench_e2e(args) -> int:
     from .bench.report import write_report
 
     impls, gcs = _impls(args.impls), _gc_list(args.gc)
+    _check_bench_args(args)
     require_cuda()
-    run_e2e(_comma(args.configs), impls, gcs, Path(args.out), seq=args.seq, batch=args.batch, warmup=args.warmup,
-            steps=args.steps, seed=args.seed, layers=args.layers, budget_s=args.budget_s,
-            matmul_tflops=args.matmul_tflops)
+    results = run_e2e(_comma(args.configs), impls, gcs, Path(args.out), seq=args.seq, batch=args.batch,
+                      warmup=args.warmup, steps=args.steps, seed=args.seed, layers=args.layers,
+                      budget_s=args.budget_s, matmul_tflops=args.matmul_tflops)
     write_report(Path(args.out), compare_ratios=args.compare)
-    return 0
+    return _none_ok([r.get("status") for r in results], args.out)
 
 
 def _bench_max_context(args) -> int:
@@ -142,11 +196,24 @@ def _bench_max_context(args) -> int:
 
     impls = _impls(args.impls)
     check_range(args.lo, args.hi, args.step)
+    _check_bench_args(args)
     require_cuda()
-    run_max_context(args.config, impls, Path(args.out), lo=args.lo, hi=args.hi, step=args.step, seed=args.seed,
-                    layers=args.layers, budget_s=args.budget_s)
+    results = run_max_context(args.config, impls, Path(args.out), lo=args.lo, hi=args.hi, step=args.step,
+                              seed=args.seed, layers=args.layers, budget_s=args.budget_s)
     write_report(Path(args.out), compare_ratios=args.compare)
-    return 0
+    # a probe that ran out of memory is an answer; only crashes and timeouts everywhere mean nothing was measured
+    return _none_ok(["ok" if d.get("status") in ("ok", "nonfinite", "oom") else d.get("status")
+                     for r in results for d in r["probe_details"]], args.out)
+
+
+def _none_ok(statuses: list, out: str) -> int:
+    """Exit status of a bench run: 0 when at least one run measured something, else the error (logs in --out)."""
+    if "ok" in statuses:
+        return 0
+    from .errors import LeantuneError
+
+    raise LeantuneError(f"no run produced a measurement ({', '.join(map(str, statuses)) or 'none ran'}); the "
+                        f"logs in {out} say why")
 
 
 def _bench_report(args) -> int:
@@ -290,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("leantune: aborted", file=sys.stderr)
         return 128 + signal.SIGINT
+    backend = os.environ.get("LEANTUNE_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in ("auto", "triton", "torch"):  # checked before any command runs (ops raise ValueError later)
+        print(f"leantune: error: LEANTUNE_BACKEND must be auto, triton or torch; got {backend!r}", file=sys.stderr)
+        return 1
     try:
         return args.func(args)
     except LeantuneError as exc:

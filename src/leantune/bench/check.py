@@ -1,7 +1,7 @@
 """Run every op once on random inputs against a float64 eager evaluation of its formula and print the errors.
 
-This is what ``leantune check`` (and, until ``leantune train`` exists, ``make demo``) prints. It is a smoke check for
-a fresh install; the real proofs are the tests.
+This is what ``leantune check`` prints: all nine ops of ``leantune.ops``. It is a smoke check for a fresh install;
+the real proofs are the tests.
 """
 
 from __future__ import annotations
@@ -66,6 +66,23 @@ def _cases(device):
         lambda a, b: F.cross_entropy(a @ b.T, labels), [x, big_w]
     yield "lora_linear", lambda a, b, c: ops.lora_linear(a, big_w[:h], b, c, 2.0), \
         lambda a, b, c: a @ big_w[:h].T.to(F64) + 2.0 * (a @ b.T) @ c.T, [x, lora_a, lora_b]
+
+    def lora_ref(a, weight, lora_A, lora_B):  # PEFT's y = x W^T + s (x A^T) B^T, s = 2
+        return a @ weight.T.to(a.dtype) + 2.0 * (a @ lora_A.T) @ lora_B.T
+
+    qkv_w = [big_w[:h], big_w[h:h + 32], big_w[h + 32:h + 64]]
+    qkv_ab = [t for out in (h, 32, 32) for t in (randn(r, h, scale=0.1), randn(out, r, scale=0.1))]
+    yield "lora_qkv", lambda a, *ab: ops.lora_qkv(a, *(ops.LoraWeights(w, ab[2 * j], ab[2 * j + 1], 2.0)
+                                                       for j, w in enumerate(qkv_w))), \
+        lambda a, *ab: tuple(lora_ref(a, w, ab[2 * j], ab[2 * j + 1]) for j, w in enumerate(qkv_w)), [x, *qkv_ab]
+    inter = 160
+    mlp_w = [big_w[:inter], big_w[inter:2 * inter], randn(h, inter, scale=0.1)]
+    mlp_ab = [t for (out, inn) in ((inter, h), (inter, h), (h, inter))
+              for t in (randn(r, inn, scale=0.1), randn(out, r, scale=0.1))]
+    yield "lora_mlp", lambda a, *ab: ops.lora_mlp(a, *(ops.LoraWeights(w, ab[2 * j], ab[2 * j + 1], 2.0)
+                                                       for j, w in enumerate(mlp_w))), \
+        lambda a, *ab: lora_ref(F.silu(lora_ref(a, mlp_w[0], *ab[0:2])) * lora_ref(a, mlp_w[1], *ab[2:4]),
+                                mlp_w[2], *ab[4:6]), [x, *mlp_ab]
 
 
 def run_check(device: str | None = None) -> bool:

@@ -206,7 +206,10 @@ def load_config(spec_config: str, layers: int | None = None):
         raise BenchError(f"model config not found: {spec_config}")
     if path.is_dir() and not (path / "config.json").exists():
         raise BenchError(f"no config.json in {spec_config}")
-    config = AutoConfig.from_pretrained(str(path))
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:  # invalid JSON, an unknown model_type
+        raise BenchError(f"cannot read model config {spec_config}: {' '.join(str(exc).split())[:300]}") from None
     if layers:
         config.num_hidden_layers = layers
     return config
@@ -431,21 +434,37 @@ def child_env() -> dict:
 def run_child(args: list[str], result: Path, log: Path, timeout_s: float, *,
               module: str = "leantune.bench.e2e") -> dict:
     """Run ``python -m MODULE ARGS`` (e2e children get ``--result RESULT`` appended) with stdout+stderr into
-    ``log``; the JSON it wrote to ``result``, or a status of timeout / crashed (with the log's tail)."""
-    result.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", module, *args]
+    ``log``; the JSON it wrote to ``result``, or a status of timeout / crashed (with the log's tail).
+
+    The child writes beside ``result`` under a temporary name (``RESULT`` in ``args`` is replaced by it), moved onto
+    ``result`` (and a ``.md`` it wrote beside it) only when it succeeds: a failing rerun never deletes a good result.
+    """
+    fresh = result.with_name(f".new-{result.name}")
+    companions = [(fresh.with_suffix(".md"), result.with_suffix(".md"))]
+    for stale in (fresh, companions[0][0]):
+        stale.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", module, *[str(fresh) if a == str(result) else a for a in args]]
     if module == "leantune.bench.e2e":
-        cmd += ["--result", str(result)]
+        cmd += ["--result", str(fresh)]
     t0 = time.perf_counter()
     with log.open("w") as fh:
         try:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(),
                                 timeout=max(timeout_s, 1)).returncode
         except subprocess.TimeoutExpired:
-            return {"status": "timeout", "error": f"killed after {timeout_s:.0f} s", "wall_s": timeout_s}
+            rc = None
     wall = time.perf_counter() - t0
-    if result.exists():
-        return {**json.loads(result.read_text()), "wall_s": wall}
+    if rc == 0 and fresh.exists():
+        found = json.loads(fresh.read_text())
+        os.replace(fresh, result)
+        for new, final in companions:
+            if new.exists():
+                os.replace(new, final)
+        return {**found, "wall_s": wall}
+    for stale in (fresh, companions[0][0]):
+        stale.unlink(missing_ok=True)
+    if rc is None:
+        return {"status": "timeout", "error": f"killed after {timeout_s:.0f} s", "wall_s": timeout_s}
     tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-400:]
     return {"status": "crashed", "error": f"exit {rc}: {tail}", "wall_s": wall}
 
@@ -517,10 +536,21 @@ def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *,
         budget.record(result.get("wall_s", 0.0))
         result = _attach({**dataclasses.asdict(spec), "model": model_name(spec.config), "name": spec.name,
                           **result}, ceilings)
-        (out / f"{spec.name}.json").write_text(json.dumps(result, indent=1))
+        path = out / f"{spec.name}.json"
+        if result.get("status") != "ok" and _ok_result(path):  # keep the earlier measurement; the log has this one
+            log(f"{spec.name}: kept the earlier result in {path} (this run: {result.get('status')})")
+        else:
+            path.write_text(json.dumps(result, indent=1))
         results.append(result)
         log(_one_line(result))
     return results
+
+
+def _ok_result(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("status") == "ok"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _one_line(r: dict) -> str:
@@ -546,8 +576,9 @@ def run_max_context(config_path: str, impls: list[str], out: Path, *, lo: int, h
 
         def fits(seq: int, impl=impl, details=probes_detail) -> bool | None:
             spec = RunSpec(impl, config_path, seq, 1, True, warmup=0, steps=1, seed=seed, layers=layers)
-            r = run_child(["--one", json.dumps(dataclasses.asdict(spec))], out / "probe.json",
+            r = run_child(["--one", json.dumps(dataclasses.asdict(spec))], out / ".probe.json",
                           out / f"probe_{spec.name}.log", budget.left())
+            (out / ".probe.json").unlink(missing_ok=True)  # its content is in probe_details
             budget.record(r.get("wall_s", 0.0))
             details.append({"seq": seq, "status": r.get("status"), "peak_gib": r.get("peak_gib"),
                             "wall_s": r.get("wall_s"), "error": r.get("error"), "gpu": r.get("gpu"),

@@ -403,8 +403,9 @@ def write_report(out: Path, *, compare_ratios: bool = False, log=print) -> str:
     if not out.is_dir():
         raise ReportError(f"--out {out}: {'is a file, ' if out.exists() else 'does not exist; '}expected the directory "
                           "a `leantune bench` run wrote its results to")
-    if (out / "results.md").is_dir():
-        raise ReportError(f"{out / 'results.md'} is a directory; the report writes a file of that name")
+    for name in ("results.md", "tokens_per_s.png", "peak_gib.png", "max_context.png"):
+        if (out / name).is_dir():
+            raise ReportError(f"{out / name} is a directory; the report writes a file of that name")
     rows, maxctx = load_results(out, log)
     op_results = load_op_results(out)
     if not rows and not maxctx and not op_results:
