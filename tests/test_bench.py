@@ -216,7 +216,9 @@ def test_markdown_table():
                "complete": False, "hi": 262144, "probes": [[163840, True], [200000, None]]}]
     text = report.markdown(rows, maxctx)
     lines = text.splitlines()
-    assert lines[0].startswith("2026-01-01, H200, torch 2.x. bf16 matmul ceiling 700 TFLOP/s")
+    assert lines[0].startswith("2026-01-01, H200, torch 2.x. bf16 matmul ceiling 700 TFLOP/s (8192^3, measured")
+    rows[0]["matmul_source"] = "--matmul-tflops"  # a ceiling given on the command line is not called measured
+    assert "700 TFLOP/s (given by --matmul-tflops)" in report.markdown(rows, maxctx).splitlines()[0]
     table = [line for line in lines if line.startswith("| m |")]
     assert table[0] == ("| m | 4096 x 1 | on | hf+peft | 6198 | — | 24.00 | 9.00 | 25.0% | 50.0% | 661 | 2.0000 "
                         "| 1 | reference |")

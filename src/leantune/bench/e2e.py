@@ -504,6 +504,7 @@ def get_ceilings(out: Path, budget: Budget, matmul_tflops: float | None) -> dict
 def _attach(result: dict, ceilings: dict) -> dict:
     rate = ceilings.get("matmul_flop_per_s")
     result["matmul_flop_per_s"] = rate
+    result["matmul_source"] = ceilings.get("source")
     result["mfu"] = utilization(result.get("tokens_per_s"), result.get("model_flops_per_token"), rate)
     result["hfu"] = utilization(result.get("tokens_per_s"), result.get("hardware_flops_per_token"), rate)
     return result

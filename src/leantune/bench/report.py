@@ -301,8 +301,10 @@ def markdown(rows: list[dict], maxctx: list[dict] | None = None, *, baseline: st
         rate = first.get("matmul_flop_per_s")
         lines += [f"{first.get('date', '?')}, {first.get('gpu', '?')}, "
                   + ", ".join(f"{k} {val}" for k, val in v.items())
-                  + f". bf16 matmul ceiling {_num(rate and rate / 1e12, '.0f')} TFLOP/s (8192^3, measured in the "
-                    "same invocation). MFU = tokens/s * (4P + 3A) / ceiling; HFU adds the checkpointing recompute "
+                  + f". bf16 matmul ceiling {_num(rate and rate / 1e12, '.0f')} TFLOP/s ("
+                  + ("given by --matmul-tflops" if first.get("matmul_source") == "--matmul-tflops"
+                     else "8192^3, measured in the same invocation")
+                  + "). MFU = tokens/s * (4P + 3A) / ceiling; HFU adds the checkpointing recompute "
                     "(2P_layers + A).", ""]
     if rows:
         lines += ["| model | seq x batch | GC | impl | tokens/s | x HF | peak GiB | peak - frozen GiB | MFU | HFU "
