@@ -267,8 +267,9 @@ def _add_bench(sub) -> None:
 
     ops = bsub.add_parser("ops", help="every op fwd+bwd, leantune vs eager / torch.compile / Liger / CCE",
                           description="Each op's fwd+bwd at Llama-3-8B shapes against its peers in the same run "
-                                      "(CUDA only; DESIGN.md's roofline harness): time, CUDA-graph device time, "
-                                      "floor, extra peak and saved bytes. Each op runs in its own process.")
+                                      "(CUDA only; the timing method is in benchmarks/RESULTS.md): time, "
+                                      "CUDA-graph device time, floor, extra peak and saved bytes. Each op runs in "
+                                      "its own process.")
     ops.add_argument("--ops", default="rms_norm,rope,swiglu",
                      help=f"comma list of ops, from: {', '.join(CASES)} (default: rms_norm,rope,swiglu)")
     ops.add_argument("--impls", default=None,
