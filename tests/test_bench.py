@@ -715,8 +715,14 @@ def test_a_failing_rerun_keeps_the_earlier_result_and_exits_non_zero(tmp_path, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.log", "src.json", "tiny"]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(e2e, "run_child", lambda *a, **k: {"status": "crashed", "error": "exit 1: boom",
-                                                           "wall_s": 1.0})
+    real_run_child = e2e.run_child
+
+    def oom_child(args, result, log, timeout_s, **kw):  # a child that ends normally with an oom result (review)
+        src = tmp_path / "oom.json"
+        src.write_text(json.dumps({"status": "oom", "error": "CUDA out of memory"}))
+        return real_run_child([str(src), str(result)], result, log, timeout_s, module="json.tool")
+
+    monkeypatch.setattr(e2e, "run_child", oom_child)
     out = tmp_path / "out"
     spec = e2e.RunSpec("leantune", tiny_config, 64, 1, True, 0, 1, 0)
     out.mkdir()
@@ -726,7 +732,10 @@ def test_a_failing_rerun_keeps_the_earlier_result_and_exits_non_zero(tmp_path, t
                      "--batch", "1", "--warmup", "0", "--steps", "1", "--matmul-tflops", "700", "--out", str(out)])
     err = capsys.readouterr()
     assert json.loads((out / f"{spec.name}.json").read_text())["kept"] is True
-    assert code == 1 and "no run produced a measurement (crashed)" in err.err and "kept the earlier" in err.out
+    assert code == 1 and "no run produced a measurement (oom)" in err.err and "kept the earlier" in err.out
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no scratch result left
+    (out / ".new-stray.json").write_text(json.dumps(good))  # a child killed mid-run may leave one: not a result
+    assert cli_main(["bench", "report", "--out", str(out)]) == 0
 
 
 def test_check_names_a_device_or_backend_it_cannot_use(capsys, monkeypatch):
@@ -737,6 +746,11 @@ def test_check_names_a_device_or_backend_it_cannot_use(capsys, monkeypatch):
         assert cli_main(["check", *argv]) == 1
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli_main(["check", "--device", "cuda:7"]) == 1
+    assert "--device cuda:7: only 1 CUDA device(s) are visible" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("LEANTUNE_BACKEND", "bogus")
     assert cli_main(["check"]) == 1
     assert "LEANTUNE_BACKEND must be auto, triton or torch; got 'bogus'" in capsys.readouterr().err

@@ -52,6 +52,9 @@ def _check(args) -> int:
         raise LeantuneError(f"--device must be cpu or cuda, got {device!r}")
     if kind == "cuda" and not torch.cuda.is_available():
         raise LeantuneError(f"--device {device}: no CUDA device is visible")
+    index = torch.device(device).index if kind == "cuda" else None
+    if index is not None and index >= torch.cuda.device_count():
+        raise LeantuneError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     try:
         _runtime.backend(torch.device(device))  # LEANTUNE_BACKEND=triton on the CPU needs the interpreter
     except (ValueError, RuntimeError) as exc:

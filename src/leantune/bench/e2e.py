@@ -447,22 +447,24 @@ def run_child(args: list[str], result: Path, log: Path, timeout_s: float, *,
     if module == "leantune.bench.e2e":
         cmd += ["--result", str(fresh)]
     t0 = time.perf_counter()
-    with log.open("w") as fh:
-        try:
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(),
-                                timeout=max(timeout_s, 1)).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    wall = time.perf_counter() - t0
-    if rc == 0 and fresh.exists():
-        found = json.loads(fresh.read_text())
-        os.replace(fresh, result)
-        for new, final in companions:
-            if new.exists():
-                os.replace(new, final)
-        return {**found, "wall_s": wall}
-    for stale in (fresh, companions[0][0]):
-        stale.unlink(missing_ok=True)
+    try:
+        with log.open("w") as fh:
+            try:
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(),
+                                    timeout=max(timeout_s, 1)).returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        wall = time.perf_counter() - t0
+        if rc == 0 and fresh.exists():
+            found = json.loads(fresh.read_text())
+            os.replace(fresh, result)
+            for new, final in companions:
+                if new.exists():
+                    os.replace(new, final)
+            return {**found, "wall_s": wall}
+    finally:  # also on Ctrl-C: no scratch result left for `bench report` to find
+        for stale in (fresh, companions[0][0]):
+            stale.unlink(missing_ok=True)
     if rc is None:
         return {"status": "timeout", "error": f"killed after {timeout_s:.0f} s", "wall_s": timeout_s}
     tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-400:]
@@ -532,13 +534,16 @@ def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *,
         if not budget.can_start():
             log(f"not run (budget of {budget_s:.0f} s spent): {spec.name}")
             continue
-        result = run_child(["--one", json.dumps(dataclasses.asdict(spec))], out / f"{spec.name}.json",
-                           out / f"{spec.name}.log", budget.left())
+        scratch = out / f".run-{spec.name}.json"  # the parent decides below what goes under the final name
+        result = run_child(["--one", json.dumps(dataclasses.asdict(spec))], scratch, out / f"{spec.name}.log",
+                           budget.left())
+        scratch.unlink(missing_ok=True)
         budget.record(result.get("wall_s", 0.0))
         result = _attach({**dataclasses.asdict(spec), "model": model_name(spec.config), "name": spec.name,
                           **result}, ceilings)
         path = out / f"{spec.name}.json"
-        if result.get("status") != "ok" and _ok_result(path):  # keep the earlier measurement; the log has this one
+        # an oom, error or crash of a rerun keeps the earlier measurement (the log has this run's)
+        if result.get("status") != "ok" and _ok_result(path):
             log(f"{spec.name}: kept the earlier result in {path} (this run: {result.get('status')})")
         else:
             path.write_text(json.dumps(result, indent=1))

@@ -29,7 +29,7 @@ class ReportError(LeantuneError):
     """Results that cannot make a trustworthy table: unreadable, malformed, duplicated or contradicting files."""
 
 
-NOT_RESULTS = ("ceilings.json", "probe.json")  # scratch files of the runs (probe.json looks like a result)
+NOT_RESULTS = ("ceilings.json", "probe.json")  # scratch files of the runs (older runs wrote probe.json unhidden)
 E2E_FIELDS = {"impl": str, "model": str, "name": str, "seq": int, "batch": int, "gc": bool, "status": str}
 OK_REQUIRED = ("tokens_per_s", "first_loss", "grad_norm")  # every ok run has them (may be NaN / null)
 OK_NUMBERS = OK_REQUIRED + ("peak_gib", "peak_minus_frozen_gib", "median_step_ms", "mfu", "hfu")
@@ -90,7 +90,7 @@ def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
     workload and implementation (the table would silently pick one: keep one file)."""
     runs, maxctx, seen = [], [], {}
     for path in sorted(Path(out).rglob("*.json")):
-        if path.name in NOT_RESULTS:
+        if path.name in NOT_RESULTS or path.name.startswith("."):  # hidden: a child's scratch or partial result
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -120,7 +120,7 @@ def load_op_results(out: Path) -> list[tuple[Path, dict]]:
     of a folder stands for the ``ops_NAME.json`` beside it (its parts). Raises ReportError naming a malformed one."""
     found = []
     for path in sorted(Path(out).rglob("*.json")):
-        if path.name.startswith("ops_") and (path.parent / "ops.json").is_file():
+        if path.name.startswith(".") or path.name.startswith("ops_") and (path.parent / "ops.json").is_file():
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

@@ -65,7 +65,7 @@ def _call_original(module, *args, **kwargs):
 def _served(*tensors) -> bool:
     """Whether the ops take these tensors: fp32/fp16/bf16 on a real device. Anything else (a float64 model for
     gradient checks, the meta device for shape tracing) runs HF's forward, which handles it."""
-    return all(t.dtype in _runtime.FLOAT_DTYPES and t.device.type != "meta" for t in tensors)
+    return all(t.dtype in _runtime.FLOAT_DTYPES and t.device.type != "meta" for t in tensors if t is not None)
 
 
 # ------------------------------------------------------------------------------------------------------ PEFT LoRA

@@ -340,8 +340,8 @@ class _TerminateAborts:
     cleanup runs (a replaced run put back, a half-written export removed) instead of the process dying mid-write."""
 
     def __enter__(self):
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
+        self.installed = threading.current_thread() is threading.main_thread()
+        if self.installed:
             self.previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
@@ -350,8 +350,26 @@ class _TerminateAborts:
         raise Aborted(signum)
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        if self.installed:  # None: a handler installed from C, which Python cannot reinstall; the default then
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
+        return False
+
+
+class _SignalsDeferred:
+    """Ctrl-C and SIGTERM held back (delivered on exit) while a cleanup moves files back, so that a second signal
+    cannot cut the cleanup itself short."""
+
+    SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+    def __enter__(self):
+        self.active = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+        if self.active:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
         return False
 
 
@@ -539,25 +557,36 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
     for every user error before anything in ``config.output`` is written or removed. While it writes there, the
     folder holds a lock file with this process's pid: a second run into it is refused.
     """
-    replaced: list[Path] = []  # the .replaced-* folder this run moved the previous run into, if any
+    replaced: list = []  # (the .replaced-* folder, the names of the previous run) once this run starts moving it
     output = Path(config.output)
     try:
         with _TerminateAborts():
             return _train(config, progress, on_step, replaced)
     except BaseException:
-        if replaced and checkpoint.latest_checkpoint(output) is None:
-            _put_back(output, replaced[0])
+        if replaced and not _new_run_has_checkpoint(output, *replaced[0]):
+            with _SignalsDeferred():
+                _put_back(output, *replaced[0])
         raise
     finally:
         _release_lock(output)
 
 
-def _put_back(output: Path, kept: Path) -> None:
+def _new_run_has_checkpoint(output: Path, kept: Path, previous: list[str]) -> bool:
+    """Whether ``output``'s checkpoints are the new run's (the previous run's may not have been moved aside yet)."""
+    if checkpoint.CHECKPOINTS in previous and not (kept / checkpoint.CHECKPOINTS).exists():
+        return False
+    return checkpoint.latest_checkpoint(output) is not None
+
+
+def _put_back(output: Path, kept: Path, previous: list[str]) -> None:
     """Undo the move of a replaced run: the new run failed or was stopped before its first checkpoint, so it left
-    nothing to resume, and the run it was replacing is the folder's run again."""
-    for name in RUN_FILES:  # every file of that name in ``output`` now is the new run's: the old ones were moved
+    nothing to resume, and the run it was replacing (``previous``: its file names, some perhaps not moved yet when
+    the stop came) is the folder's run again."""
+    for name in RUN_FILES:
         new, old = output / name, kept / name
-        if new.is_dir():
+        if name in previous and not old.exists():  # never moved: it is still the previous run's own file
+            continue
+        if new.is_dir():  # the new run's
             shutil.rmtree(new)
         elif new.exists():
             new.unlink()
@@ -616,12 +645,12 @@ def _train(config: TrainConfig, progress: bool, on_step, replaced: list[Path]) -
     if resume_from is None:
         check_output(config)  # another run may have finished here while this one loaded: decide again, locked
         # the files of the run being replaced are kept aside until this run finishes
-        previous = [output / name for name in RUN_FILES if (output / name).exists()]
+        previous = [name for name in RUN_FILES if (output / name).exists()]
         if previous:
             kept = Path(tempfile.mkdtemp(prefix=f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-", dir=output))
-            for target in previous:
-                os.replace(target, kept / target.name)
-            replaced.append(kept)
+            replaced.append((kept, previous))  # before the first move: a stop in between is put back too
+            for name in previous:
+                os.replace(output / name, kept / name)
             _say(f"leantune: the run being replaced is kept in {kept} until this run finishes")
     for partial in (output / checkpoint.CHECKPOINTS).glob(".tmp-*"):  # a save cut short by a kill
         shutil.rmtree(partial, ignore_errors=True)
@@ -729,7 +758,7 @@ def _train(config: TrainConfig, progress: bool, on_step, replaced: list[Path]) -
     (output / "summary.json").write_text(to_json(summary, indent=2))
     # this run finished: the run it replaced is no longer needed. Older kept runs go only when this run was asked to
     # replace or continue (a fresh run into a crashed run's folder never deletes what that run had kept aside).
-    for kept in _replaced_runs(output) if config.overwrite or resume_from is not None else replaced:
+    for kept in _replaced_runs(output) if config.overwrite or resume_from is not None else [k for k, _ in replaced]:
         shutil.rmtree(kept, ignore_errors=True)
     plot_losses(records, output / "loss.png")
     if not math.isfinite(final_eval):
@@ -825,7 +854,6 @@ def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
 
 def _export(adapter: str, out: str, overwrite: bool) -> Path:
     from peft import PeftModel
-    from safetensors import SafetensorError
 
     src = Path(adapter)
     run_dir = src if (src / "run.json").is_file() else src.parent
@@ -837,6 +865,8 @@ def _export(adapter: str, out: str, overwrite: bool) -> Path:
     if not str(out).strip():
         raise LeantuneError("--out must name a folder, got an empty path")
     target = Path(out).absolute()  # "." has no name to put a temporary folder beside
+    if target.is_symlink():  # replace the folder it points to, not the link
+        target = target.resolve()
     run = json.loads((run_dir / "run.json").read_text())
     kind, model_path = run["model_kind"], Path(run["model_path"])
     _check_export_target(target, overwrite, model_path)
@@ -852,33 +882,68 @@ def _export(adapter: str, out: str, overwrite: bool) -> Path:
     saved_dtype = _checkpoint_dtype(kind, model_path) or torch.float32
     merged = merged.to(saved_dtype)
     merged.config.dtype = saved_dtype  # config.json says what the weights are (the base's may say otherwise)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    previous = target.is_dir() and any(target.iterdir())  # checked above: a previous export
-    empty = target.is_dir() and not previous
-    try:
-        merged.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"adapter": str(adapter_dir.resolve()),
-                                                     "base_model": str(model_path)}, indent=2))
-        if empty:  # keep the folder itself (it may be the shell's working directory): move the files in
-            for entry in tmp.iterdir():
-                os.replace(entry, target / entry.name)
-            tmp.rmdir()
-        else:
-            if previous:  # set aside until the new one is in place
-                os.replace(target, old)
-            os.replace(tmp, target)
-    except BaseException as exc:  # a full disk, Ctrl-C or SIGTERM: no half-written folder, the previous export back
-        shutil.rmtree(tmp, ignore_errors=True)
-        if previous and old.exists() and not target.exists():
-            os.replace(old, target)
-        if empty:  # it was empty: whatever is in it now was moved in by this export
-            for entry in target.iterdir():
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        if isinstance(exc, (OSError, SafetensorError)):
-            raise LeantuneError(f"cannot write the export to {target}: {getattr(exc, 'strerror', None) or exc}") \
-                from None
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    marker = {"adapter": str(adapter_dir.resolve()), "base_model": str(model_path)}
+    _check_export_target(target, overwrite, model_path)  # again: the folder may have changed while merging
+    if target.is_dir() and not any(target.iterdir()):
+        _write_into_empty(target, merged, tokenizer, marker)
+    else:
+        _write_beside(target, merged, tokenizer, marker)
     return target
+
+
+def _save_export(folder: Path, merged, tokenizer, marker: dict) -> None:
+    merged.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / EXPORT_MARKER).write_text(json.dumps(marker, indent=2))
+
+
+def _export_error(target: Path, exc: BaseException) -> None:
+    """A write failure (full disk, permissions) as one error line; anything else (Ctrl-C, SIGTERM) as it is."""
+    from safetensors import SafetensorError
+
+    if isinstance(exc, (OSError, SafetensorError)):
+        raise LeantuneError(f"cannot write the export to {target}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+
+
+def _write_beside(target: Path, merged, tokenizer, marker: dict) -> None:
+    """Write next to ``target`` and rename into place; a previous export is set aside until then and put back on any
+    failure or stop (the cleanup itself cannot be interrupted)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent)) if target.exists() else None
+    try:
+        _save_export(tmp, merged, tokenizer, marker)
+        if old is not None:
+            os.replace(target, old)  # onto the empty folder mkdtemp made
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with _SignalsDeferred():
+            if old is not None and not target.exists() and any(old.iterdir()):
+                os.replace(old, target)  # the previous export first: the rest is only tidying up
+            for folder in (tmp, old):
+                if folder is not None and folder != target:
+                    shutil.rmtree(folder, ignore_errors=True)
+        _export_error(target, exc)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_into_empty(target: Path, merged, tokenizer, marker: dict) -> None:
+    """An existing empty folder keeps its identity (it may be the shell's working directory or a mount point):
+    write into a hidden folder inside it, then move the files up; on failure remove only what this export made."""
+    tmp = Path(tempfile.mkdtemp(prefix=".leantune-export-", dir=target))
+    moved = []
+    try:
+        _save_export(tmp, merged, tokenizer, marker)
+        for entry in sorted(tmp.iterdir()):
+            os.replace(entry, target / entry.name)
+            moved.append(target / entry.name)
+        tmp.rmdir()
+    except BaseException as exc:
+        with _SignalsDeferred():
+            for path in (*moved, tmp):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        _export_error(target, exc)
+        raise
