@@ -735,6 +735,8 @@ def test_a_failing_rerun_keeps_the_earlier_result_and_exits_non_zero(tmp_path, t
     assert code == 1 and "no run produced a measurement (oom)" in err.err and "kept the earlier" in err.out
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no scratch result left
     (out / ".new-stray.json").write_text(json.dumps(good))  # a child killed mid-run may leave one: not a result
+    (out / ".old").mkdir()
+    (out / ".old" / "res.json").write_text("{garbage")  # nor is anything in a hidden folder
     assert cli_main(["bench", "report", "--out", str(out)]) == 0
 
 

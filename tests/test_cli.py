@@ -938,3 +938,111 @@ def test_export_through_a_symlink_and_beside_stale_temporary_folders(tiny, tmp_p
     assert link.is_symlink() and link.resolve() == real.resolve()
     assert not (real / "extra.txt").exists() and not (real / "junk.bin").exists()
     assert sorted(p.name for p in real.parent.iterdir()) == ["v1"]
+
+
+def test_third_pass_on_export_and_replaced_runs(tiny, tmp_path, capsys, monkeypatch):
+    """From a third break-it pass: --out missing/../folder replaced the folder without --overwrite (Path.absolute
+    keeps ".."); a second signal during a cleanup cut it short (a signal mask covers one thread, and torch runs
+    several); a signal between a move and its bookkeeping left files in an empty --out; a Ctrl-C during the final
+    tidy-up left a full copy of the old export; export folders were created 0700; a read-only parent failed with a
+    traceback after the merge; SIGTERM during the last checkpoint aborted instead of finishing the run."""
+    import os
+    import shutil as shutil_module
+    import signal
+    import stat
+    import threading
+
+    from leantune.train import checkpoint, loop
+
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny, run))
+    assert code == 0, err
+    monkeypatch.chdir(tmp_path)
+    user = tmp_path / "userdata"
+    user.mkdir()
+    (user / "notes.txt").write_text("precious")
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", "nosuch/../userdata")
+    assert_error(code, err, "not empty")
+    assert files_of(user) == {user / "notes.txt": b"precious"} and not (tmp_path / "nosuch").exists()
+
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **k: False if "locked" in str(path) else
+                        real_access(path, mode, **k))
+    (tmp_path / "locked").mkdir()
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "locked" / "new")
+    assert_error(code, err, "cannot write in", "locked")
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+
+    stop = threading.Event()  # an idle thread, as torch keeps: signals may be delivered to it
+    threading.Thread(target=stop.wait, daemon=True).start()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    real_replace = os.replace
+
+    def signalled_after_the_first_move(src, dst):
+        real_replace(src, dst)
+        if ".leantune-export-" in str(src):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(os, "replace", signalled_after_the_first_move)
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", empty)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert code == 130 and list(empty.iterdir()) == [], err
+    merged = tmp_path / "merged"
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", merged)
+    assert code == 0, err
+    assert stat.S_IMODE(merged.stat().st_mode) & 0o055 == stat.S_IMODE(0o777 & ~_umask()) & 0o055
+    real_rmtree = shutil_module.rmtree
+
+    def signalled_while_tidying(path, *args, **kwargs):
+        if ".old-" in str(path):
+            os.kill(os.getpid(), signal.SIGINT)  # noted, not acted on: the new export is already in place
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil_module, "rmtree", signalled_while_tidying)
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", merged, "--overwrite")
+    monkeypatch.setattr(shutil_module, "rmtree", real_rmtree)
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert code == 0, err
+    finished = files_of(out)
+    real_put_back = loop._put_back
+
+    def second_signal_in_cleanup(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_put_back(*args)
+
+    def first_signal(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "evaluate", first_signal)
+    monkeypatch.setattr(loop, "_put_back", second_signal_in_cleanup)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--overwrite", "--seed", "1"))
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert code == 130 and files_of(out) == finished and not list(out.glob(".replaced-*")), err
+
+    real_save = checkpoint.save_checkpoint
+
+    def terminated_in_the_last_save(output, step, *args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(output, step, *args)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", terminated_in_the_last_save)
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "last", "--save-every", "0"))
+    assert code == 0 and (tmp_path / "last" / "summary.json").is_file(), err
+    stop.set()
+
+
+def _umask():
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

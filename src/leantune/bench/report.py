@@ -90,7 +90,7 @@ def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
     workload and implementation (the table would silently pick one: keep one file)."""
     runs, maxctx, seen = [], [], {}
     for path in sorted(Path(out).rglob("*.json")):
-        if path.name in NOT_RESULTS or path.name.startswith("."):  # hidden: a child's scratch or partial result
+        if path.name in NOT_RESULTS or _hidden(path, out):  # a child's scratch or partial result
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -115,12 +115,17 @@ def load_results(out: Path, log=print) -> tuple[list[dict], list[dict]]:
     return sort_rows(runs), sorted(merge_max_context(maxctx), key=lambda r: (r["model"], _impl_rank(r["impl"])))
 
 
+def _hidden(path: Path, out: Path) -> bool:
+    """A file or folder under ``out`` whose name starts with a dot: scratch of a run, or kept out of the report."""
+    return any(part.startswith(".") for part in path.relative_to(out).parts)
+
+
 def load_op_results(out: Path) -> list[tuple[Path, dict]]:
     """``(path, result)`` of every ``leantune bench ops`` JSON in ``out`` and its subfolders: the merged ``ops.json``
     of a folder stands for the ``ops_NAME.json`` beside it (its parts). Raises ReportError naming a malformed one."""
     found = []
     for path in sorted(Path(out).rglob("*.json")):
-        if path.name.startswith(".") or path.name.startswith("ops_") and (path.parent / "ops.json").is_file():
+        if _hidden(path, out) or path.name.startswith("ops_") and (path.parent / "ops.json").is_file():
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

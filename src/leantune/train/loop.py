@@ -34,9 +34,9 @@ import resource
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -356,20 +356,23 @@ class _TerminateAborts:
 
 
 class _SignalsDeferred:
-    """Ctrl-C and SIGTERM held back (delivered on exit) while a cleanup moves files back, so that a second signal
-    cannot cut the cleanup itself short."""
+    """Ctrl-C and SIGTERM only noted (not acted on) while a cleanup moves files back, so that a second signal cannot
+    cut the cleanup itself short. Handlers, not a signal mask: Python runs handlers in the main thread whichever
+    thread the kernel delivers to (torch keeps worker threads, which a mask of the main thread does not cover). The
+    cleanups this guards run while an abort is already under way, so a noted signal changes nothing after them."""
 
-    SIGNALS = {signal.SIGINT, signal.SIGTERM}
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __enter__(self):
-        self.active = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
-        if self.active:
-            signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        self.noted, self.previous = [], {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, lambda signum, frame: self.noted.append(signum))
         return self
 
     def __exit__(self, *exc):
-        if self.active:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         return False
 
 
@@ -561,12 +564,13 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
     output = Path(config.output)
     try:
         with _TerminateAborts():
-            return _train(config, progress, on_step, replaced)
-    except BaseException:
-        if replaced and not _new_run_has_checkpoint(output, *replaced[0]):
-            with _SignalsDeferred():
-                _put_back(output, *replaced[0])
-        raise
+            try:
+                return _train(config, progress, on_step, replaced)
+            except BaseException:
+                with _SignalsDeferred():
+                    if replaced and not _new_run_has_checkpoint(output, *replaced[0]):
+                        _put_back(output, *replaced[0])
+                raise
     finally:
         _release_lock(output)
 
@@ -647,8 +651,9 @@ def _train(config: TrainConfig, progress: bool, on_step, replaced: list[Path]) -
         # the files of the run being replaced are kept aside until this run finishes
         previous = [name for name in RUN_FILES if (output / name).exists()]
         if previous:
-            kept = Path(tempfile.mkdtemp(prefix=f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-", dir=output))
-            replaced.append((kept, previous))  # before the first move: a stop in between is put back too
+            kept = output / f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+            replaced.append((kept, previous))  # before the folder and the first move: a stop at any point is undone
+            kept.mkdir()
             for name in previous:
                 os.replace(output / name, kept / name)
             _say(f"leantune: the run being replaced is kept in {kept} until this run finishes")
@@ -730,8 +735,8 @@ def _train(config: TrainConfig, progress: bool, on_step, replaced: list[Path]) -
 
     # the last step saved before the final eval (a kill during it loses no step); a first Ctrl-C / SIGTERM from here
     # on lets the run finish its eval and files, a second aborts
-    checkpoint.save_checkpoint(output, total_steps, model, optimizer, scheduler, metrics.lines)
     with _GracefulInterrupt():
+        checkpoint.save_checkpoint(output, total_steps, model, optimizer, scheduler, metrics.lines)
         final_eval = evaluate(model, eval_data, config.batch_size, device)
         metrics.log({"type": "eval", "step": total_steps, "eval_loss": final_eval})
         model.save_pretrained(output / "adapter", save_embedding_layers=False)
@@ -784,6 +789,9 @@ def _check_export_target(target: Path, overwrite: bool, base_model: Path) -> Non
     base = base_model.resolve()
     if target.resolve() in (base, base.parent if base.is_file() else base):
         raise LeantuneError(f"export target {target} is the run's base model; choose another --out")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise LeantuneError(f"export target {target}: cannot write in {existing}")
     if not target.is_dir() or not any(target.iterdir()):
         return
     if not overwrite:
@@ -864,7 +872,9 @@ def _export(adapter: str, out: str, overwrite: bool) -> Path:
         raise LeantuneError(f"no run.json next to {adapter_dir}: export needs the run directory that made it")
     if not str(out).strip():
         raise LeantuneError("--out must name a folder, got an empty path")
-    target = Path(out).absolute()  # "." has no name to put a temporary folder beside
+    # absolute and normalised: "." has no name to put a temporary folder beside, and "missing/../folder" must be
+    # checked as the folder it names
+    target = Path(os.path.abspath(out))
     if target.is_symlink():  # replace the folder it points to, not the link
         target = target.resolve()
     run = json.loads((run_dir / "run.json").read_text())
@@ -908,42 +918,45 @@ def _export_error(target: Path, exc: BaseException) -> None:
 
 def _write_beside(target: Path, merged, tokenizer, marker: dict) -> None:
     """Write next to ``target`` and rename into place; a previous export is set aside until then and put back on any
-    failure or stop (the cleanup itself cannot be interrupted)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent)) if target.exists() else None
+    failure or stop. The hidden folders' names are fixed before they exist, so a stop at any point is cleaned up."""
+    token = uuid.uuid4().hex[:8]
+    tmp, old = (target.with_name(f".{target.name}.{kind}-{token}") for kind in ("tmp", "old"))
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         _save_export(tmp, merged, tokenizer, marker)
-        if old is not None:
-            os.replace(target, old)  # onto the empty folder mkdtemp made
+        if target.exists():
+            os.replace(target, old)
         os.replace(tmp, target)
     except BaseException as exc:
         with _SignalsDeferred():
-            if old is not None and not target.exists() and any(old.iterdir()):
+            if old.exists() and not target.exists():
                 os.replace(old, target)  # the previous export first: the rest is only tidying up
-            for folder in (tmp, old):
-                if folder is not None and folder != target:
-                    shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
         _export_error(target, exc)
         raise
-    if old is not None:
+    with _SignalsDeferred():  # done: a Ctrl-C now must not leave a full copy of the old model behind
         shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_into_empty(target: Path, merged, tokenizer, marker: dict) -> None:
     """An existing empty folder keeps its identity (it may be the shell's working directory or a mount point):
     write into a hidden folder inside it, then move the files up; on failure remove only what this export made."""
-    tmp = Path(tempfile.mkdtemp(prefix=".leantune-export-", dir=target))
-    moved = []
+    tmp = target / f".leantune-export-{uuid.uuid4().hex[:8]}"
+    names: list[str] = []
     try:
+        tmp.mkdir()
         _save_export(tmp, merged, tokenizer, marker)
-        for entry in sorted(tmp.iterdir()):
-            os.replace(entry, target / entry.name)
-            moved.append(target / entry.name)
+        names = sorted(os.listdir(tmp))  # the folder was empty: each of these names in it is this export's
+        for name in names:
+            os.replace(tmp / name, target / name)
         tmp.rmdir()
     except BaseException as exc:
         with _SignalsDeferred():
-            for path in (*moved, tmp):
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            for path in (*(target / name for name in names), tmp):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
         _export_error(target, exc)
         raise
