@@ -720,7 +720,7 @@ def test_a_failing_rerun_keeps_the_earlier_result_and_exits_non_zero(tmp_path, t
     def oom_child(args, result, log, timeout_s, **kw):  # a child that ends normally with an oom result (review)
         src = tmp_path / "oom.json"
         src.write_text(json.dumps({"status": "oom", "error": "CUDA out of memory"}))
-        return real_run_child([str(src), str(result)], result, log, timeout_s, module="json.tool")
+        return real_run_child([str(src), str(result)], result, log, timeout_s, module="json.tool", **kw)
 
     monkeypatch.setattr(e2e, "run_child", oom_child)
     out = tmp_path / "out"

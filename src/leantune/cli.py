@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import signal
 import sys
 from pathlib import Path
@@ -45,19 +44,18 @@ def _check(args) -> int:
 
     device = args.device if args.device is not None else "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        kind = torch.device(device).type
+        where = torch.device(device)
     except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
+        where = None
+    if where is None or where.type not in ("cpu", "cuda"):
         raise LeantuneError(f"--device must be cpu or cuda, got {device!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
+    if where.type == "cuda" and not torch.cuda.is_available():
         raise LeantuneError(f"--device {device}: no CUDA device is visible")
-    index = torch.device(device).index if kind == "cuda" else None
-    if index is not None and index >= torch.cuda.device_count():
+    if where.index is not None and where.index >= torch.cuda.device_count():
         raise LeantuneError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     try:
-        _runtime.backend(torch.device(device))  # LEANTUNE_BACKEND=triton on the CPU needs the interpreter
-    except (ValueError, RuntimeError) as exc:
+        _runtime.backend(where)  # LEANTUNE_BACKEND=triton on the CPU needs the interpreter
+    except RuntimeError as exc:
         raise LeantuneError(str(exc)) from None
     return 0 if run_check(device) else 1
 
@@ -135,11 +133,11 @@ def _check_bench_args(args) -> None:
     import math
 
     from .errors import LeantuneError
+    from .train.loop import nearest_existing
 
-    out = Path(args.out)
-    for path in (out, *out.parents):
-        if path.exists() and not path.is_dir():
-            raise LeantuneError(f"--out {args.out}: {path} exists and is not a directory")
+    existing = nearest_existing(Path(args.out))
+    if not existing.is_dir():
+        raise LeantuneError(f"--out {args.out}: {existing} exists and is not a directory")
     budget = getattr(args, "budget_s", None)
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise LeantuneError(f"--budget-s must be a positive number of seconds, got {budget}")
@@ -361,9 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("leantune: aborted", file=sys.stderr)
         return 128 + signal.SIGINT
-    backend = os.environ.get("LEANTUNE_BACKEND", "auto").strip().lower() or "auto"
-    if backend not in ("auto", "triton", "torch"):  # checked before any command runs (ops raise ValueError later)
-        print(f"leantune: error: LEANTUNE_BACKEND must be auto, triton or torch; got {backend!r}", file=sys.stderr)
+    from .ops import _runtime
+
+    try:
+        _runtime.backend_choice()  # before any command runs (the ops would raise it mid-run)
+    except ValueError as exc:
+        print(f"leantune: error: {exc}", file=sys.stderr)
         return 1
     try:
         return args.func(args)

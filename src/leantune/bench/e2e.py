@@ -432,17 +432,18 @@ def child_env() -> dict:
 
 
 def run_child(args: list[str], result: Path, log: Path, timeout_s: float, *,
-              module: str = "leantune.bench.e2e") -> dict:
+              module: str = "leantune.bench.e2e", keep: bool = True) -> dict:
     """Run ``python -m MODULE ARGS`` (e2e children get ``--result RESULT`` appended) with stdout+stderr into
     ``log``; the JSON it wrote to ``result``, or a status of timeout / crashed (with the log's tail).
 
-    The child writes beside ``result`` under a temporary name (``RESULT`` in ``args`` is replaced by it), moved onto
-    ``result`` (and a ``.md`` it wrote beside it) only when it succeeds: a failing rerun never deletes a good result.
+    The child writes beside ``result`` under a hidden temporary name (``RESULT`` in ``args`` is replaced by it),
+    moved onto ``result`` (and a ``.md`` it wrote beside it) only when it succeeds: a failing rerun never deletes a
+    good result. With ``keep=False`` nothing is moved: the caller decides what to store from the returned dict.
     """
     fresh = result.with_name(f".new-{result.name}")
-    companions = [(fresh.with_suffix(".md"), result.with_suffix(".md"))]
-    for stale in (fresh, companions[0][0]):
-        stale.unlink(missing_ok=True)
+    scratch = (fresh, fresh.with_suffix(".md"))
+    for path in scratch:  # a killed run's leftovers must not pass for this child's output
+        path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", module, *[str(fresh) if a == str(result) else a for a in args]]
     if module == "leantune.bench.e2e":
         cmd += ["--result", str(fresh)]
@@ -457,14 +458,14 @@ def run_child(args: list[str], result: Path, log: Path, timeout_s: float, *,
         wall = time.perf_counter() - t0
         if rc == 0 and fresh.exists():
             found = json.loads(fresh.read_text())
-            os.replace(fresh, result)
-            for new, final in companions:
-                if new.exists():
-                    os.replace(new, final)
+            if keep:
+                os.replace(fresh, result)
+                if scratch[1].exists():
+                    os.replace(scratch[1], result.with_suffix(".md"))
             return {**found, "wall_s": wall}
     finally:  # also on Ctrl-C: no scratch result left for `bench report` to find
-        for stale in (fresh, companions[0][0]):
-            stale.unlink(missing_ok=True)
+        for path in scratch:
+            path.unlink(missing_ok=True)
     if rc is None:
         return {"status": "timeout", "error": f"killed after {timeout_s:.0f} s", "wall_s": timeout_s}
     tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-400:]
@@ -534,14 +535,12 @@ def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *,
         if not budget.can_start():
             log(f"not run (budget of {budget_s:.0f} s spent): {spec.name}")
             continue
-        scratch = out / f".run-{spec.name}.json"  # the parent decides below what goes under the final name
-        result = run_child(["--one", json.dumps(dataclasses.asdict(spec))], scratch, out / f"{spec.name}.log",
-                           budget.left())
-        scratch.unlink(missing_ok=True)
+        path = out / f"{spec.name}.json"
+        result = run_child(["--one", json.dumps(dataclasses.asdict(spec))], path, out / f"{spec.name}.log",
+                           budget.left(), keep=False)  # stored below, with the parent's fields
         budget.record(result.get("wall_s", 0.0))
         result = _attach({**dataclasses.asdict(spec), "model": model_name(spec.config), "name": spec.name,
                           **result}, ceilings)
-        path = out / f"{spec.name}.json"
         # an oom, error or crash of a rerun keeps the earlier measurement (the log has this run's)
         if result.get("status") != "ok" and _ok_result(path):
             log(f"{spec.name}: kept the earlier result in {path} (this run: {result.get('status')})")
@@ -582,9 +581,8 @@ def run_max_context(config_path: str, impls: list[str], out: Path, *, lo: int, h
 
         def fits(seq: int, impl=impl, details=probes_detail) -> bool | None:
             spec = RunSpec(impl, config_path, seq, 1, True, warmup=0, steps=1, seed=seed, layers=layers)
-            r = run_child(["--one", json.dumps(dataclasses.asdict(spec))], out / ".probe.json",
-                          out / f"probe_{spec.name}.log", budget.left())
-            (out / ".probe.json").unlink(missing_ok=True)  # its content is in probe_details
+            r = run_child(["--one", json.dumps(dataclasses.asdict(spec))], out / "probe.json",
+                          out / f"probe_{spec.name}.log", budget.left(), keep=False)  # kept in probe_details
             budget.record(r.get("wall_s", 0.0))
             details.append({"seq": seq, "status": r.get("status"), "peak_gib": r.get("peak_gib"),
                             "wall_s": r.get("wall_s"), "error": r.get("error"), "gpu": r.get("gpu"),

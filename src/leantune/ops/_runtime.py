@@ -35,6 +35,18 @@ def interpreting() -> bool:
 KERNELS_INTERPRETED = interpreting()
 
 
+def backend_choice() -> str:
+    """``LEANTUNE_BACKEND`` as one of BACKENDS (unset or empty: ``"auto"``; case and spaces ignored).
+
+    Raises:
+        ValueError: any other value.
+    """
+    choice = os.environ.get("LEANTUNE_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"LEANTUNE_BACKEND must be auto, triton or torch; got {choice!r}")
+    return choice
+
+
 def backend(device: torch.device) -> str:
     """The implementation to use for tensors on ``device``: ``"triton"`` or ``"torch"``.
 
@@ -42,9 +54,7 @@ def backend(device: torch.device) -> str:
         ValueError: ``LEANTUNE_BACKEND`` is not one of auto, triton, torch.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` for non-CUDA tensors without the Triton interpreter.
     """
-    choice = os.environ.get("LEANTUNE_BACKEND", "auto").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"LEANTUNE_BACKEND must be one of {', '.join(BACKENDS)}; got {choice!r}")
+    choice = backend_choice()
     if choice == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if choice == "triton" and device.type != "cuda" and not interpreting():

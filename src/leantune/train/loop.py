@@ -308,19 +308,35 @@ class Aborted(KeyboardInterrupt):
         self.signum = signum
 
 
-class _GracefulInterrupt:
-    """First Ctrl-C or SIGTERM (``docker stop``, a scheduler's preemption): finish the current step, save a
-    checkpoint, stop. A second one: abort at once."""
+class _SignalHandlers:
+    """Context manager installing ``_handle`` for ``SIGNALS`` (only the main thread can) and putting the previous
+    handlers back on exit (SIG_DFL for one installed from C, which Python cannot reinstall)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __enter__(self):
-        self.requested = False
-        self.signum = None  # the first signal, for the exit status (128 + signum, as a shell reports it)
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
+
+    def _handle(self, signum, frame):
+        raise NotImplementedError
+
+    def __exit__(self, *exc):
+        for sig, previous in self.previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        return False
+
+
+class _GracefulInterrupt(_SignalHandlers):
+    """First Ctrl-C or SIGTERM (``docker stop``, a scheduler's preemption): finish the current step, save a
+    checkpoint, stop. A second one: abort at once."""
+
+    def __enter__(self):
+        self.requested = False
+        self.signum = None  # the first signal, for the exit status (128 + signum, as a shell reports it)
+        return super().__enter__()
 
     def _handle(self, signum, frame):
         if self.requested:
@@ -329,51 +345,29 @@ class _GracefulInterrupt:
         _say(f"leantune: {signal.Signals(signum).name}: finishing the current step (or the final eval) and saving "
              "(again to abort)")
 
-    def __exit__(self, *exc):
-        for sig, previous in self.previous.items():
-            signal.signal(sig, previous)
-        return False
 
-
-class _TerminateAborts:
+class _TerminateAborts(_SignalHandlers):
     """SIGTERM raises :class:`Aborted` (as Ctrl-C raises KeyboardInterrupt) while a command writes files, so that its
     cleanup runs (a replaced run put back, a half-written export removed) instead of the process dying mid-write."""
 
-    def __enter__(self):
-        self.installed = threading.current_thread() is threading.main_thread()
-        if self.installed:
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
+    SIGNALS = (signal.SIGTERM,)
 
-    @staticmethod
-    def _handle(signum, frame):
+    def _handle(self, signum, frame):
         raise Aborted(signum)
 
-    def __exit__(self, *exc):
-        if self.installed:  # None: a handler installed from C, which Python cannot reinstall; the default then
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
-        return False
 
-
-class _SignalsDeferred:
+class _SignalsDeferred(_SignalHandlers):
     """Ctrl-C and SIGTERM only noted (not acted on) while a cleanup moves files back, so that a second signal cannot
     cut the cleanup itself short. Handlers, not a signal mask: Python runs handlers in the main thread whichever
     thread the kernel delivers to (torch keeps worker threads, which a mask of the main thread does not cover). The
     cleanups this guards run while an abort is already under way, so a noted signal changes nothing after them."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
     def __enter__(self):
-        self.noted, self.previous = [], {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self.previous[sig] = signal.signal(sig, lambda signum, frame: self.noted.append(signum))
-        return self
+        self.noted = []
+        return super().__enter__()
 
-    def __exit__(self, *exc):
-        for sig, previous in self.previous.items():
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        return False
+    def _handle(self, signum, frame):
+        self.noted.append(signum)
 
 
 @dataclass
@@ -416,12 +410,19 @@ def _replaced_runs(output: Path) -> list[Path]:
     return [p for p in output.glob(REPLACED + "*") if p.is_dir() and read_run_info(p) is not None]
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` (made absolute) or its nearest existing parent: where a folder that does not exist yet would be
+    created, and what must be a writable directory for that."""
+    probe = path.absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    return probe
+
+
 def _check_writable(output: Path) -> None:
     """The output folder (or the first existing folder above it, where it will be created) is a folder that can be
     written: checked before the model is loaded, not discovered as a traceback after."""
-    probe = output.absolute()
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
+    probe = nearest_existing(output)
     if not probe.is_dir():
         raise LeantuneError(f"output path {output}: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
@@ -575,6 +576,14 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
         _release_lock(output)
 
 
+def _remove(path: Path) -> None:
+    """Delete a file or a folder tree if it exists (a symlink is removed, never followed)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)  # best effort: a cleanup must not mask the error that called it
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _new_run_has_checkpoint(output: Path, kept: Path, previous: list[str]) -> bool:
     """Whether ``output``'s checkpoints are the new run's (the previous run's may not have been moved aside yet)."""
     if checkpoint.CHECKPOINTS in previous and not (kept / checkpoint.CHECKPOINTS).exists():
@@ -590,10 +599,7 @@ def _put_back(output: Path, kept: Path, previous: list[str]) -> None:
         new, old = output / name, kept / name
         if name in previous and not old.exists():  # never moved: it is still the previous run's own file
             continue
-        if new.is_dir():  # the new run's
-            shutil.rmtree(new)
-        elif new.exists():
-            new.unlink()
+        _remove(new)  # the new run's
         if old.exists():
             os.replace(old, new)
     shutil.rmtree(kept, ignore_errors=True)
@@ -783,13 +789,12 @@ EXPORT_MARKER = "leantune_export.json"
 def _check_export_target(target: Path, overwrite: bool, base_model: Path) -> None:
     """Refuse a file, the run's base model, a non-empty folder without ``overwrite``, and with it any folder that is
     not a leantune export (one holding the marker file: a model folder of save_pretrained's files is not one)."""
-    for parent in (target, *target.parents):
-        if parent.exists() and not parent.is_dir():
-            raise LeantuneError(f"export target {target}: {parent} exists and is not a directory")
+    existing = nearest_existing(target)
+    if not existing.is_dir():
+        raise LeantuneError(f"export target {target}: {existing} exists and is not a directory")
     base = base_model.resolve()
     if target.resolve() in (base, base.parent if base.is_file() else base):
         raise LeantuneError(f"export target {target} is the run's base model; choose another --out")
-    existing = next(p for p in (target, *target.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise LeantuneError(f"export target {target}: cannot write in {existing}")
     if not target.is_dir() or not any(target.iterdir()):
@@ -825,23 +830,22 @@ def _checkpoint_dtype(kind: str, path: Path) -> torch.dtype | None:
     return {frozenset({"BF16"}): torch.bfloat16, frozenset({"F16"}): torch.float16}.get(frozenset(floats))
 
 
-def _untie_embeddings(peft_model) -> bool:
+def _untie_embeddings(peft_model) -> None:
     """Give the output projection its own copy of a weight it shares with the input embeddings when a LoRA sits on
     either of them, so that merging changes only the adapted one (merged into the shared matrix, an lm_head adapter
-    would change the input embeddings too, and an embed_tokens adapter the output logits). Returns whether it
-    untied; the merged model's config then says the embeddings are not tied."""
+    would change the input embeddings too, and an embed_tokens adapter the output logits). The merged model's
+    config then says the embeddings are not tied."""
     model = peft_model.get_base_model()
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or embed is None:
-        return False
+        return
     head_owner, embed_owner = getattr(head, "base_layer", head), getattr(embed, "base_layer", embed)
     adapted = head_owner is not head or embed_owner is not embed
     if not adapted or head_owner.weight is not embed_owner.weight:
-        return False
+        return
     head_owner.weight = torch.nn.Parameter(embed_owner.weight.detach().clone(), requires_grad=False)
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.tie_word_embeddings = False
-    return True
 
 
 def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
@@ -954,9 +958,6 @@ def _write_into_empty(target: Path, merged, tokenizer, marker: dict) -> None:
     except BaseException as exc:
         with _SignalsDeferred():
             for path in (*(target / name for name in names), tmp):
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+                _remove(path)
         _export_error(target, exc)
         raise
