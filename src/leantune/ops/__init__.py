@@ -3,8 +3,12 @@
 The signatures and semantics are fixed by DESIGN.md's public API contract. Every backward is derived by hand and
 is once-differentiable: first gradients work under ``create_graph=True``, a gradient of a gradient raises
 RuntimeError ("trying to differentiate twice") rather than silently dropping the second-order terms.
+
+``backend(device)`` names the implementation the ops pick for tensors on a device and ``backend_choice()`` the
+validated ``LEANTUNE_BACKEND`` setting, so callers (the CLI) check the setting up front without private names.
 """
 
+from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
@@ -14,6 +18,8 @@ from .rope import rope
 
 __all__ = [
     "LoraWeights",
+    "backend",
+    "backend_choice",
     "cross_entropy",
     "geglu",
     "linear_cross_entropy",
