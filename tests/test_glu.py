@@ -1,8 +1,6 @@
 """ops.swiglu / ops.geglu and glu_forward / glu_backward vs the float64 formulas, torch eager, and their input
 errors."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -329,74 +327,3 @@ def test_int64_offsets_beyond_2_31_elements():
     h = ops.geglu(base[:, :width], base[:, width:])
     assert base.numel() > 2**31
     assert_close("h", h[-3:], geglu_ref(base[-3:, :width], base[-3:, width:]), torch.bfloat16)
-
-
-# ------------------------------------------------------------------------------------- glu_forward_lowrank (LoRA)
-def _lowrank_inputs(rows, inter, ranks, base_dtype, lora_dtype):
-    gate = (torch.randn(rows, inter, device=DEVICE) * 2).to(base_dtype)
-    up = torch.randn(rows, inter, device=DEVICE).to(base_dtype)
-    terms = []
-    for rank in ranks:
-        xa = torch.randn(rows, rank, device=DEVICE).to(lora_dtype)
-        b = (torch.randn(inter, rank, device=DEVICE) / math.sqrt(rank)).to(lora_dtype)
-        terms.append((xa, b, 0.5 + torch.rand(()).item()))
-    return gate, up, terms
-
-
-def _lowrank_ref(gate, up, terms, activation):
-    """float64 gate/up sums and h = act(gate) * up from them."""
-    sums = [base.double() + s * xa.double() @ b.double().T for base, (xa, b, s) in zip((gate, up), terms)]
-    return sums[0], sums[1], _fns(activation)[1](*sums)
-
-
-@pytest.mark.parametrize("ranks", [(1, 8), (16, 64), (100, 3)], ids=str)  # 100: loops over rank tiles
-@pytest.mark.parametrize("base_dtype,lora_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                                   (torch.bfloat16, torch.bfloat16)], ids=str)
-def test_glu_forward_lowrank_matches_reference(backend, base_dtype, lora_dtype, ranks):
-    """Gate/up get their B terms in place (summed in fp32, cast once), h comes from the stored values (so a recompute
-    from the saved gate/up, as the LoRA MLP backward does, gives the same h exactly); rows/columns not multiples of
-    the blocks (small blocks under the interpreter)."""
-    launch = {"block_n": 16, "block_i": 32} if backend == "triton" and not ON_GPU else {}
-    activations = ACTIVATIONS if ranks == (1, 8) else ["swiglu"]
-    for activation in activations:
-        gate, up, terms = _lowrank_inputs(19, 100, ranks, base_dtype, lora_dtype)
-        ref_gate, ref_up, ref_h = _lowrank_ref(gate, up, terms, activation)
-        ptrs = gate.data_ptr(), up.data_ptr()
-        (xa_g, b_g, s_g), (xa_u, b_u, s_u) = terms
-        h = glu.glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, **launch)
-        assert (gate.data_ptr(), up.data_ptr()) == ptrs and h.dtype == base_dtype and h.shape == gate.shape
-        # half precision: the bar is the exact sum rounded once to the base dtype
-        eager = [None if base_dtype == torch.float32 else r.to(base_dtype) for r in (ref_gate, ref_up, ref_h)]
-        assert_close("gate", gate, ref_gate, base_dtype, eager[0])
-        assert_close("up", up, ref_up, base_dtype, eager[1])
-        assert_close("h", h, ref_h, base_dtype, eager[2])
-        assert torch.equal(h, glu.glu_forward(gate, up, activation)), "h must equal the recompute from gate/up"
-
-
-def test_glu_forward_lowrank_strided_factors_and_errors(backend):
-    """xa as column slices of one concatenated [N, r_g + r_u] buffer (as lora_qkv/lora_mlp produce); input errors."""
-    gate, up, _ = _lowrank_inputs(7, 40, (), torch.float32, torch.float32)
-    xa_cat = torch.randn(7, 12, device=DEVICE)
-    b_g, b_u = torch.randn(40, 8, device=DEVICE), torch.randn(40, 4, device=DEVICE)
-    terms = [(xa_cat[:, :8], b_g, 0.25), (xa_cat[:, 8:], b_u, 2.0)]
-    ref_gate, ref_up, ref_h = _lowrank_ref(gate, up, terms, "geglu_erf")
-    h = glu.glu_forward_lowrank(gate, up, *terms[0], *terms[1], "geglu_erf")
-    for name, out, ref in (("gate", gate, ref_gate), ("up", up, ref_up), ("h", h, ref_h)):
-        assert_close(name, out, ref, torch.float32)
-    xa = xa_cat[:, :8]
-    calls = [
-        (lambda: glu.glu_forward_lowrank(gate, up, xa[:6], b_g, 1.0, xa, b_g, 1.0, "swiglu"), r"xa_g must have shape"),
-        (lambda: glu.glu_forward_lowrank(gate, up, xa, b_g[:39], 1.0, xa, b_g, 1.0, "swiglu"), r"b_g must have shape"),
-        (lambda: glu.glu_forward_lowrank(gate, up, xa, b_g, 1.0, xa, b_g.half(), 1.0, "swiglu"), "share a dtype"),
-        (lambda: glu.glu_forward_lowrank(gate, up.half(), xa, b_g, 1.0, xa, b_g, 1.0, "swiglu"), "share a dtype"),
-        (lambda: glu.glu_forward_lowrank(gate, gate, xa, b_g, 1.0, xa, b_g, 1.0, "swiglu"), "must not overlap"),
-        (lambda: glu.glu_forward_lowrank(gate.t(), up.t(), xa, b_g, 1.0, xa, b_g, 1.0, "swiglu"), "unit last stride"),
-        (lambda: glu.glu_forward_lowrank(gate[None], up[None], xa, b_g, 1.0, xa, b_g, 1.0, "swiglu"), "2-D"),
-        (lambda: glu.glu_forward_lowrank(gate, up, xa, b_g, 1.0, xa, b_g, 1.0, "relu"), "activation must be one of"),
-    ]
-    before = gate.clone()
-    for call, match in calls:
-        with pytest.raises(ValueError, match=match):
-            call()
-    assert torch.equal(gate, before), "a rejected call must not write"
-

@@ -14,6 +14,8 @@ from torch import nn
 
 from leantune import ops
 from leantune.ops import lora
+from leantune.ops.lora import api as lora_api
+from leantune.ops.lora import kernels
 
 LOW = torch.bfloat16
 # the interpreter costs ~1 ms per program: small widths there (DESIGN.md)
@@ -597,10 +599,10 @@ def test_skinny_kernels_match_float64(monkeypatch, rank, factor_dtype):
         for drop in (False, True):
             m = mask if drop else 1.0
             kw = dict(seeds=seeds, index=1, p=p) if drop else {}
-            c = lora._skinny_matmul(a, b.T, 0.5, precision=precision, **SMALL, **kw)
+            c = kernels.skinny_matmul(a, b.T, 0.5, precision=precision, **SMALL, **kw)
             assert c.dtype == torch.float32 and c.shape == (rows, rank)
             assert rel_err(c, 0.5 * (a.to(F64) * m) @ b.to(F64).T) <= 1e-6, (act_dtype, precision, drop)
-            t = lora._skinny_tn(lhs, a, 2.0, precision=precision, **SMALL, **kw)
+            t = kernels.skinny_tn(lhs, a, 2.0, precision=precision, **SMALL, **kw)
             assert t.dtype == torch.float32 and t.shape == (rank, width)
             assert rel_err(t, 2.0 * lhs.to(F64).T @ (a.to(F64) * m)) <= 1e-6, (act_dtype, precision, drop)
 
@@ -614,16 +616,16 @@ def test_skinny_kernels_strided_outputs_and_splits(monkeypatch):
     ref = 3.0 * xa.double().T @ x.double()
     for per_sm, block_m in ((1, 64), (4, 16)):  # splits == 1 writes the view directly; > 1 sums partials
         d_b = torch.full((70, 5), float("nan"), device=DEVICE)
-        out = lora._skinny_tn(xa, x, 3.0, out=d_b.T, block_m=block_m, block_k=32, per_sm=per_sm)
+        out = kernels.skinny_tn(xa, x, 3.0, out=d_b.T, block_m=block_m, block_k=32, per_sm=per_sm)
         assert out.data_ptr() == d_b.data_ptr()
         assert rel_err(d_b.T, ref) <= 1e-6
     factor = torch.randn(70, 12, device=DEVICE)[:, 4:9]  # strided factor, bf16 result cast once
-    c = lora._skinny_matmul(x, factor, out_dtype=LOW, **SMALL)
+    c = kernels.skinny_matmul(x, factor, out_dtype=LOW, **SMALL)
     assert c.dtype == LOW and rel_err(c, x.double() @ factor.double()) <= 1e-2
-    assert lora._skinny_matmul(x[:0], torch.randn(70, 4, device=DEVICE)).shape == (0, 4)
-    assert torch.equal(lora._skinny_tn(torch.randn(0, 4, device=DEVICE), x[:0]), torch.zeros(4, 70, device=DEVICE))
+    assert kernels.skinny_matmul(x[:0], torch.randn(70, 4, device=DEVICE)).shape == (0, 4)
+    assert torch.equal(kernels.skinny_tn(torch.randn(0, 4, device=DEVICE), x[:0]), torch.zeros(4, 70, device=DEVICE))
     with pytest.raises(ValueError, match="precision must be"):
-        lora._skinny_matmul(x, torch.randn(70, 4, device=DEVICE), precision="tf32")
+        kernels.skinny_matmul(x, torch.randn(70, 4, device=DEVICE), precision="tf32")
 
 
 class _CopyRecorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -665,8 +667,8 @@ def test_mlp_fuses_lowrank_into_glu_on_triton(monkeypatch):
     per-projection low-rank add are not called in forward); the result is the float64 formula."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
     calls = []
-    glu_forward = lora.glu_forward
-    monkeypatch.setattr(lora, "glu_forward", lambda *a: calls.append("glu_forward") or glu_forward(*a))
+    glu_forward = lora_api.glu_forward
+    monkeypatch.setattr(lora_api, "glu_forward", lambda *a: calls.append("glu_forward") or glu_forward(*a))
     for rank, ldt in ((64, torch.float32), (16, LOW)):
         x = torch.randn(2, 9, IN, device=DEVICE).to(LOW).requires_grad_()
         gate, up, down = _proj(IN, 100, rank, LOW, ldt), _proj(IN, 100, 1, LOW, ldt), _proj(100, IN, 8, LOW, ldt)

@@ -33,14 +33,9 @@ views (e.g. gate/up as the two halves of a fused gate_up projection, no copy). O
 than 2^31 elements work. Differences from HF's eager expression: HF rounds act(g) to the model dtype, then rounds the
 product again; we round once, so we are at least as close to the exact value.
 
-``glu_forward``/``glu_backward`` are the autograd-free entry points for fused callers (the LoRA MLP);
+``glu_forward``/``glu_backward`` are the autograd-free entry points for fused callers (the LoRA MLP, whose fused
+low-rank forward :mod:`leantune.ops.lora.glu_lowrank` reuses ``glu_activation`` and ``check_inputs``);
 ``glu_backward(..., inplace=True)`` writes d_gate over gate and d_up over up, for buffers the caller owns.
-
-``glu_forward_lowrank`` is the LoRA MLP's forward pass (PEFT: gate = x W_g^T + s_g xa_g B_g^T, likewise up): per
-``[BLOCK_N, BLOCK_I]`` tile it loads the base gate/up, adds s * xa @ B^T (a ``tl.dot`` over r in fp32; IEEE for fp32
-adapters), rounds once to the stored dtype, writes gate/up back in place (the caller saves them for backward) and
-writes h from the rounded values, so h recomputed from the saved buffers in backward equals the forward's h.
-Traffic: reads 2, writes 3 [N, I] tensors, against 2 + 2 (two low-rank adds) + 2 + 1 (GLU) unfused.
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _dot, _runtime
-from ._dot import mixed_dot
+from . import _runtime
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu_erf")
 APPROXIMATIONS = {"tanh": "geglu_tanh", "none": "geglu_erf"}
@@ -80,7 +74,7 @@ def _normal_cdf(g):
 
 
 @triton.jit
-def _glu_activation(g, ACTIVATION: tl.constexpr):
+def glu_activation(g, ACTIVATION: tl.constexpr):
     """act(g) and act'(g) in fp32 (the unused one is dead code in the forward and compiled away)."""
     if ACTIVATION == "swiglu":
         s = tl.sigmoid(g)
@@ -111,7 +105,7 @@ def _glu_forward_kernel(
     mask = cols < n_cols
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    act, _ = _glu_activation(g, ACTIVATION)
+    act, _ = glu_activation(g, ACTIVATION)
     tl.store(H + row * stride_h + cols, (act * u).to(H.dtype.element_ty), mask=mask)
 
 
@@ -129,58 +123,9 @@ def _glu_backward_kernel(
     dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    act, d_act = _glu_activation(g, ACTIVATION)
+    act, d_act = glu_activation(g, ACTIVATION)
     tl.store(DU + row * stride_du + cols, (dh * act).to(DU.dtype.element_ty), mask=mask)
     tl.store(DG + row * stride_dg + cols, (dh * u * d_act).to(DG.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _lowrank_tile(XA, B, rows64, cols, row_ok, col_ok, stride_xa, stride_b, rank,
-                  DOT_MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_I: tl.constexpr):
-    """xa[rows, :rank] @ B[cols, :rank]^T in fp32, BLOCK_R rank columns at a time (DOT_MODE 0: fp32 factors; 2:
-    16-bit factors; see _dot.py)."""
-    acc = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        r_ok = rr < rank
-        xa = tl.load(XA + rows64[:, None] * stride_xa + rr[None, :], mask=row_ok[:, None] & r_ok[None, :],
-                     other=0.0)
-        bt = tl.load(B + cols.to(tl.int64)[None, :] * stride_b + rr[:, None], mask=r_ok[:, None] & col_ok[None, :],
-                     other=0.0)
-        acc = mixed_dot(acc, xa, bt, True, DOT_MODE, UPCAST)
-    return acc
-
-
-@triton.jit
-def _glu_forward_lowrank_kernel(
-    G, U, H, XA_G, B_G, XA_U, B_U,
-    stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
-    n_rows, n_cols, rank_g, rank_u, scale_g, scale_u,
-    ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
-):
-    """G = cast(G + s_g xa_g B_g^T), U likewise (in place), H = act(G) * U from the rounded G, U."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    rows64 = rows.to(tl.int64)
-    row_ok = rows < n_rows
-    col_ok = cols < n_cols
-    mask = row_ok[:, None] & col_ok[None, :]
-    acc_g = _lowrank_tile(XA_G, B_G, rows64, cols, row_ok, col_ok, stride_xag, stride_bg, rank_g,
-                          DOT_MODE, UPCAST, BLOCK_RG, BLOCK_N, BLOCK_I)
-    g = tl.load(G + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = (g + scale_g * acc_g).to(G.dtype.element_ty)
-    tl.store(G + rows64[:, None] * stride_g + cols[None, :], g, mask=mask)
-    acc_u = _lowrank_tile(XA_U, B_U, rows64, cols, row_ok, col_ok, stride_xau, stride_bu, rank_u,
-                          DOT_MODE, UPCAST, BLOCK_RU, BLOCK_N, BLOCK_I)
-    u = tl.load(U + rows64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = (u + scale_u * acc_u).to(U.dtype.element_ty)
-    tl.store(U + rows64[:, None] * stride_u + cols[None, :], u, mask=mask)
-    # h from the stored (rounded) gate/up: the backward's recompute from the saved buffers sees the same values
-    act, _ = _glu_activation(g.to(tl.float32), ACTIVATION)
-    h = act * u.to(tl.float32)
-    tl.store(H + rows64[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------- launchers
@@ -237,29 +182,6 @@ def _backward_triton(dh, gate, up, activation, inplace, *, block=None, num_warps
     return d_gate.view(gate.shape), d_up.view(up.shape)
 
 
-def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, out_dtype, *, block_n=64,
-                            block_i=128, num_warps=8):
-    """``block_n``/``block_i``/``num_warps`` override the defaults (for tuning on the GPU)."""
-    n_rows, n_cols = gate.shape
-    h = _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=gate.device)
-    xa_g, xa_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (xa_g, xa_u))
-    b_g, b_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (b_g, b_u))
-    lora_dtype = xa_g.dtype
-    dot_mode = _dot.DOT_NATIVE if lora_dtype in (torch.float16, torch.bfloat16) else _dot.DOT_IEEE
-    grid = (_runtime.cdiv(n_rows, block_n), _runtime.cdiv(n_cols, block_i))
-    _glu_forward_lowrank_kernel[grid](
-        gate, up, h, xa_g, b_g, xa_u, b_u,
-        gate.stride(0), up.stride(0), h.stride(0), xa_g.stride(0), b_g.stride(0), xa_u.stride(0), b_u.stride(0),
-        n_rows, n_cols, xa_g.shape[1], xa_u.shape[1], float(s_g), float(s_u),
-        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED,
-        BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=_runtime.rank_block(xa_g.shape[1]),
-        BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), num_warps=num_warps,
-    )
-    torch.autograd.graph.increment_version(gate)  # written behind autograd's back
-    torch.autograd.graph.increment_version(up)
-    return h
-
-
 def _activation_torch(g, activation):
     """act(g), act'(g) for fp32 g: the formulas of the kernel, in torch."""
     if activation == "swiglu":
@@ -275,12 +197,6 @@ def _activation_torch(g, activation):
 def _forward_torch(gate, up, activation, out_dtype):
     act, _ = _activation_torch(gate.float(), activation)
     return (act * up.float()).to(out_dtype)
-
-
-def _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, out_dtype):
-    for base, xa, b, s in ((gate, xa_g, b_g, s_g), (up, xa_u, b_u, s_u)):
-        base.copy_(base.float() + s * (xa.float() @ b.float().T))  # summed in fp32, cast once by copy_
-    return _forward_torch(gate, up, activation, out_dtype)
 
 
 def _backward_torch(dh, gate, up, activation, inplace):
@@ -312,7 +228,7 @@ def _backward(dh, gate, up, activation, impl, inplace):
 
 
 # ------------------------------------------------------------------------------------------------------ checks
-def _check_inputs(gate, up, activation, dh=None):
+def check_inputs(gate, up, activation, dh=None):
     _runtime.check_tensor("gate", gate)
     _runtime.check_tensor("up", up)
     if dh is not None:
@@ -334,18 +250,6 @@ def _overlap(a, b):
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _overlap_rows(a, b):
-    """Whether the byte ranges spanned by two [N, I] tensors (any row stride) intersect; conservative for interleaved
-    row-strided halves of one buffer (e.g. a fused gate_up output), which the caller then must not pass."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    def span(t):
-        start = t.data_ptr()
-        return start, start + ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
 # ------------------------------------------------------------------------------------------------ autograd + API
 def glu_forward(gate, up, activation):
     """h = act(gate) * up without autograd (for fused callers); see :func:`swiglu` for shapes and dtypes.
@@ -360,62 +264,9 @@ def glu_forward(gate, up, activation):
     Raises:
         ValueError: unsupported dtype, shape mismatch, different devices, unknown activation.
     """
-    impl = _check_inputs(gate, up, activation)
+    impl = check_inputs(gate, up, activation)
     with torch.no_grad():
         return _forward(gate, up, activation, impl)
-
-
-def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, **launch):
-    """The LoRA MLP's gate/up low-rank terms fused into h = act(gate) * up, without autograd.
-
-    gate <- cast(gate + s_g xa_g b_g^T), up <- cast(up + s_u xa_u b_u^T), written in place (the sum formed in fp32
-    from the stored values, cast once to the buffer's dtype), then h = act(gate) * up computed from the values as
-    stored, so a recompute of h from the saved gate/up (the LoRA MLP backward) matches this forward exactly. One
-    pass over gate/up instead of a low-rank add per projection followed by :func:`glu_forward`.
-
-    Args:
-        gate, up: ``[N, I]`` base projection outputs, one float dtype, unit last stride, not overlapping (overwritten).
-        xa_g, xa_u: ``[N, r_g]``, ``[N, r_u]`` (= (m x) A^T); b_g, b_u: ``[I, r]`` (lora_B); all four of one dtype
-            (the LoRA dtype); r >= 1.
-        s_g, s_u: scalings (real numbers).
-        activation: one of ``ACTIVATIONS``.
-        **launch: Triton path only: ``block_n``, ``block_i``, ``num_warps`` (GPU tuning).
-
-    Returns:
-        ``h [N, I]`` in gate's dtype (gate and up share it).
-
-    Raises:
-        ValueError: shapes, dtypes, devices, strides or overlap as above; unknown activation.
-    """
-    impl = _check_inputs(gate, up, activation)
-    if gate.dim() != 2:
-        raise ValueError(f"gate must be 2-D [N, I], got shape {tuple(gate.shape)}")
-    if gate.dtype != up.dtype:
-        raise ValueError(f"gate and up must share a dtype, got {gate.dtype} and {up.dtype}")
-    for name, t in (("gate", gate), ("up", up)):
-        if t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name} must have unit last stride (written in place), got strides {tuple(t.stride())}")
-    if _overlap_rows(gate, up):
-        raise ValueError("gate and up must not overlap in memory (both are written in place)")
-    n_rows, n_cols = gate.shape
-    for suffix, xa, b in (("g", xa_g, b_g), ("u", xa_u, b_u)):
-        _runtime.check_tensor(f"xa_{suffix}", xa)
-        _runtime.check_tensor(f"b_{suffix}", b)
-        if xa.dim() != 2 or xa.shape[1] < 1:
-            raise ValueError(f"xa_{suffix} must be 2-D [N, r] with r >= 1, got shape {tuple(xa.shape)}")
-        _runtime.check_shape(f"xa_{suffix}", xa, (n_rows, xa.shape[1]), "[N, r] with N = gate's rows")
-        _runtime.check_shape(f"b_{suffix}", b, (n_cols, xa.shape[1]), "[I, r] with I = gate's columns")
-    dtypes = {t.dtype for t in (xa_g, b_g, xa_u, b_u)}
-    if len(dtypes) > 1:
-        raise ValueError(f"xa_g, b_g, xa_u, b_u must share a dtype (the LoRA dtype), got {sorted(map(str, dtypes))}")
-    _runtime.check_same_device(gate=gate, up=up, xa_g=xa_g, b_g=b_g, xa_u=xa_u, b_u=b_u)
-    with torch.no_grad():
-        if gate.numel() == 0:
-            return _runtime.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        if impl == "triton":
-            return _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, gate.dtype,
-                                           **launch)
-        return _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, gate.dtype)
 
 
 def glu_backward(dh, gate, up, activation, *, inplace=False):
@@ -435,7 +286,7 @@ def glu_backward(dh, gate, up, activation, *, inplace=False):
         ValueError: as :func:`glu_forward`, dh's shape differs from gate's, or ``inplace`` with non-contiguous
             or overlapping gate/up.
     """
-    impl = _check_inputs(gate, up, activation, dh)
+    impl = check_inputs(gate, up, activation, dh)
     if inplace:
         for name, t in (("gate", gate), ("up", up)):
             if not t.is_contiguous():
@@ -482,7 +333,7 @@ def swiglu(gate, up):
         ValueError: non-float or unsupported dtype, shape mismatch, tensors on different devices.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    _check_inputs(gate, up, "swiglu")
+    check_inputs(gate, up, "swiglu")
     return GLUFunction.apply(gate, up, "swiglu")
 
 
@@ -504,5 +355,5 @@ def geglu(gate, up, approximate="tanh"):
     if not isinstance(approximate, str) or approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
     activation = APPROXIMATIONS[approximate]
-    _check_inputs(gate, up, activation)
+    check_inputs(gate, up, activation)
     return GLUFunction.apply(gate, up, activation)

@@ -1,0 +1,17 @@
+"""LoRA projections with hand-derived backward: ``lora_linear``, ``lora_qkv``, ``lora_mlp``.
+
+The package, read top down:
+
+- :mod:`.api`: the public functions, their input checks and the two autograd nodes, with the derivation (forward,
+  backward, what is saved, dtypes) in its docstring.
+- :mod:`.passes`: the forward and backward passes of a group of projections that read one input.
+- :mod:`.kernels`: the Triton kernels of the LoRA branch (dropout, low-rank add, skinny products) and launchers.
+- :mod:`.glu_lowrank`: the LoRA MLP's fused forward pass (gate/up low-rank terms added inside the GLU).
+"""
+
+from .api import LoraGroupFunction, LoraMLPFunction, LoraWeights, lora_linear, lora_mlp, lora_qkv
+from .glu_lowrank import glu_forward_lowrank
+from .passes import dropout_mask, dropout_seeds
+
+__all__ = ["LoraGroupFunction", "LoraMLPFunction", "LoraWeights", "dropout_mask", "dropout_seeds",
+           "glu_forward_lowrank", "lora_linear", "lora_mlp", "lora_qkv"]

@@ -1,0 +1,359 @@
+r"""LoRA projections with hand-derived backward: one linear, the q/k/v triple of one input, and the gated MLP.
+
+Forward (Hu et al. 2021, "LoRA"; PEFT ``peft/tuners/lora/layer.py`` ``Linear.forward``), x ``[N, in]``, frozen
+W ``[out, in]``, adapters A ``[r, in]``, B ``[out, r]``, scaling s, dropout mask m = keep / (1 - p):
+
+    y = x W^T + b + s ((m*x) A^T) B^T                      (m = 1 when p = 0 or not training)
+
+Backward, with xa = (m*x) A^T ``[N, r]`` and g = s (dY B) ``[N, r]``:
+
+    dX = dY W + m * (g A)          dA = g^T (m*x)          dB = s dY^T xa
+    db = sum over rows of dY       dW = dY^T x             (only when W requires grad: full fine-tune)
+
+Saved for backward: x and xa (``[N, r]``, small). m*x is not saved: the mask is regenerated from a per-projection
+seed (drawn from torch's generator for x's device, so checkpoint recomputation, which restores the RNG state, draws
+the same one) and applied again in backward. All backward needs goes through ``ctx.save_for_backward``.
+
+Dtypes (PEFT's behaviour): the frozen matmul runs in the compute dtype c = W's dtype (x cast to it), or autocast's
+dtype under ``torch.autocast``; the LoRA branch runs in l = lora_A's dtype (autocast's under autocast); the sum is
+formed in promote(c, l) and cast once to c, the base output's dtype (PEFT's ``result.to(torch_result_dtype)``).
+Gradients come back in their inputs' dtypes.
+
+Groups. ``lora_qkv`` runs q, k, v off one x in one autograd node: x is saved once; without dropout the three A's are
+concatenated (a copy of ``3 r in`` elements, free next to x) so x is read once for xa, and once for dA; dX is one
+buffer that every frozen and LoRA term is accumulated into (``addmm_`` with beta = 1).
+
+``lora_mlp``: y = down(act(gate(x)) * up(x)) with each projection a LoRA linear (HF LlamaMLP/GemmaMLP with PEFT on
+all three). It saves x and the gate and up outputs (plus the ``[N, r]`` xa's) but not h = act(gate) * up: backward
+recomputes h (needed for down's dA and dW), forms dh = dY W_down + m*(g_down A_down), and the GLU backward writes
+d_gate, d_up into the saved gate/up buffers (this node owns them). Saved bytes N (H + 2I) elt + O(N r) against
+PEFT's N (H + 4I) elt (it also keeps act(gate) and h).
+
+Passes. Frozen and LoRA matmuls go through torch (cuBLAS). When the LoRA branch has the base's dtype and there is no
+dropout, the B term is added into the base output inside the GEMM (``addmm_``, beta = 1, alpha = s): one pass.
+Otherwise one Triton kernel (``kernels._lowrank_add_kernel``) forms base + s * m * (P @ Q) for the small rank-R
+product in fp32 registers, casts once and stores in place (in backward it also writes m*x for dA, so the mask is
+generated once per pass); ``kernels._dropout_kernel`` applies the mask in forward. Masks are
+``tl.rand(seed, row * width + col)`` on the Triton path and ``torch.rand`` with a seeded ``torch.Generator`` on the
+torch path (the two differ, as docs/design.md, "Backends" allows).
+
+Skinny products (Triton path). With PEFT's fp32 adapters under a bf16/fp16 base, xa = x A^T, g = s dY B,
+dA = g^T (m*x) and dB = s dY^T xa would need fp32 copies of x (or h) and of every dY ([N, in], [N, out]: the bulk of
+the LoRA branch's traffic). ``kernels._skinny_matmul_kernel`` (C[M, r] = A[M, K] @ B[K, r], split-K) and
+``kernels._skinny_tn_kernel`` (C[r, K] = P[M, r]^T @ X[M, K], split-M) read the activation tile as stored and form the
+product in fp32 registers: bf16 x fp32 as three bf16 tensor-core dots against an exact three-way bf16 split of the
+fp32 factor (every bf16 product is exact in fp32, accumulation is fp32), fp16/fp32 x fp32 as an IEEE fp32 dot;
+``precision="ieee"`` forces the latter. Partials of the splits are summed by torch in a fixed order (deterministic).
+They also take dropout: the mask is regenerated in registers from the seed and applied as a 0/1 product (as
+PEFT's dropout multiplies: a NaN/inf input element stays non-finite where dropped), so m*x is never stored. Used
+where the upcast to the LoRA dtype is exact (one dtype, or fp32 adapters); otherwise (autocast to bf16 from fp32
+inputs) the LoRA branch rounds its inputs first, as autocast does, through torch.
+
+GLU fusion (Triton path, gate and up both with adapters): the B terms of gate and up are added inside the GLU
+forward pass (:func:`leantune.ops.lora.glu_lowrank.glu_forward_lowrank`), which writes the summed gate/up in place
+(saved for backward) and h from them, instead of a low-rank add over each [N, I] output followed by a GLU pass.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _runtime
+from ..glu import ACTIVATIONS, glu_backward, glu_forward
+from .glu_lowrank import glu_forward_lowrank
+from .passes import Meta, dropout_seeds, group_backward, group_forward
+
+
+class LoraWeights(NamedTuple):
+    """One projection: frozen ``weight [out, in]``, adapters ``lora_A [r, in]``, ``lora_B [out, r]`` (PEFT layout),
+    ``scaling`` (alpha/r, rsLoRA alpha/sqrt(r), ... whatever the caller uses) and ``bias [out]`` or None.
+    ``lora_A = lora_B = None`` is a plain frozen projection."""
+
+    weight: torch.Tensor
+    lora_A: torch.Tensor | None
+    lora_B: torch.Tensor | None
+    scaling: float
+    bias: torch.Tensor | None = None
+
+
+class _Proj(NamedTuple):
+    """One projection's four entries in an autograd node's flat argument list (LoraWeights without the scaling,
+    which rides in ``Meta``): tensors, their ``needs_input_grad`` flags, or their gradients, always in this order."""
+
+    weight: object
+    lora_A: object
+    lora_B: object
+    bias: object
+
+    @classmethod
+    def unflatten(cls, flat, count):
+        """(the first ``count`` projections of ``flat`` as _Proj's, the entries after them)."""
+        width = len(cls._fields)
+        projs = [cls(*flat[j * width:(j + 1) * width]) for j in range(count)]
+        return projs, tuple(flat[count * width:])
+
+    @staticmethod
+    def flatten(projs):
+        """The entries of ``projs`` (any 4-sequences: _Proj's or gradient lists) in one flat list."""
+        return [entry for proj in projs for entry in proj]
+
+
+def _no_autocast(device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+# ------------------------------------------------------------------------------------------------ autograd nodes
+class LoraGroupFunction(torch.autograd.Function):
+    """Autograd node of :func:`lora_linear` and :func:`lora_qkv`: projections of one x (4 tensors each).
+
+    Saves x (as rows), every xa ``[N, r]`` and the dropout seeds; dtypes are resolved by the caller (autocast is
+    applied through ``meta``, so the body runs with autocast off)."""
+
+    @staticmethod
+    def forward(ctx, meta, x, *tensors):
+        x2d = _runtime.as_rows(x)
+        count = len(tensors) // len(_Proj._fields)
+        projs, _ = _Proj.unflatten(tensors, count)
+        n_lora = sum(proj.lora_A is not None for proj in projs)
+        seeds = dropout_seeds(n_lora, x.device) if meta.p > 0 and n_lora else None
+        with _no_autocast(x.device):
+            ys, xas = group_forward(x2d, projs, meta, seeds, 0)
+        ctx.save_for_backward(x2d, seeds, *tensors, *xas)
+        ctx.meta, ctx.count, ctx.x_shape = meta, count, x.shape
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+
+    @staticmethod
+    @_runtime.first_derivative_only
+    def backward(ctx, *dys):
+        x2d, seeds, *rest = ctx.saved_tensors
+        projs, xas = _Proj.unflatten(rest, ctx.count)
+        need_x, *flags = ctx.needs_input_grad[1:]  # after meta: x, then the projections' tensors
+        needs, _ = _Proj.unflatten(flags, ctx.count)
+        with _no_autocast(x2d.device):
+            dx, grads = group_backward(dys, x2d, xas, projs, ctx.meta, seeds, 0, need_x, needs)
+        return (None, None if dx is None else dx.view(ctx.x_shape), *_Proj.flatten(grads))
+
+
+class LoraMLPFunction(torch.autograd.Function):
+    """Autograd node of :func:`lora_mlp`. Saves x (as rows), the gate and up outputs, the xa's and the seeds; h is
+    recomputed in backward and the GLU backward overwrites the saved gate/up buffers with d_gate/d_up."""
+
+    @staticmethod
+    def forward(ctx, meta_gu, meta_down, activation, x, *tensors):
+        x2d = _runtime.as_rows(x)
+        (gate_p, up_p, down_p), _ = _Proj.unflatten(tensors, 3)
+        n_gu_lora = sum(proj.lora_A is not None for proj in (gate_p, up_p))
+        n_lora = n_gu_lora + (down_p.lora_A is not None)
+        seeds = dropout_seeds(n_lora, x.device) if meta_gu.p > 0 and n_lora else None
+        # Triton path with adapters on gate and up: their B terms are added inside the GLU pass (one pass over
+        # gate/up instead of a low-rank add per projection and then the GLU)
+        fuse = meta_gu.impl == "triton" and gate_p.lora_A is not None and up_p.lora_A is not None
+        with _no_autocast(x.device):
+            (gate, up), (xa_g, xa_u) = group_forward(x2d, [gate_p, up_p], meta_gu, seeds, 0, add_lowrank=not fuse)
+            if fuse:
+                ldt = meta_gu.lora_dtype
+                h = glu_forward_lowrank(gate, up, xa_g, gate_p.lora_B.to(ldt), meta_gu.scalings[0],
+                                        xa_u, up_p.lora_B.to(ldt), meta_gu.scalings[1], activation)
+            else:
+                h = glu_forward(gate, up, activation)
+            (y,), (xa_d,) = group_forward(h, [down_p], meta_down, seeds, n_gu_lora)
+        del h  # recomputed in backward
+        ctx.save_for_backward(x2d, gate, up, seeds, *tensors, xa_g, xa_u, xa_d)
+        ctx.metas, ctx.activation, ctx.x_shape, ctx.n_gu_lora = (meta_gu, meta_down), activation, x.shape, n_gu_lora
+        ctx.used = False
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @_runtime.first_derivative_only
+    def backward(ctx, dy):
+        if ctx.used:
+            raise RuntimeError("lora_mlp's backward overwrites its saved activations and cannot run twice "
+                               "(retain_graph=True is not supported)")
+        ctx.used = True
+        x2d, gate, up, seeds, *rest = ctx.saved_tensors
+        (gate_p, up_p, down_p), (xa_g, xa_u, xa_d) = _Proj.unflatten(rest, 3)
+        meta_gu, meta_down = ctx.metas
+        need_x, *flags = ctx.needs_input_grad[3:]  # after the metas and activation: x, then the projections' tensors
+        (gate_needs, up_needs, down_needs), _ = _Proj.unflatten(flags, 3)
+        with _no_autocast(x2d.device):
+            h = glu_forward(gate, up, ctx.activation)
+            # dh is always needed: it feeds gate/up
+            dh, (down_grads,) = group_backward([dy], h, [xa_d], [down_p], meta_down, seeds, ctx.n_gu_lora, True,
+                                               [down_needs])
+            del h
+            d_gate, d_up = glu_backward(dh.to(gate.dtype), gate, up, ctx.activation, inplace=True)
+            del dh
+            dx, gu_grads = group_backward([d_gate, d_up], x2d, [xa_g, xa_u], [gate_p, up_p], meta_gu, seeds, 0,
+                                          need_x, [gate_needs, up_needs])
+        return (None, None, None, None if dx is None else dx.view(ctx.x_shape), *_Proj.flatten([*gu_grads, down_grads]))
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _check_projection(name, proj, in_features, device):
+    """Validate one LoraWeights against x's last dim; return it as a tuple of 4 tensors plus scaling."""
+    if not isinstance(proj, LoraWeights):
+        if isinstance(proj, tuple) and len(proj) in (4, 5):
+            proj = LoraWeights(*proj)
+        else:
+            raise ValueError(f"{name.rstrip('.') or 'the projection'} must be a LoraWeights(weight, lora_A, lora_B, "
+                             f"scaling, bias), got {type(proj).__name__}")
+    weight, lora_A, lora_B, scaling, bias = proj
+    _runtime.check_tensor(f"{name}weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"{name}weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    out_features = weight.shape[0]
+    _runtime.check_shape(f"{name}weight", weight, (out_features, in_features), "[out, in] with in = x's last dim")
+    if out_features == 0 or in_features == 0:
+        raise ValueError(f"{name}weight must have out >= 1 and in >= 1 (x's last dim), got shape "
+                         f"{tuple(weight.shape)}")
+    if (lora_A is None) != (lora_B is None):
+        raise ValueError(f"{name}lora_A and {name}lora_B must both be tensors or both be None")
+    if lora_A is not None:
+        _runtime.check_tensor(f"{name}lora_A", lora_A)
+        _runtime.check_tensor(f"{name}lora_B", lora_B)
+        if lora_A.dim() != 2 or lora_A.shape[0] < 1:
+            raise ValueError(f"{name}lora_A must be 2-D [r, in] with r >= 1, got shape {tuple(lora_A.shape)}")
+        rank = lora_A.shape[0]
+        if lora_A.shape[1] != in_features:
+            raise ValueError(f"{name}lora_A must have shape (r, {in_features}) ([r, in] with in = x's last dim, PEFT's "
+                             f"layout), got {tuple(lora_A.shape)}")
+        _runtime.check_shape(f"{name}lora_B", lora_B, (out_features, rank), "[out, r] with out = weight's rows")
+        if lora_A.dtype != lora_B.dtype:
+            raise ValueError(f"{name}lora_A and {name}lora_B must share a dtype, got {lora_A.dtype} and "
+                             f"{lora_B.dtype}")
+        scaling = _runtime.check_real(f"{name}scaling", scaling)
+    if bias is not None:
+        _runtime.check_tensor(f"{name}bias", bias)
+        _runtime.check_shape(f"{name}bias", bias, (out_features,), "[out] with out = weight's rows")
+    for label, t in (("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias)):
+        if t is not None and t.device != device:
+            raise ValueError(f"all tensors must be on one device: x on {device}, {name}{label} on {t.device}")
+    return (weight, lora_A, lora_B, bias), float(scaling) if lora_A is not None else 0.0
+
+
+def _check_x(x):
+    _runtime.check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., in], got a 0-dim tensor")
+
+
+def _check_dropout(dropout):
+    return _runtime.check_real("dropout", dropout, low=0.0, high=1.0, high_open=True, expected="a float in [0, 1)")
+
+
+def _meta(names, checked, x, dropout, training):
+    """One Meta for projections sharing an input: they must share the weight dtype and the LoRA dtype."""
+    if not isinstance(training, bool):
+        raise ValueError(f"training must be True or False, got {training!r}")
+    autocast = _runtime.autocast_dtype(x.device)
+    weight_dtypes = {t[0][0].dtype for t in checked}
+    if len(weight_dtypes) > 1:
+        raise ValueError(f"{', '.join(names)} weights must share a dtype, got {sorted(map(str, weight_dtypes))}")
+    lora_dtypes = {t[0][1].dtype for t in checked if t[0][1] is not None}
+    if len(lora_dtypes) > 1:
+        raise ValueError(f"{', '.join(names)} adapters must share a dtype, got {sorted(map(str, lora_dtypes))}")
+    compute = autocast or weight_dtypes.pop()
+    lora = (autocast or lora_dtypes.pop()) if lora_dtypes else None
+    p = dropout if training and lora is not None else 0.0
+    return Meta(tuple(t[1] for t in checked), p, compute, lora, _runtime.backend(x.device))
+
+
+# ------------------------------------------------------------------------------------------------------- API
+def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, *, dropout=0.0, training=True):
+    """y = x W^T + b + s ((m*x) A^T) B^T with gradients for x, lora_A, lora_B, bias (and W if it requires grad).
+
+    Args:
+        x: ``[..., in]`` float32/float16/bfloat16.
+        weight: ``[out, in]`` frozen weight (a gradient is returned only when it requires grad).
+        lora_A: ``[r, in]``, lora_B: ``[out, r]`` (PEFT layout, one dtype; both None: plain linear).
+        scaling: s, a finite real number (alpha/r, rsLoRA alpha/sqrt(r), ...).
+        bias: ``[out]`` or None.
+        dropout: p in [0, 1) applied to the LoRA branch's input (PEFT's ``lora_dropout``); only when ``training``
+            (a bool).
+
+    Returns:
+        ``y [..., out]`` in the compute dtype: weight's dtype, or autocast's under ``torch.autocast`` (PEFT/HF's).
+        The frozen matmul runs in that dtype, the LoRA branch in lora_A's (autocast's), summed in the promoted dtype.
+
+    Raises:
+        ValueError: shapes that do not match or are empty (the message names the argument), non-float dtypes,
+            lora_A/lora_B of different dtypes, tensors on different devices, dropout outside [0, 1), a scaling that
+            is not a finite number, a training flag that is not a bool.
+
+    Source: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; PEFT
+    ``peft/tuners/lora/layer.py`` ``Linear.forward``; the derivation is in this module's docstring.
+    """
+    return _lora_group(x, [("", LoraWeights(weight, lora_A, lora_B, scaling, bias))], dropout, training)[0]
+
+
+def _lora_group(x, named, dropout, training):
+    _check_x(x)
+    dropout = _check_dropout(dropout)
+    checked = [_check_projection(name, proj, x.shape[-1], x.device) for name, proj in named]
+    meta = _meta([name.rstrip(".") or "the" for name, _ in named], checked, x, dropout, training)
+    flat = _Proj.flatten(tensors for tensors, _ in checked)
+    return LoraGroupFunction.apply(meta, x, *flat)
+
+
+def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
+    """The q, k, v projections of one x in one autograd node: ``(q_out, k_out, v_out)``.
+
+    Args:
+        x: ``[..., H]`` float32/float16/bfloat16.
+        q, k, v: :class:`LoraWeights` with weights ``[out_j, H]`` of one dtype; adapters of one dtype (or None for a
+            plain frozen projection); Qwen2-style biases allowed.
+        dropout, training: as :func:`lora_linear`; one independent mask per projection (seeds in order q, k, v).
+
+    Returns:
+        ``q_out [..., out_q]``, ``k_out [..., out_k]``, ``v_out [..., out_v]``, each exactly :func:`lora_linear`'s
+        value for that projection. x is saved once and dX accumulates in one buffer.
+
+    Raises:
+        ValueError: as :func:`lora_linear` (naming ``q.weight``, ``k.lora_A``, ...), and q/k/v weights or adapters
+            of different dtypes.
+
+    Source: three PEFT ``lora.Linear.forward`` calls on one input (HF attention's q/k/v projections).
+    """
+    return tuple(_lora_group(x, [("q.", q), ("k.", k), ("v.", v)], dropout, training))
+
+
+def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=True):
+    """y = down(act(gate(x)) * up(x)), each projection a LoRA linear (HF LlamaMLP / GemmaMLP under PEFT).
+
+    Args:
+        x: ``[..., H]`` float32/float16/bfloat16.
+        gate, up: :class:`LoraWeights` with weights ``[I, H]``; down: weights ``[H_out, I]``.
+        activation: ``"swiglu"`` (silu, Llama/Qwen/Mistral), ``"geglu_tanh"`` (gelu tanh, Gemma),
+            ``"geglu_erf"`` (exact gelu).
+        dropout, training: as :func:`lora_linear`; one mask per projection (seeds in order gate, up, down).
+
+    Returns:
+        ``y [..., H_out]`` in down's compute dtype. Saves x, gate and up outputs and ``[N, r]`` terms only.
+
+    Raises:
+        ValueError: shape mismatches (naming e.g. ``down.weight``), dtypes, devices, unknown activation, dropout
+            outside [0, 1), a scaling that is not a finite number, a training flag that is not a bool.
+        RuntimeError: a second backward through one forward (``retain_graph=True``): the backward overwrites the
+            saved gate/up outputs with their gradients, which is how the block saves no extra [N, I] buffer.
+
+    Source: HF ``LlamaMLP.forward`` / ``GemmaMLP.forward`` with PEFT ``lora.Linear`` projections; the GLU backward
+    is :mod:`leantune.ops.glu`'s.
+    """
+    _check_x(x)
+    dropout = _check_dropout(dropout)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    gu = [_check_projection(name, proj, x.shape[-1], x.device) for name, proj in (("gate.", gate), ("up.", up))]
+    if gu[0][0][0].shape[0] != gu[1][0][0].shape[0]:
+        raise ValueError(f"gate.weight and up.weight must have the same rows (intermediate size), got "
+                         f"{gu[0][0][0].shape[0]} and {gu[1][0][0].shape[0]}")
+    dn = [_check_projection("down.", down, gu[0][0][0].shape[0], x.device)]
+    meta_gu = _meta(["gate", "up"], gu, x, dropout, training)
+    meta_down = _meta(["down"], dn, x, dropout, training)
+    if meta_gu.p != meta_down.p:  # one of the groups has no adapters: one dropout flag for the whole node
+        p = max(meta_gu.p, meta_down.p)
+        meta_gu, meta_down = meta_gu._replace(p=p), meta_down._replace(p=p)
+    flat = _Proj.flatten(tensors for tensors, _ in (*gu, *dn))
+    return LoraMLPFunction.apply(meta_gu, meta_down, activation, x, *flat)
