@@ -1,9 +1,11 @@
-"""Float64 references written from the formulas of DESIGN.md, not from the code under test, and the comparison rule.
+"""Float64 references written from the formulas of docs/design.md ("Public op contract"), not from the code under
+test, and the comparison rule.
 
 Gradients of a reference come from float64 autograd of these expressions.
 
-Tolerance (DESIGN.md): relative error ||out - ref|| / ||ref|| (absolute ||out|| when the reference is exactly zero);
-float32 <= 1e-5; bfloat16/float16 no worse than the same formula run eagerly in that dtype, plus 1e-2.
+Tolerance (docs/design.md, "Tests and tolerance"): relative error ||out - ref|| / ||ref|| (absolute ||out|| when
+the reference is exactly zero); float32 <= 1e-5; bfloat16/float16 no worse than the same formula run eagerly in
+that dtype, plus 1e-2.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def tolerance(dtype: torch.dtype, eager_err: float = 0.0) -> float:
-    """The bar of DESIGN.md: 1e-5 in float32; in half precision the eager error of the same formula plus 1e-2."""
+    """The bar of docs/design.md, "Tests and tolerance": 1e-5 in float32; in half precision the eager error of the
+    same formula plus 1e-2."""
     if dtype in (torch.float32, torch.float64):
         return 1e-5
     return eager_err + 1e-2
@@ -104,7 +107,8 @@ def geglu_ref(gate, up, approximate="tanh"):
 
 def cross_entropy_ref(logits, labels, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0,
                       reduction="mean", num_items=None):
-    """Per valid token l = lse(z) - z[y], smoothed (1-eps) l + eps (lse - mean z), plus z_loss lse^2 (DESIGN.md)."""
+    """Per valid token l = lse(z) - z[y], smoothed (1-eps) l + eps (lse - mean z), plus z_loss lse^2 (docs/design.md,
+    "Public op contract")."""
     z = logits.to(F64)
     if softcap:
         z = softcap * torch.tanh(z / softcap)

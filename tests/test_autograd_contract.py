@@ -1,6 +1,6 @@
 """What every op's autograd node promises beyond first gradients: its backward is hand-derived and not itself
 differentiable, so a second derivative (``create_graph=True`` then backward through the gradients) must raise on both
-backends (``_runtime.first_derivative_only``). From a break-it pass: rms_norm's torch path returned ``x.grad = None``
+backends (``_runtime.first_derivative_only``). rms_norm's torch path once returned ``x.grad = None``
 there without a word (its saved rstd carries no graph), and the Triton path raised an unrelated error."""
 
 import pytest
@@ -38,7 +38,7 @@ def _cases():
 def test_second_derivative_raises_instead_of_a_silent_wrong_answer(backend, name, incoming):
     """``incoming="constant"``: the gradient reaching the op carries no graph (a loss op's own output, or
     ``(y * c).sum()``), where torch's ``once_differentiable`` would let the second-order terms vanish silently
-    (review finding: a gradient penalty through cross_entropy gave a 0.502 gradient norm against torch's 0.520)."""
+    (a gradient penalty through cross_entropy once gave a 0.502 gradient norm against torch's 0.520)."""
     inputs, fn = _cases()[name]
     leaves = [t.clone().requires_grad_() for t in inputs]
     out = fn(*leaves)

@@ -1,4 +1,5 @@
-"""ops.cross_entropy vs the float64 formula of DESIGN.md, its edge cases (public bug reports) and its input errors."""
+"""ops.cross_entropy vs the float64 formula of docs/design.md ("Public op contract"), its edge cases (public bug
+reports) and its input errors."""
 
 import itertools
 import math
@@ -23,7 +24,8 @@ REDUCTIONS = [("mean", None), ("mean", 57), ("sum", None), ("none", None)]
 
 
 def _low(backend):
-    """bf16 where the comparison is meaningful; the interpreter truncates bf16 stores, so it uses fp16 (DESIGN.md)."""
+    """bf16 where the comparison is meaningful; the interpreter truncates bf16 stores, so it uses fp16 (docs/design.md,
+    "Backends")."""
     return torch.float16 if backend == "triton" and not ON_GPU else torch.bfloat16
 
 
@@ -261,15 +263,16 @@ def test_confident_prediction_keeps_true_class_gradient(backend):
     ("z_loss", float("nan"), "z_loss must be finite"),
     ("z_loss", 10**400, "z_loss must be finite"),
     ("ignore_index", 2**70, "ignore_index must fit in int64"),
-    ("num_items", torch.tensor(float("nan")), "num_items must be > 0, finite, whole and < 2\\^63"),
-    ("num_items", torch.tensor(float("inf")), "num_items must be > 0, finite, whole and < 2\\^63"),
-    ("num_items", torch.tensor(2.5), "num_items must be > 0, finite, whole and < 2\\^63"),
-    ("num_items", torch.tensor(1e30), "num_items must be > 0, finite, whole and < 2\\^63"),
+    ("num_items", torch.tensor(float("nan")), "num_items must be >= 0, finite, whole and < 2\\^63"),
+    ("num_items", torch.tensor(float("inf")), "num_items must be >= 0, finite, whole and < 2\\^63"),
+    ("num_items", torch.tensor(2.5), "num_items must be >= 0, finite, whole and < 2\\^63"),
+    ("num_items", torch.tensor(1e30), "num_items must be >= 0, finite, whole and < 2\\^63"),
+    ("num_items", torch.tensor(-1), "num_items must be >= 0, finite, whole and < 2\\^63"),
     ("num_items", torch.tensor(3, device="meta"), "num_items must be on labels' device"),
     ("num_items", 10**400, "num_items must be < 2\\^63"),
 ])
 def test_option_errors_name_the_option(option, value, match):
-    """From a new-user pass: non-finite or mistyped options used to give NaN losses or raw TypeErrors."""
+    """Non-finite or mistyped options once gave NaN losses or raw TypeErrors."""
     logits = torch.randn(4, 10, device=DEVICE)
     labels = torch.tensor([1, 2, 3, -100], device=DEVICE)
     if isinstance(value, torch.Tensor) and value.device.type != "meta":
@@ -301,10 +304,12 @@ def test_error_cases(backend):
         ops.cross_entropy(logits, labels, reduction="avg")
     with pytest.raises(ValueError, match="num_items is only valid with reduction='mean'"):
         ops.cross_entropy(logits, labels, reduction="sum", num_items=3)
-    with pytest.raises(ValueError, match="num_items must be > 0"):
+    with pytest.raises(ValueError, match="num_items is 0 but"):
         ops.cross_entropy(logits, labels, num_items=0)
-    with pytest.raises(ValueError, match="num_items must be > 0"):
+    with pytest.raises(ValueError, match="num_items is 0 but"):
         ops.cross_entropy(logits, labels, num_items=torch.tensor(0))
+    with pytest.raises(ValueError, match="num_items must be >= 0"):
+        ops.cross_entropy(logits, labels, num_items=-2)
     with pytest.raises(ValueError, match="num_items must be an int or a 0-dim"):
         ops.cross_entropy(logits, labels, num_items=torch.tensor([3]))
     with pytest.raises(ValueError, match="num_items must be an int or a 0-dim"):
@@ -337,15 +342,15 @@ def test_label_check_is_exact_at_the_boundary(backend):
         ops.cross_entropy(logits, far)
 
 
-@pytest.mark.parametrize("value", [torch.tensor(-1.0), torch.tensor(0), torch.tensor(float("nan")), torch.tensor(2.5)])
+@pytest.mark.parametrize("value", [torch.tensor(-1.0), torch.tensor(float("nan")), torch.tensor(2.5)])
 def test_num_items_tensor_is_checked_without_rows(backend, value):
-    """From a break-it pass: with N = 0 the label check had nothing to read, and skipped num_items' check with it
-    (NaN or -0.0 came back instead of the ValueError)."""
+    """With N = 0 the label check has nothing to read; num_items' check must still run (NaN or -0.0 came back
+    instead of the ValueError). A 0 there is a window without targets and gives 0.0 (tested below)."""
     labels = torch.empty(0, dtype=torch.int64, device=DEVICE)
     for op, args in ((ops.cross_entropy, (torch.randn(0, 5, device=DEVICE), labels)),
                      (ops.linear_cross_entropy, (torch.randn(0, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE),
                                                  labels))):
-        with pytest.raises(ValueError, match="num_items must be > 0"):
+        with pytest.raises(ValueError, match="num_items must be >= 0"):
             op(*args, num_items=value.to(DEVICE))
         assert op(*args, num_items=torch.tensor(3, device=DEVICE)).item() == 0.0
 
@@ -361,7 +366,7 @@ def test_label_error_names_the_bad_label(backend):
 @pytest.mark.parametrize("options", [{}, {"softcap": 30.0}, {"z_loss": 1e-3, "label_smoothing": 0.1}])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ignored_row_with_huge_logits_has_zero_gradient(backend, options, dtype):
-    """From a break-it pass: an ignored row's gradient was exp(z - 0) * 0, NaN once a logit exceeded ~88.7 (fp32
+    """An ignored row's gradient was once exp(z - 0) * 0, NaN once a logit exceeded ~88.7 (fp32
     exp overflow); after HF's shift every sequence's last position is ignored, so this poisoned whole steps."""
     logits = torch.randn(3, 11, device=DEVICE)
     logits[0, 3], logits[2, 5] = 89.0, 1e4
@@ -387,3 +392,61 @@ def test_linear_ce_ignored_row_with_huge_logits_keeps_weight_grad_finite(backend
     assert torch.equal(hidden.grad[0], torch.zeros_like(hidden.grad[0]))
     assert_close("dhidden", hidden.grad[1:], h64.grad[1:], torch.float32)
     assert_close("dweight", weight.grad, w64.grad, torch.float32)
+
+
+def _elementwise_rel(out, ref):
+    return ((out.double() - ref) / ref).abs().max().item()
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_fp32_softcap_is_accurate_elementwise(backend, op):
+    """softcap * tanh(x / softcap) in fp32 keeps every loss row and gradient element within 1e-6 relative of float64,
+    also for |x / softcap| << 1, where 2 sigmoid(2u) - 1 cancels (~4e-6 at softcap 30); V small so that lse itself is
+    not the limit. Covers both sides of the series/exp switch (softcap 1, |u| up to 1) and +-inf logits."""
+    rows, vocab = 24, 8
+    for softcap, scale in ((30.0, 1.0), (1.0, 0.5)):
+        logits = torch.randn(rows, vocab, device=DEVICE) * scale
+        labels = torch.randint(0, vocab, (rows,), device=DEVICE)
+        if op == "cross_entropy":
+            x = logits.clone().requires_grad_()
+            loss = ops.cross_entropy(x, labels, softcap=softcap, reduction="none")
+        else:  # identity weight: logits = hidden exactly, so the loss op alone sets the error
+            x = logits.clone().requires_grad_()
+            eye = torch.eye(vocab, device=DEVICE)
+            loss = ops.linear_cross_entropy(x, eye, labels, softcap=softcap, reduction="none")
+        (grad,) = torch.autograd.grad(loss.sum(), [x])
+        ref, (ref_grad,) = grads64(lambda z, y=labels, c=softcap: cross_entropy_ref(z, y, softcap=c, reduction="none"),
+                                   [x], torch.ones(rows, device=DEVICE))
+        assert _elementwise_rel(loss, ref) <= 1e-6, f"loss at softcap {softcap}"
+        assert _elementwise_rel(grad, ref_grad) <= 1e-6, f"dlogits at softcap {softcap}"
+    logits = torch.tensor([[float("-inf"), 0.0, 1e-4, float("inf")], [float("-inf"), -3.0, 2.0, 0.5]], device=DEVICE)
+    loss = ops.cross_entropy(logits, torch.tensor([1, 2], device=DEVICE), softcap=2.0, reduction="none")
+    assert_close("loss", loss, cross_entropy_ref(logits, torch.tensor([1, 2], device=DEVICE), softcap=2.0,
+                                                 reduction="none"), torch.float32)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_num_items_zero_without_valid_labels_gives_zero(backend, op):
+    """HF Trainer passes num_items_in_batch = 0 when a whole accumulation window has no targets: the loss is 0.0 and
+    every gradient exactly 0 (not 0 / 0 = NaN), with num_items as an int or a tensor; a 0 that would divide real
+    tokens still raises."""
+    rows, hidden, vocab = 5, 6, 11
+    h = torch.randn(rows, hidden, device=DEVICE, requires_grad=True)
+    w = torch.randn(vocab, hidden, device=DEVICE, requires_grad=True)
+    ignored = torch.full((rows,), -100, device=DEVICE)
+
+    def run(labels, num_items):
+        if op == "cross_entropy":
+            return ops.cross_entropy(h @ w.T, labels, num_items=num_items)
+        return ops.linear_cross_entropy(h, w, labels, num_items=num_items)
+
+    for num_items in (0, torch.tensor(0, device=DEVICE), torch.tensor(0.0), torch.tensor(0)):
+        loss = run(ignored, num_items)
+        assert loss.item() == 0.0
+        for g in torch.autograd.grad(loss, [h, w]):
+            assert torch.equal(g, torch.zeros_like(g))
+    labels = ignored.clone()
+    labels[2] = 3
+    for num_items in (0, torch.tensor(0, device=DEVICE)):
+        with pytest.raises(ValueError, match="num_items is 0 but 1 labels are valid"):
+            run(labels, num_items)

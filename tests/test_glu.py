@@ -16,7 +16,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ACTIVATIONS = list(glu.ACTIVATIONS)
 APPROXIMATE = {"geglu_tanh": "tanh", "geglu_erf": "none"}
-# The interpreter costs ~1 ms per program: keep its shapes small (DESIGN.md).
+# The interpreter costs ~1 ms per program: keep its shapes small (docs/design.md, "Backends").
 SHAPES = {"torch": [(0,), (1,), (7, 33), (2, 3, 50), (64, 576)], "triton": [(0,), (1,), (7, 33), (2, 3, 50)]}
 if ON_GPU:
     SHAPES["triton"] = SHAPES["torch"] + [(33, 14336)]

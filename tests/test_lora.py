@@ -18,7 +18,7 @@ from leantune.ops.lora import api as lora_api
 from leantune.ops.lora import kernels
 
 LOW = torch.bfloat16
-# the interpreter costs ~1 ms per program: small widths there (DESIGN.md)
+# the interpreter costs ~1 ms per program: small widths there (docs/design.md, "Backends")
 IN, OUT = 72, 40
 
 
@@ -173,7 +173,8 @@ def _weights(layer, train_bias=False):
 
 def _compare_with_peft(ours_fn, model, x, names):
     """Same y and grads (x and the named trainable parameters) as PEFT: in fp32 within 1e-5 of PEFT; in half
-    precision no further from the float64 run of the same PEFT model than PEFT itself is, plus 1e-2 (DESIGN.md)."""
+    precision no further from the float64 run of the same PEFT model than PEFT itself is, plus 1e-2 (docs/design.md,
+    "Tests and tolerance")."""
     dtype = x.dtype
     params = dict(model.named_parameters())
     y_peft = model(x)
@@ -557,7 +558,7 @@ def _bad_calls():
         (lambda: ops.lora_mlp(x, mlp[0], mlp[1]._replace(weight=torch.randn(31, IN, device=DEVICE)), mlp[2]),
          r"same rows"),
         (lambda: ops.lora_mlp(x, *mlp, activation="relu"), r"activation must be one of"),
-        # from a new-user pass: NaN scaling made the forward act as s = 1 while the gradients were NaN
+        # NaN scaling once made the forward act as s = 1 while the gradients were NaN
         (lambda: ops.lora_linear(x, w, a, b, float("nan")), r"scaling must be finite"),
         (lambda: ops.lora_linear(x, w, a, b, 1e400), r"scaling must be finite"),
         (lambda: ops.lora_linear(x, w, a, b, 10**400), r"scaling must be finite"),
@@ -686,7 +687,7 @@ def test_mlp_fuses_lowrank_into_glu_on_triton(monkeypatch):
 
 @pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
 def test_dropout_keeps_non_finite_inputs_non_finite_as_peft(backend, adapter_dtype):
-    """From a break-it pass: the Triton kernels zeroed dropped elements by selection, so a NaN row of x reached only
+    """The Triton kernels once zeroed dropped elements by selection, so a NaN row of x reached only
     the kept columns of dA, where PEFT's dropout multiplies (NaN * 0 = NaN) and the torch path agreed with PEFT."""
     n, d_in, d_out, r, p = 6, 40, 32, 8, 0.3
     x = torch.randn(n, d_in, device=DEVICE, dtype=torch.bfloat16)

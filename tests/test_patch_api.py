@@ -174,10 +174,10 @@ def test_hf_loss_conventions_num_items_shift_labels_return_dict():
     (torch.tensor(0), None), (0, None), (torch.tensor([3, 4]), None), (10**400, None),
 ], ids=["1x1 tensor", "float", "int", "f64 tensor", "fraction", "zero tensor", "zero", "2 elements", "huge"])
 def test_num_items_in_batch_divides_as_hf_does(num_items, to_op, monkeypatch):
-    """From a new-user pass: HF's Trainer passes num_items_in_batch as a [1, 1] tensor under DataParallel and can
-    pass 0 for a window without targets; HF divides the summed loss by whatever it gets, and so does the patch (same
-    value, dtype, shape and gradient; 0 gives HF's inf, not an error that ends the run). A whole count goes to the
-    op."""
+    """HF's Trainer passes num_items_in_batch as a [1, 1] tensor under DataParallel and can
+    pass 0; HF divides the summed loss by whatever it gets, and so does the patch (same value, dtype, shape and
+    gradient; a 0 that divides valid tokens gives HF's inf, not an error that ends the run). A whole count goes to
+    the op."""
     model = tiny_peft_model("llama")
     input_ids, labels = batch()
     try:
@@ -295,7 +295,7 @@ def test_trainable_base_bias_keeps_peft_forward():
     assert_grads_close(grads, ref_grads)
 
 
-# ------------------------------------------------------------------------------- copies, odd LoRA settings (new-user)
+# ---------------------------------------------------------------------------------------- copies, odd LoRA settings
 def _rope_calls(monkeypatch):
     calls = collections.Counter()
     original = ops.rope
@@ -393,3 +393,64 @@ def test_float64_and_meta_models_run_hf_forwards(monkeypatch):
     out = meta(input_ids=ids, labels=ids)
     assert out.loss.device.type == "meta" and out.loss.shape == ()
     assert meta(input_ids=ids).logits.shape == (1, 5, meta.config.vocab_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: the final-logit softcap on the returned logits
+def test_eval_mode_returns_logits_with_labels(family):
+    """In eval mode a patched model given labels returns HF's logits (lm_head, then the family's softcap) beside the
+    fused loss, so metrics that read them work; both equal the unpatched model's within fp32 tolerance, and the
+    return_dict=False tuple carries them in HF's slot."""
+    model = tiny_peft_model(family).eval()
+    input_ids, labels = batch()
+    with torch.no_grad():
+        ref = model(input_ids=input_ids, labels=labels)
+        leantune.patch(model)
+        out = model(input_ids=input_ids, labels=labels)
+        as_tuple = model(input_ids=input_ids, labels=labels, return_dict=False)
+    assert out.logits is not None and out.logits.shape == ref.logits.shape
+    assert rel_err(out.logits, ref.logits) <= 1e-5 and rel_err(out.loss, ref.loss) <= 1e-5
+    assert torch.equal(as_tuple[1], out.logits) and torch.equal(as_tuple[0], out.loss)
+
+
+def test_hf_trainer_evaluate_with_compute_metrics(tmp_path):
+    """HF Trainer.evaluate with compute_metrics (it gathers the logits of every eval batch) on a patched model: the
+    same metrics and eval loss as the unpatched model."""
+    from transformers import Trainer, TrainingArguments
+
+    rows = []
+    for _ in range(3):
+        input_ids, labels = batch(rows=1, seq=9, pad_last=2)
+        rows.append({"input_ids": input_ids[0], "labels": labels[0], "attention_mask": torch.ones(9, dtype=torch.long)})
+
+    def accuracy(prediction):
+        predicted = prediction.predictions.argmax(-1)[:, :-1]
+        target = prediction.label_ids[:, 1:]
+        valid = target != -100
+        return {"accuracy": float((predicted[valid] == target[valid]).mean())}
+
+    def evaluate(model, out):
+        args = TrainingArguments(output_dir=str(tmp_path / out), per_device_eval_batch_size=2, use_cpu=True,
+                                 report_to="none", remove_unused_columns=False, disable_tqdm=True)
+        return Trainer(model=model, args=args, eval_dataset=rows, compute_metrics=accuracy).evaluate()
+
+    model = tiny_peft_model("llama")
+    ref = evaluate(model, "ref")
+    metrics = evaluate(leantune.patch(model), "patched")
+    assert metrics["eval_accuracy"] == ref["eval_accuracy"]
+    assert abs(metrics["eval_loss"] - ref["eval_loss"]) <= 1e-5 * abs(ref["eval_loss"])
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_num_items_zero_without_targets_gives_zero_loss(backend_name, monkeypatch):
+    """A window without targets: HF Trainer passes num_items_in_batch = 0 (a tensor); the patched model's loss is 0.0
+    and every gradient exactly 0 (HF's 0 / 0 is NaN), on both backends, as an int, a 0-dim or a [1, 1] tensor."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", backend_name)
+    model = leantune.patch(tiny_peft_model("llama").train())
+    input_ids, labels = batch(rows=1, seq=5, pad_last=0)
+    labels[:] = -100
+    params = [p for p in model.parameters() if p.requires_grad]
+    for num_items in (torch.tensor(0), 0, torch.tensor([[0]])):
+        loss = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
+        assert loss.item() == 0.0
+        for g in torch.autograd.grad(loss.sum(), params):
+            assert torch.equal(g, torch.zeros_like(g))

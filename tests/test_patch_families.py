@@ -176,7 +176,8 @@ def test_patched_matches_hf_triton(family, op_calls, monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_loss_only_keeps_logits_bit_exact(family, monkeypatch):
-    """With only the loss kind on, logits without labels are HF's bit for bit; with labels they are None."""
+    """With only the loss kind on, logits are HF's bit for bit in eval mode, with labels too (the loss then comes
+    from the fused op); in training with labels they are None (never formed)."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     model = tiny_peft_model(family).eval()
     input_ids, labels = batch()
@@ -188,7 +189,11 @@ def test_loss_only_keeps_logits_bit_exact(family, monkeypatch):
         out = model(input_ids=input_ids)
         with_labels = model(input_ids=input_ids, labels=labels)
     assert torch.equal(out.logits, ref.logits)
-    assert with_labels.logits is None and rel_err(with_labels.loss, ref_loss) <= 1e-5
+    assert torch.equal(with_labels.logits, ref.logits) and rel_err(with_labels.loss, ref_loss) <= 1e-5
+    model.train()
+    with torch.no_grad():
+        training = model(input_ids=input_ids, labels=labels)
+    assert training.logits is None and rel_err(training.loss, ref_loss) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

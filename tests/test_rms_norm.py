@@ -11,7 +11,7 @@ from leantune import ops
 from leantune.ops import _runtime
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# The interpreter costs ~1 ms per program: keep its shapes small (DESIGN.md).
+# The interpreter costs ~1 ms per program: keep its shapes small (docs/design.md, "Backends").
 HIDDEN = {"torch": [64, 576, 2520, 4096], "triton": [64, 100, 576] if not ON_GPU else [64, 576, 2520, 4096]}
 ROWS = [0, 1, 7, 33]
 VARIANTS = ["llama", "gemma", "none"]
@@ -115,7 +115,8 @@ def test_gemma_offset_formed_in_fp32(backend):
 
 @pytest.mark.parametrize("module", ["llama", "gemma"])
 def test_bitwise_against_hf_modules(backend, module):
-    # The interpreter truncates fp32 -> bf16 at stores (the GPU rounds); it rounds fp16 correctly (DESIGN.md).
+    # The interpreter truncates fp32 -> bf16 at stores (the GPU rounds); it rounds fp16 correctly
+    # (docs/design.md, "Backends").
     dtype = torch.float16 if backend == "triton" and not ON_GPU else torch.bfloat16
     hidden = 576
     x = (torch.randn(3, 11, hidden, device=DEVICE) * 2).to(dtype)

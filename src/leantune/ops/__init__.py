@@ -1,6 +1,6 @@
 """leantune's ops: one file per op, each with a Triton path (CUDA, or CPU through the interpreter) and a torch path.
 
-The signatures and semantics are fixed by DESIGN.md's public API contract. Every backward is derived by hand and
+The signatures and semantics are fixed by docs/design.md, "Public op contract". Every backward is derived by hand and
 is once-differentiable: first gradients work under ``create_graph=True``, a gradient of a gradient raises
 RuntimeError ("trying to differentiate twice") rather than silently dropping the second-order terms.
 

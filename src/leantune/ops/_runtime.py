@@ -1,8 +1,8 @@
 """What every op shares: backend choice, the one allocator, launch heuristics and input checks.
 
-Backend (DESIGN.md): ``LEANTUNE_BACKEND=auto|triton|torch`` is read at every call, never cached. ``auto`` runs the
-Triton kernels on CUDA tensors and the torch formulas on anything else. ``triton`` on CPU tensors needs Triton's
-interpreter, i.e. ``TRITON_INTERPRET=1`` set before leantune (and so triton.jit) is imported.
+Backend (docs/design.md, "Backends"): ``LEANTUNE_BACKEND=auto|triton|torch`` is read at every call, never cached.
+``auto`` runs the Triton kernels on CUDA tensors and the torch formulas on anything else. ``triton`` on CPU tensors
+needs Triton's interpreter, i.e. ``TRITON_INTERPRET=1`` set before leantune (and so triton.jit) is imported.
 
 Allocation: every output and work buffer an op creates for its Triton kernels comes from :func:`empty`. Tests swap
 the allocator for one that fills buffers with NaN (:func:`use_allocator`), so an element a kernel forgot to write

@@ -7,7 +7,8 @@ Forward, per row x of width V with label y (all in fp32; torch's ``F.cross_entro
     l   = (1 - eps) (lse - z_y) + eps (lse - mean_j z_j) + zl * lse^2        (label smoothing eps as torch;
                                                                               z-loss zl as PaLM, Chowdhery et al. 2022)
     ignored rows (y == ignore_index): l = 0.
-    reduction "mean": sum l / D with D = count(valid) or num_items (0.0, not NaN, when D = 0); "sum"; "none": [N].
+    reduction "mean": sum l / D with D = count(valid) or num_items (0.0, not NaN, when no label is valid, D = 0
+    included); "sum"; "none": [N].
 
 Backward. With p = softmax(z) = exp(z - lse) and a per-row scale r (dL/dl_row: grad_output / D, grad_output, or
 grad_output[row]):
@@ -19,9 +20,13 @@ grad_output[row]):
 Every term is formed in fp32 and scaled before the single cast to the gradient's dtype, so a confident prediction
 (p_y = 0.999) keeps p_y - 1 = -1e-3 instead of rounding it away in bf16 first.
 
-tanh is computed as 2 sigmoid(2a) - 1 and 1 - tanh^2 as 4 s (1 - s) with s = sigmoid(2a): exact at +-inf (softcap of
--inf is -c, not -inf) and it runs under Triton's interpreter, which has no libdevice tanh. Padding lanes of a partial
-chunk load -inf and are masked to -inf again after the tanh, so they never add exp(-c - lse) of probability mass.
+Softcap in fp32, u = x / c: tanh(u) = (1 - e) / (1 + e) with e = exp(-2|u|) (sign restored), and
+1 - tanh^2(u) = 4 e / (1 + e)^2, both free of cancellation for |u| >= 0.4 and exact at +-inf (softcap of -inf is -c,
+not -inf); below 0.4, where 1 - e would cancel (relative error ~eps / |u|), tanh is its Taylor series to u^13 and
+1 - tanh^2 is formed from it (no cancellation there). The kernel uses no tanh instruction, so it runs under Triton's
+interpreter, which has no libdevice; the torch path takes ``torch.tanh`` for the value and the same 1 - tanh^2.
+Padding lanes of a partial chunk load -inf and are masked to -inf again after the softcap, so they never add
+exp(-c - lse) of probability mass.
 
 What is saved (public op): the caller's logits (by reference, never written) and lse [N] fp32, 4 bytes a row. The
 forward reads the logits once (loss and lse); the backward reads them once more and writes a new gradient buffer, so
@@ -36,36 +41,36 @@ in one host sync.
 
 from __future__ import annotations
 
-import numbers
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from . import _runtime
+from ._loss import Options, check_options, mean_divisor, reduce, row_scale
 
-REDUCTIONS = ("mean", "sum", "none")
 GPU_BLOCK_V = 8192  # vocab chunk per loop iteration on the GPU (16 fp32 values a thread at 16 warps)
 INTERPRETER_BLOCK_V = 128  # small under the interpreter, so tests cross several chunks at V of a few hundred
-
-
-class Options(NamedTuple):
-    """The loss options every kernel and torch path takes (validated by the public functions)."""
-
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    softcap: float | None = None
-    z_loss: float = 0.0
+# tanh(u) = u (1 + T3 u^2 + T5 u^4 + ...) below _SERIES_BELOW: Taylor coefficients 2^2n (2^2n - 1) B_2n / (2n)!;
+# the first omitted term, 929569/638512875 u^15, is < 4e-9 relative at |u| = 0.4
+_SERIES_BELOW = tl.constexpr(0.4)
+_T3, _T5, _T7 = tl.constexpr(-1.0 / 3.0), tl.constexpr(2.0 / 15.0), tl.constexpr(-17.0 / 315.0)
+_T9, _T11, _T13 = tl.constexpr(62.0 / 2835.0), tl.constexpr(-1382.0 / 155925.0), tl.constexpr(21844.0 / 6081075.0)
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
 @triton.jit
 def _softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """(z, dz/dx) for z = c tanh(x / c); (x, 1) without softcap."""
+    """(z, dz/dx) for z = c tanh(x / c); (x, 1) without softcap (formulas: the module docstring's softcap paragraph)."""
     if HAS_SOFTCAP:
-        s = tl.sigmoid(2.0 * x / softcap)
-        return softcap * (2.0 * s - 1.0), 4.0 * s * (1.0 - s)
+        u = x / softcap
+        a = tl.abs(u)
+        e = tl.exp(-2.0 * a)  # in (0, 1]: never overflows, 0 at |u| = inf
+        a2 = a * a
+        series = a * (1.0 + a2 * (_T3 + a2 * (_T5 + a2 * (_T7 + a2 * (_T9 + a2 * (_T11 + a2 * _T13))))))
+        small = a < _SERIES_BELOW
+        t = tl.where(small, series, (1.0 - e) / (1.0 + e))  # tanh(|u|)
+        dt = tl.where(small, 1.0 - t * t, 4.0 * e / ((1.0 + e) * (1.0 + e)))  # 1 - tanh^2(u)
+        return softcap * tl.where(u < 0, -t, t), dt
     else:
         return x, 1.0
 
@@ -203,10 +208,13 @@ def _backward_triton(logits, labels, lse, scale, opts, grad, col_offset, n_vocab
 
 
 def _softcap_torch(x, softcap):
+    """(z, dz/dx) for fp32 x: torch's tanh (accurate at every |u|) and the kernel's form of 1 - tanh^2."""
     if softcap is None:
         return x, None
-    s = torch.sigmoid(2.0 * x / softcap)
-    return softcap * (2.0 * s - 1.0), 4.0 * s * (1.0 - s)
+    u = x / softcap
+    t = torch.tanh(u)
+    e = torch.exp(-2.0 * u.abs())
+    return softcap * t, torch.where(u.abs() < _SERIES_BELOW.value, 1.0 - t * t, 4.0 * e / ((1.0 + e) * (1.0 + e)))
 
 
 def _gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab):
@@ -271,92 +279,6 @@ def gradient_rows(impl, logits, labels, lse, scale, opts, grad, col_offset=0, n_
         logits, labels, lse, scale, opts, grad, col_offset, n_vocab)
 
 
-# ------------------------------------------------------------------------------------------ shared host-side logic
-def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_loss, reduction,
-                  num_items) -> tuple[Options, int]:
-    """Validate the loss keywords and labels (ValueError); the shared front door of both loss ops. Returns the
-    options and count(labels != ignore_index), read in the same host sync as the labels' range."""
-    if not isinstance(labels, torch.Tensor):
-        raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")  # noqa: TRY004 (contract)
-    if labels.dtype != torch.int64:
-        raise ValueError(f"labels must be int64, got {labels.dtype}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    label_smoothing = _runtime.check_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    if softcap is not None:
-        softcap = _runtime.check_real("softcap", softcap, low=0.0, low_open=True,
-                                      expected="None or a finite number > 0")
-    z_loss = _runtime.check_real("z_loss", z_loss, low=0.0)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")  # noqa: TRY004 (contract)
-    if not -2**63 <= ignore_index < 2**63:
-        raise ValueError(f"ignore_index must fit in int64 (labels' dtype), got {ignore_index}")
-    item_bad = None
-    if num_items is not None:
-        if reduction != "mean":
-            raise ValueError(f"num_items is only valid with reduction='mean', got reduction={reduction!r}")
-        if isinstance(num_items, torch.Tensor):
-            if num_items.dim() != 0 or num_items.dtype == torch.bool or num_items.is_complex():
-                raise ValueError(f"num_items must be an int or a 0-dim real tensor, got shape {tuple(num_items.shape)} "
-                                 f"{num_items.dtype}")
-            if num_items.device != labels.device:
-                if num_items.device.type != "cpu":  # a CPU scalar mixes with any device, as in torch's own ops
-                    raise ValueError(f"num_items must be on labels' device {labels.device} (or a CPU scalar), "
-                                     f"got {num_items.device}")
-                num_items = num_items.to(labels.device)
-            # a count: positive, finite, whole and < 2^63 as an int must be (gradient accumulation passes the global
-            # number of valid tokens); every int64 is below 2^63
-            item_bad = ~((num_items > 0) & torch.isfinite(num_items) & (num_items == torch.round(num_items)))
-            if num_items.is_floating_point():
-                item_bad |= num_items >= 2.0**63
-        elif isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral):
-            raise ValueError(f"num_items must be an int or a 0-dim tensor, got {type(num_items).__name__}")
-        elif num_items <= 0:
-            raise ValueError(f"num_items must be > 0, got {num_items}")
-        elif num_items >= 2**63:
-            raise ValueError(f"num_items must be < 2^63 (a token count), got {num_items}")
-    # a few small kernels, then the one host sync: labels are checked before any kernel reads logits[label]; whatever
-    # runs between this sync and the first large kernel leaves the GPU idle, so the valid count comes along
-    checks = []
-    if labels.numel():
-        valid = labels != ignore_index
-        checks += [*torch.aminmax(torch.where(valid, labels, 0)), valid.sum()]
-    if item_bad is not None:
-        checks.append(item_bad.long())
-    values = torch.stack(checks).tolist() if checks else []
-    if item_bad is not None and values.pop():
-        raise ValueError(f"num_items must be > 0, finite, whole and < 2^63 (a token count), got {num_items.item()}")
-    low, high, n_valid = values or (0, 0, 0)
-    if low < 0 or high >= n_vocab:
-        raise ValueError(f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found "
-                         f"{low if low < 0 else high}")
-    return Options(int(ignore_index), label_smoothing, softcap, z_loss), n_valid
-
-
-def mean_divisor(n_valid: int, reduction, num_items, device):
-    """0-dim fp32 tensor on ``device``: num_items, else ``n_valid`` (count of valid labels, from
-    :func:`check_options`) clamped to >= 1 (its loss sum is then 0); None for reductions other than "mean"."""
-    if reduction != "mean":
-        return None
-    if isinstance(num_items, torch.Tensor):
-        return num_items.detach().to(device=device, dtype=torch.float32)
-    count = max(n_valid, 1) if num_items is None else num_items
-    return torch.full((), float(count), dtype=torch.float32, device=device)
-
-
-def reduce(row_loss, reduction, divisor):
-    if reduction == "none":
-        return row_loss
-    total = row_loss.sum()
-    return total if reduction == "sum" else total / divisor
-
-
-def row_scale(grad_output, reduction, divisor):
-    """dL/dloss_row as fp32: 0-dim for "mean"/"sum", [n] for "none"."""
-    g = grad_output.float()
-    return g / divisor if reduction == "mean" else g.contiguous()
-
-
 # ------------------------------------------------------------------------------------------------ autograd + API
 class CrossEntropyFunction(torch.autograd.Function):
     """Autograd node of :func:`cross_entropy`; saves logits (by reference), labels, lse [N] fp32, the divisor."""
@@ -396,9 +318,10 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
         z_loss: adds ``z_loss * lse^2`` per valid row (PaLM).
         reduction: ``"mean"`` (over valid rows, or over ``num_items``; 0.0 when none is valid), ``"sum"``, ``"none"``
             (``[N]``, 0 at ignored rows).
-        num_items: int or 0-dim tensor (on labels' device or the CPU) holding a whole number > 0, with ``"mean"``
+        num_items: int or 0-dim tensor (on labels' device or the CPU) holding a whole number >= 0, with ``"mean"``
             only: the divisor replacing count(valid) (HF's ``num_items_in_batch``, for gradient accumulation
-            across micro-batches).
+            across micro-batches). 0 is accepted only when no label is valid (HF Trainer passes 0 for an
+            accumulation window without targets): the loss is then 0.0 with zero gradients.
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. The gradient w.r.t. logits has logits' dtype.
@@ -406,8 +329,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
     Raises:
         ValueError: logits not a 2-D float tensor, labels not int64 ``[N]``, tensors on different devices, a label
             outside ``[0, V)`` that is not ``ignore_index``, an unknown reduction, ``num_items`` not a whole number
-            in [1, 2^63) or given without ``"mean"``, label_smoothing outside [0, 1], softcap <= 0, z_loss < 0, any
-            of these three not a finite real number, an ignore_index outside int64.
+            in [0, 2^63), 0 while some label is valid, or given without ``"mean"``, label_smoothing outside [0, 1],
+            softcap <= 0, z_loss < 0, any of these three not a finite real number, an ignore_index outside int64.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("logits", logits)

@@ -12,8 +12,9 @@ gradient come from cross_entropy's kernel, which overwrites the chunk with its g
 
 memory="fast" (default): everything happens in the forward, token chunk by token chunk (rows = chunk_bytes /
     (V * itemsize)): logits_c = h_c W^T + b -> kernel writes loss, lse and G_c = dl/dlogits_c / D in place ->
-    dhidden[c] = G_c W, dweight += G_c^T h_c (in the compute dtype across chunks; DESIGN.md allows it where an fp32
-    buffer would break the memory target), dbias += sum G_c (fp32). Saved: dhidden [N, H], dweight [V, H], dbias [V]
+    dhidden[c] = G_c W, dweight += G_c^T h_c, dbias += sum G_c (fp32). A 16-bit dweight spanning several chunks is
+    summed in an fp32 [V, H] buffer (only when the weight requires grad) and cast once at the end, so its error does
+    not grow with the chunk count (docs/design.md, "Numerics"). Saved: dhidden [N, H], dweight [V, H], dbias [V]
     (only those that are wanted). Backward multiplies them by the scalar grad_output in place (skipped when it is
     1), so the node supports one backward (a second, with retain_graph, raises). 2 N H V multiply-adds in all.
     reduction="none" has one grad_output per row, which dweight needs before its matmul; it runs the "low" path.
@@ -24,8 +25,9 @@ memory="low": the forward computes only loss and lse per token chunk; saved: hid
     only dhidden wanted (frozen lm_head, LoRA) it walks token chunks and writes each dhidden row block once.
 
 Extra peak (beyond inputs and the returned gradients): one chunk buffer (at most 128 MiB fast, 32 MiB low) plus
-O(N) fp32 rows. Under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype first, as HF's
-``lm_head`` (an ``nn.Linear``) would be; gradients come back in each input's own dtype.
+O(N) fp32 rows; with a trainable 16-bit weight over several chunks, memory="fast" also holds the fp32 dweight sum
+(V H 4 bytes, freed after its one cast). Under ``torch.autocast`` hidden, weight and bias are cast to the autocast
+dtype first, as HF's ``lm_head`` (an ``nn.Linear``) would be; gradients come back in each input's own dtype.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import numbers
 import torch
 
 from . import _runtime
-from .cross_entropy import check_options, gradient_rows, loss_rows, mean_divisor, reduce, row_scale
+from ._loss import check_options, mean_divisor, reduce, row_scale
+from .cross_entropy import gradient_rows, loss_rows
 
 MEMORY_MODES = ("fast", "low")
 DEFAULT_CHUNK_BYTES = {"fast": 128 * 2**20, "low": 32 * 2**20}
@@ -60,6 +63,28 @@ def _logits_into(out, hidden, weight, bias):
     return out
 
 
+# cuBLAS's 16-bit x 16-bit -> fp32 GEMM (``out_dtype``) came with torch 2.8
+_MIXED_GEMM = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+
+
+def _add_product(out, a, b, first):
+    """out = a @ b (``first``) or out += a @ b, with the sum in out's dtype. An fp32 ``out`` of 16-bit operands
+    takes cuBLAS's fp32 output (no rounding between chunks, no copies) on CUDA; elsewhere (the CPU has no
+    mixed-dtype GEMM) the operands are upcast, chunk-sized copies."""
+    if out.dtype != a.dtype:
+        if a.is_cuda and _MIXED_GEMM:
+            if first:
+                torch.mm(a, b, out_dtype=out.dtype, out=out)
+            else:
+                torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            return
+        a, b = a.to(out.dtype), b.to(out.dtype)
+    if first:
+        torch.mm(a, b, out=out)
+    else:
+        out.addmm_(a, b)
+
+
 def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad_scale, wants):
     """Loss and lse per row over token chunks; with ``grad_scale`` also dhidden/dweight/dbias (see module doc)."""
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
@@ -68,13 +93,16 @@ def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad
     loss = _runtime.empty((n_rows,), dtype=torch.float32, device=device)
     lse = _runtime.empty((n_rows,), dtype=torch.float32, device=device)
     dhidden = _runtime.empty(hidden.shape, dtype=dtype, device=device) if want_h else None
-    dweight = _runtime.empty(weight.shape, dtype=dtype, device=device) if want_w else None
     dbias = _runtime.empty((n_vocab,), dtype=torch.float32, device=device).zero_() if want_b else None
+    rows = chunk_length(chunk_bytes, n_vocab * hidden.element_size(), max(n_rows, 1))
+    # dweight sums one product per chunk: across several chunks a 16-bit sum would round once per chunk (its error
+    # growing with the chunk count), so it accumulates in fp32 and is cast once at the end
+    wide = want_w and dtype != torch.float32 and n_rows > rows
+    dweight = _runtime.empty(weight.shape, dtype=torch.float32 if wide else dtype, device=device) if want_w else None
     if n_rows == 0:
         if dweight is not None:
             dweight.zero_()
         return loss, lse, dhidden, dweight, dbias
-    rows = chunk_length(chunk_bytes, n_vocab * hidden.element_size(), n_rows)
     buffer = _runtime.empty((rows, n_vocab), dtype=dtype, device=device)
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
@@ -85,12 +113,11 @@ def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad
         if want_h:
             torch.mm(logits, weight, out=dhidden[start:end])
         if want_w:
-            if start == 0:
-                torch.mm(logits.t(), hidden_c, out=dweight)
-            else:
-                dweight.addmm_(logits.t(), hidden_c)
+            _add_product(dweight, logits.t(), hidden_c, first=start == 0)
         if want_b:
             dbias += logits.sum(0, dtype=torch.float32)
+    if wide:
+        dweight = dweight.to(dtype)
     return loss, lse, dhidden, dweight, dbias
 
 

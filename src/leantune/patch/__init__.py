@@ -12,8 +12,9 @@ What is swapped (each kind can be switched off), all as ``forward`` callables bo
   every forward). DoRA, several active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear``
   bases keep PEFT's own forward (the summary lists them).
 - ``loss``: ``XForCausalLM.forward`` -> base model, then ``ops.linear_cross_entropy`` on the hidden states (labels
-  shifted as HF does, ``num_items_in_batch`` honoured, final-logit softcap as data); ``logits`` is None whenever
-  labels are given. Without labels HF's forward runs, so inference and ``generate`` are unchanged.
+  shifted as HF does, ``num_items_in_batch`` honoured, final-logit softcap as data). With labels, ``logits`` is
+  None in training (never formed); in eval mode they are computed as HF does, beside the fused loss. Without labels
+  HF's forward runs, so inference and ``generate`` are unchanged.
 
 Parameters, buffers and ``state_dict`` keys are untouched; :func:`unpatch` deletes the instance forwards. PEFT
 wrappers may come before or after ``patch``: LoRA layers are looked up at forward time.

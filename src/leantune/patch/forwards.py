@@ -4,9 +4,8 @@ Each patched module carries a small plain state object (``module._leantune``: th
 a :class:`BoundForward`; the original forward is the class's. ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a
 patched model give a working patched copy (the forward rebinds itself through :func:`bind`).
 
-LoRA projections are read from PEFT at every forward (never cached), so ``patch`` before ``get_peft_model``,
-adapter switching and ``disable_adapter()`` all do what PEFT would. A projection is fused only when the fused op
-computes exactly what PEFT's ``lora.Linear.forward`` would (:func:`lora_status`); otherwise PEFT's forward runs.
+LoRA projections are read from PEFT at every forward (:mod:`.lora_status` decides which ones the fused ops serve
+exactly; the others keep PEFT's forward).
 
 RoPE has no per-instance seam in transformers 5 (the attention forward calls the module-level
 ``apply_rotary_pos_emb``), so the family's modeling module gets a dispatcher while any patched attention module
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import functools
 import importlib
 import inspect
 import numbers
@@ -32,16 +30,7 @@ from torch import nn
 from .. import ops
 from ..ops import _runtime
 from .families import Family
-
-
-@functools.lru_cache(maxsize=1)
-def _peft_lora_linear():
-    """PEFT's ``lora.Linear`` class, imported on first use (importing PEFT pulls in transformers: slow)."""
-    try:
-        from peft.tuners.lora.layer import Linear
-    except ImportError:  # pragma: no cover - PEFT is a dependency; plain models still patch without it
-        return None
-    return Linear
+from .lora_status import carries_fusable_lora, fusable, fused_group, has_hooks, lora_status, project
 
 
 # --------------------------------------------------------------------------------------------------- module state
@@ -67,100 +56,6 @@ def _served(*tensors) -> bool:
     gradient checks, the meta device for shape tracing) runs HF's forward, which handles it."""
     return all(t.dtype in _runtime.FLOAT_DTYPES and t.device.type != "meta" for t in tensors if t is not None)
 
-
-# ------------------------------------------------------------------------------------------------------ PEFT LoRA
-def _has_hooks(module: nn.Module) -> bool:
-    """Hooks or an instance-level forward (accelerate, PEFT's mixed-batch ``adapter_names``): bypassing is unsafe."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
-
-
-def _frozen_linear(module) -> bool:
-    """A plain ``nn.Linear`` whose weight and bias are frozen (the fused ops give no base gradients)."""
-    return (type(module) is nn.Linear and not module.weight.requires_grad
-            and (module.bias is None or not module.bias.requires_grad) and not _has_hooks(module))
-
-
-def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None]:
-    """``(weights, dropout_p, training, reason)`` for one projection as the fused LoRA ops would consume it.
-
-    ``weights`` is None when the fused ops cannot reproduce the module's forward exactly, and ``reason`` then says
-    why; otherwise ``reason`` is None. A plain frozen ``nn.Linear``
-    gives ``LoraWeights(weight, None, None, 0.0, bias)``. For a PEFT ``lora.Linear`` this mirrors
-    ``peft.tuners.lora.layer.Linear.forward``: one active adapter, not merged, adapters enabled, no variant (DoRA),
-    no ``lora_bias``, a frozen ``nn.Linear`` base; scaling, dropout p and the base bias come from PEFT's module.
-    """
-    if _frozen_linear(module):
-        return ops.LoraWeights(module.weight, None, None, 0.0, module.bias), 0.0, False, None
-    if not hasattr(module, "lora_A") or type(module) is not _peft_lora_linear():
-        if type(module) is nn.Linear:
-            return None, 0.0, False, "trainable or hooked nn.Linear"
-        return None, 0.0, False, f"{type(module).__name__} is not a PEFT lora.Linear"
-    if module.disable_adapters:
-        return None, 0.0, False, "adapters disabled"
-    if module.merged:
-        return None, 0.0, False, "merged adapter"
-    active = [name for name in module.active_adapters if name in module.lora_A]
-    if len(active) != 1:
-        return None, 0.0, False, f"{len(active)} active adapters"
-    name = active[0]
-    if name in module.lora_variant or getattr(module, "use_dora", {}).get(name, False):
-        return None, 0.0, False, "DoRA / LoRA variant"
-    if module.fan_in_fan_out or not getattr(module, "cast_input_dtype_enabled", True):
-        return None, 0.0, False, "fan_in_fan_out or input casting disabled"
-    lora_A, lora_B = module.lora_A[name], module.lora_B[name]
-    if type(lora_A) is not nn.Linear or type(lora_B) is not nn.Linear or lora_B.bias is not None:
-        return None, 0.0, False, "non-linear adapter or lora_bias"
-    if _has_hooks(module) or _has_hooks(lora_A) or _has_hooks(lora_B):
-        return None, 0.0, False, "forward hooks"
-    base = module.base_layer
-    if not _frozen_linear(base):
-        return None, 0.0, False, f"base layer {type(base).__name__} is not a frozen, unhooked nn.Linear"
-    dropout = module.lora_dropout[name]
-    if isinstance(dropout, nn.Dropout):
-        p, training = float(dropout.p), dropout.training
-        if p >= 1.0:  # the branch is all zeros in training: PEFT's forward reproduces that, ops take p < 1
-            return None, 0.0, False, f"lora_dropout p = {p} >= 1"
-    elif isinstance(dropout, nn.Identity):
-        p, training = 0.0, False
-    else:
-        return None, 0.0, False, f"dropout {type(dropout).__name__}"
-    weights = ops.LoraWeights(base.weight, lora_A.weight, lora_B.weight, module.scaling[name], base.bias)
-    return weights, p, training, None
-
-
-def _has_lora(weights: ops.LoraWeights) -> bool:
-    return weights.lora_A is not None
-
-
-def _fusable(status) -> bool:
-    """Whether a :func:`lora_status` result is a LoRA projection that ``ops.lora_linear`` reproduces exactly."""
-    return status[0] is not None and _has_lora(status[0])
-
-
-def carries_fusable_lora(module) -> bool:
-    """True when ``module`` is a PEFT LoRA projection that ``ops.lora_linear`` reproduces exactly."""
-    return _fusable(lora_status(module))
-
-
-def _fused_group(statuses) -> tuple[list[ops.LoraWeights], float, bool] | None:
-    """LoraWeights for projections that read one input (their :func:`lora_status`), when one fused call can serve
-    all of them exactly."""
-    if any(w is None for w, _, _, _ in statuses) or not any(_has_lora(w) for w, _, _, _ in statuses):
-        return None
-    with_lora = [(p, t) for w, p, t, _ in statuses if _has_lora(w)]
-    if len(set(with_lora)) != 1:  # one dropout p / mode for the whole group
-        return None
-    p, training = with_lora[0]
-    return [w for w, _, _, _ in statuses], p, training
-
-
-def _project(module, x, status):
-    """``module(x)``, through ``ops.lora_linear`` when its :func:`lora_status` (None: LoRA fusion off) says the
-    fused op serves it exactly."""
-    if status is not None and _fusable(status):
-        weights, p, training, _ = status
-        return ops.lora_linear(x, *weights, dropout=p, training=training)
-    return module(x)
 
 
 # ----------------------------------------------------------------------------------------------------------- RoPE
@@ -258,14 +153,14 @@ def mlp_forward(self, x):
     # each projection's PEFT state read once per forward (it may change between forwards: set_adapter, merge)
     statuses = [lora_status(m) for m in (self.gate_proj, self.up_proj, self.down_proj)] if state.lora else [None] * 3
     if state.lora and state.mlp:
-        group = _fused_group(statuses)
+        group = fused_group(statuses)
         if group is not None:
             (gate, up, down), p, training = group
             return ops.lora_mlp(x, gate, up, down, activation=state.activation, dropout=p, training=training)
-    gate = _project(self.gate_proj, x, statuses[0])
-    up = _project(self.up_proj, x, statuses[1])
+    gate = project(self.gate_proj, x, statuses[0])
+    up = project(self.up_proj, x, statuses[1])
     hidden = _glu(gate, up, state.activation) if state.mlp else self.act_fn(gate) * up
-    return _project(self.down_proj, hidden, statuses[2])
+    return project(self.down_proj, hidden, statuses[2])
 
 
 def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -281,7 +176,7 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     try:
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         statuses = [lora_status(m) for m in projections] if state.lora else []  # read once per forward
-        if any(_fusable(s) for s in statuses):
+        if any(fusable(s) for s in statuses):
             return _fused_attention(self, state.family, statuses, hidden_states, position_embeddings,
                                     attention_mask, past_key_values, **kwargs)
         return _call_original(self, hidden_states, position_embeddings=position_embeddings,
@@ -298,12 +193,12 @@ def _fused_attention(self, family: Family, statuses, hidden_states, position_emb
     modeling = importlib.import_module(family.modeling_module)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    group = _fused_group(statuses[:3])
+    group = fused_group(statuses[:3])
     if group is not None:
         (q_w, k_w, v_w), p, training = group
         query, key, value = ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training)
     else:  # e.g. only o_proj fusable, or q/k/v with different dropout: one projection at a time
-        query, key, value = (_project(m, hidden_states, status)
+        query, key, value = (project(m, hidden_states, status)
                              for m, status in zip((self.q_proj, self.k_proj, self.v_proj), statuses))
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
     if family.qk_norm:
@@ -327,26 +222,31 @@ def _fused_attention(self, family: Family, statuses, hidden_states, position_emb
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return _project(self.o_proj, attn_output, statuses[3]), attn_weights
+    return project(self.o_proj, attn_output, statuses[3]), attn_weights
 
 
-def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap):
+def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap, head_logits=None):
     """HF's ``ForCausalLMLoss`` on already shifted ``labels [N]`` and ``hidden [N, H]``, without [N, V] logits when
-    ``lm_head`` is a plain linear layer.
+    ``lm_head`` is a plain linear layer (``head_logits``: ``lm_head(hidden)`` when the caller already has it).
 
     HF's ``fixed_cross_entropy`` divides the summed loss by ``num_items_in_batch`` whatever it is (a [1, 1] tensor
-    under DataParallel, a float, 0 for a window without targets, a tensor on another GPU). A whole count > 0 goes to
-    the op, so the 1/count scale enters the gradient before its one rounding; anything else takes HF's expression.
+    under DataParallel, a float, a tensor on another GPU). A whole count > 0 goes to the op, so the 1/count scale
+    enters the gradient before its one rounding; so does a count of 0 when no label is valid (HF Trainer's value for
+    an accumulation window without targets), which gives 0.0 and zero gradients where HF's 0 / 0 is NaN. Anything
+    else, a 0 dividing valid tokens included (HF: inf), takes HF's expression.
     """
     count = _whole_count(num_items)
+    if count == 0 and bool((labels != ignore_index).any()):  # a 0 that divides real tokens: HF's inf, not an error
+        count = None
     hf_divides = num_items is not None and count is None
     reduction = "sum" if hf_divides else "mean"
     if _plain_linear(lm_head):
         loss = ops.linear_cross_entropy(hidden, lm_head.weight, labels, lm_head.bias, ignore_index=ignore_index,
                                         softcap=softcap, reduction=reduction, num_items=count)
     else:  # e.g. LoRA on lm_head or modules_to_save: its logits are needed, the loss still fused with the softcap
-        loss = ops.cross_entropy(lm_head(hidden), labels, ignore_index=ignore_index, softcap=softcap,
-                                 reduction=reduction, num_items=count)
+        logits = lm_head(hidden) if head_logits is None else head_logits
+        loss = ops.cross_entropy(logits, labels, ignore_index=ignore_index, softcap=softcap, reduction=reduction,
+                                 num_items=count)
     if hf_divides:
         return loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     if torch.is_tensor(num_items):  # HF's result dtype and shape
@@ -355,7 +255,7 @@ def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap):
 
 
 def _whole_count(num_items) -> int | None:
-    """``num_items_in_batch`` as an int when it holds one whole number in [1, 2^63), else None (reads a one-element
+    """``num_items_in_batch`` as an int when it holds one whole number in [0, 2^63), else None (reads a one-element
     tensor back: one host sync per step, beside the loss op's own label check)."""
     value = num_items
     if torch.is_tensor(num_items):
@@ -365,7 +265,7 @@ def _whole_count(num_items) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     try:
-        whole = float(value).is_integer() and 1 <= value < 2**63
+        whole = float(value).is_integer() and 0 <= value < 2**63
     except OverflowError:  # an int beyond float's range
         return None
     return int(value) if whole else None
@@ -374,14 +274,17 @@ def _whole_count(num_items) -> int | None:
 def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """``XForCausalLM.forward`` with the loss from ``ops.linear_cross_entropy``: with labels (as HF, a given
-    ``shift_labels`` is used instead of shifting them) no [tokens, vocab] logits exist and ``logits`` is None (with
-    ``return_dict=False`` the tuple keeps a None in the logits slot, so positions match HF's); without labels HF's
-    forward runs unchanged.
+    ``shift_labels`` is used instead of shifting them) the loss never needs [tokens, vocab] logits. In training
+    (``self.training``) none are formed and ``logits`` is None (with ``return_dict=False`` the tuple keeps a None in
+    the logits slot, so positions match HF's); in eval mode the logits are also computed as HF does (``lm_head`` on
+    the hidden states, then the family's final-logit softcap) for callers that read them (HF Trainer's
+    ``compute_metrics``), and the loss still comes from the op. Without labels HF's forward runs unchanged.
 
     Labels are shifted as HF's ``ForCausalLMLoss`` does (pad with ignore_index, drop the first);
     ``num_items_in_batch`` divides the summed loss as in HF's ``fixed_cross_entropy`` (same value, dtype and shape for
     any input HF accepts); the family's final-logit softcap is applied in the op. One difference from HF: when no
-    token has a label the loss is 0.0 with zero gradients (HF: NaN), the ops' rule (DESIGN.md).
+    token has a label (also with ``num_items_in_batch`` 0) the loss is 0.0 with zero gradients (HF: NaN), the ops'
+    rule (docs/design.md, "Public op contract").
     """
     # HF computes a loss only with labels; a logits_to_keep slice asks for logits (generation): HF's forward for both
     head_weight = next(self.lm_head.parameters(), None)
@@ -408,18 +311,24 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     shift_labels = shift_labels.reshape(-1).to(hidden_states.device)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     softcap = getattr(self.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
-    loss = _causal_lm_loss(self.lm_head, hidden, shift_labels, num_items, ignore_index, softcap)
-    output = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+    logits = head_logits = None
+    if not self.training:  # evaluation reads the logits (metrics); training never does, so it never forms them
+        logits = head_logits = self.lm_head(hidden_states)
+        if softcap is not None:  # HF's expression and rounding order
+            logits = torch.tanh(logits / softcap) * softcap
+        head_logits = head_logits.reshape(-1, head_logits.shape[-1])
+    loss = _causal_lm_loss(self.lm_head, hidden, shift_labels, num_items, ignore_index, softcap, head_logits)
+    output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     if return_dict:
         return output
     # HF's to_tuple drops None fields; keep the logits slot so that out[1] is never silently another field
-    return (loss, None, *(v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions)
+    return (loss, logits, *(v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions)
                           if v is not None))
 
 
 def _plain_linear(module) -> bool:
-    return type(module) is nn.Linear and not _has_hooks(module)
+    return type(module) is nn.Linear and not has_hooks(module)
 
 
 FORWARDS = {

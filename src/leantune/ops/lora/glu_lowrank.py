@@ -123,7 +123,7 @@ def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, **
         xa_g, xa_u: ``[N, r_g]``, ``[N, r_u]`` (= (m x) A^T); b_g, b_u: ``[I, r]`` (lora_B); all four of one dtype
             (the LoRA dtype); r >= 1.
         s_g, s_u: scalings (real numbers).
-        activation: one of ``ACTIVATIONS``.
+        activation: one of :data:`leantune.ops.glu.ACTIVATIONS`.
         **launch: Triton path only: ``block_n``, ``block_i``, ``num_warps`` (GPU tuning).
 
     Returns:

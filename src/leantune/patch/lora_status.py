@@ -1,0 +1,119 @@
+"""How :func:`leantune.patch` reads a PEFT LoRA projection: whether the fused LoRA ops reproduce its forward exactly.
+
+A projection is fused only when ``ops.lora_linear`` computes exactly what PEFT's ``lora.Linear.forward`` would
+(:func:`lora_status`); otherwise PEFT's forward runs. The state is read at every forward, never cached, so
+``patch`` before ``get_peft_model``, adapter switching and ``disable_adapter()`` all do what PEFT would.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from .. import ops
+
+
+@functools.lru_cache(maxsize=1)
+def _peft_lora_linear():
+    """PEFT's ``lora.Linear`` class, imported on first use (importing PEFT pulls in transformers: slow)."""
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:  # pragma: no cover - PEFT is a dependency; plain models still patch without it
+        return None
+    return Linear
+
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Hooks or an instance-level forward (accelerate, PEFT's mixed-batch ``adapter_names``): bypassing is unsafe."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def _frozen_linear(module) -> bool:
+    """A plain ``nn.Linear`` whose weight and bias are frozen (the fused ops give no base gradients)."""
+    return (type(module) is nn.Linear and not module.weight.requires_grad
+            and (module.bias is None or not module.bias.requires_grad) and not has_hooks(module))
+
+
+def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None]:
+    """``(weights, dropout_p, training, reason)`` for one projection as the fused LoRA ops would consume it.
+
+    ``weights`` is None when the fused ops cannot reproduce the module's forward exactly, and ``reason`` then says
+    why; otherwise ``reason`` is None. A plain frozen ``nn.Linear``
+    gives ``LoraWeights(weight, None, None, 0.0, bias)``. For a PEFT ``lora.Linear`` this mirrors
+    ``peft.tuners.lora.layer.Linear.forward``: one active adapter, not merged, adapters enabled, no variant (DoRA),
+    no ``lora_bias``, a frozen ``nn.Linear`` base; scaling, dropout p and the base bias come from PEFT's module.
+    """
+    if _frozen_linear(module):
+        return ops.LoraWeights(module.weight, None, None, 0.0, module.bias), 0.0, False, None
+    if not hasattr(module, "lora_A") or type(module) is not _peft_lora_linear():
+        if type(module) is nn.Linear:
+            return None, 0.0, False, "trainable or hooked nn.Linear"
+        return None, 0.0, False, f"{type(module).__name__} is not a PEFT lora.Linear"
+    if module.disable_adapters:
+        return None, 0.0, False, "adapters disabled"
+    if module.merged:
+        return None, 0.0, False, "merged adapter"
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if len(active) != 1:
+        return None, 0.0, False, f"{len(active)} active adapters"
+    name = active[0]
+    if name in module.lora_variant or getattr(module, "use_dora", {}).get(name, False):
+        return None, 0.0, False, "DoRA / LoRA variant"
+    if module.fan_in_fan_out or not getattr(module, "cast_input_dtype_enabled", True):
+        return None, 0.0, False, "fan_in_fan_out or input casting disabled"
+    lora_A, lora_B = module.lora_A[name], module.lora_B[name]
+    if type(lora_A) is not nn.Linear or type(lora_B) is not nn.Linear or lora_B.bias is not None:
+        return None, 0.0, False, "non-linear adapter or lora_bias"
+    if has_hooks(module) or has_hooks(lora_A) or has_hooks(lora_B):
+        return None, 0.0, False, "forward hooks"
+    base = module.base_layer
+    if not _frozen_linear(base):
+        return None, 0.0, False, f"base layer {type(base).__name__} is not a frozen, unhooked nn.Linear"
+    dropout = module.lora_dropout[name]
+    if isinstance(dropout, nn.Dropout):
+        p, training = float(dropout.p), dropout.training
+        if p >= 1.0:  # the branch is all zeros in training: PEFT's forward reproduces that, ops take p < 1
+            return None, 0.0, False, f"lora_dropout p = {p} >= 1"
+    elif isinstance(dropout, nn.Identity):
+        p, training = 0.0, False
+    else:
+        return None, 0.0, False, f"dropout {type(dropout).__name__}"
+    weights = ops.LoraWeights(base.weight, lora_A.weight, lora_B.weight, module.scaling[name], base.bias)
+    return weights, p, training, None
+
+
+def _has_lora(weights: ops.LoraWeights) -> bool:
+    return weights.lora_A is not None
+
+
+def fusable(status) -> bool:
+    """Whether a :func:`lora_status` result is a LoRA projection that ``ops.lora_linear`` reproduces exactly."""
+    return status[0] is not None and _has_lora(status[0])
+
+
+def carries_fusable_lora(module) -> bool:
+    """True when ``module`` is a PEFT LoRA projection that ``ops.lora_linear`` reproduces exactly."""
+    return fusable(lora_status(module))
+
+
+def fused_group(statuses) -> tuple[list[ops.LoraWeights], float, bool] | None:
+    """LoraWeights for projections that read one input (their :func:`lora_status`), when one fused call can serve
+    all of them exactly."""
+    if any(w is None for w, _, _, _ in statuses) or not any(_has_lora(w) for w, _, _, _ in statuses):
+        return None
+    with_lora = [(p, t) for w, p, t, _ in statuses if _has_lora(w)]
+    if len(set(with_lora)) != 1:  # one dropout p / mode for the whole group
+        return None
+    p, training = with_lora[0]
+    return [w for w, _, _, _ in statuses], p, training
+
+
+def project(module, x, status):
+    """``module(x)``, through ``ops.lora_linear`` when its :func:`lora_status` (None: LoRA fusion off) says the
+    fused op serves it exactly."""
+    if status is not None and fusable(status):
+        weights, p, training, _ = status
+        return ops.lora_linear(x, *weights, dropout=p, training=training)
+    return module(x)
