@@ -399,7 +399,7 @@ def test_float64_and_meta_models_run_hf_forwards(monkeypatch):
 def test_eval_mode_returns_logits_with_labels(family):
     """In eval mode a patched model given labels returns HF's logits (lm_head, then the family's softcap) beside the
     fused loss, so metrics that read them work; both equal the unpatched model's within fp32 tolerance, and the
-    return_dict=False tuple carries them in HF's slot."""
+    return_dict=False tuple carries them in HF's slot. ``skip_logits`` overrides the mode's default."""
     model = tiny_peft_model(family).eval()
     input_ids, labels = batch()
     with torch.no_grad():
@@ -410,6 +410,11 @@ def test_eval_mode_returns_logits_with_labels(family):
     assert out.logits is not None and out.logits.shape == ref.logits.shape
     assert rel_err(out.logits, ref.logits) <= 1e-5 and rel_err(out.loss, ref.loss) <= 1e-5
     assert torch.equal(as_tuple[1], out.logits) and torch.equal(as_tuple[0], out.loss)
+    with torch.no_grad():  # asked explicitly: none in eval (a loss-only evaluation), HF's in training
+        skipped = model(input_ids=input_ids, labels=labels, skip_logits=True)
+        trained = model.train()(input_ids=input_ids, labels=labels, skip_logits=False)
+    assert skipped.logits is None and torch.equal(skipped.loss, out.loss)
+    assert rel_err(trained.logits, ref.logits) <= 1e-5
 
 
 def test_hf_trainer_evaluate_with_compute_metrics(tmp_path):

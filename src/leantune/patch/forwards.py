@@ -272,13 +272,15 @@ def _whole_count(num_items) -> int | None:
 
 
 def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, skip_logits=None, **kwargs):
     """``XForCausalLM.forward`` with the loss from ``ops.linear_cross_entropy``: with labels (as HF, a given
     ``shift_labels`` is used instead of shifting them) the loss never needs [tokens, vocab] logits. In training
     (``self.training``) none are formed and ``logits`` is None (with ``return_dict=False`` the tuple keeps a None in
     the logits slot, so positions match HF's); in eval mode the logits are also computed as HF does (``lm_head`` on
     the hidden states, then the family's final-logit softcap) for callers that read them (HF Trainer's
-    ``compute_metrics``), and the loss still comes from the op. Without labels HF's forward runs unchanged.
+    ``compute_metrics``), and the loss still comes from the op. ``skip_logits`` (leantune's keyword; None: skip in
+    training only) asks for either explicitly, e.g. ``skip_logits=True`` for an evaluation that reads only the loss.
+    Without labels HF's forward runs unchanged.
 
     Labels are shifted as HF's ``ForCausalLMLoss`` does (pad with ignore_index, drop the first);
     ``num_items_in_batch`` divides the summed loss as in HF's ``fixed_cross_entropy`` (same value, dtype and shape for
@@ -312,7 +314,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     softcap = getattr(self.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
     logits = head_logits = None
-    if not self.training:  # evaluation reads the logits (metrics); training never does, so it never forms them
+    if not (self.training if skip_logits is None else skip_logits):  # evaluation may read them (metrics)
         logits = head_logits = self.lm_head(hidden_states)
         if softcap is not None:  # HF's expression and rounding order
             logits = torch.tanh(logits / softcap) * softcap
