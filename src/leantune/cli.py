@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import signal
 import sys
-from pathlib import Path
 
 # Demo defaults: measured to finish within 10 minutes on 2 CPU cores including the one-time GGUF conversion,
 # with the held-out loss falling (see README). Everything else is TrainConfig's default.

@@ -1,13 +1,13 @@
 """Op-level benchmark on the GPU: leantune vs eager PyTorch, torch.compile, Liger-Kernel and Cut Cross-Entropy.
 
-One harness for every implementation (docs/design.md, "Timing harness and floors"): inputs are created once as
-leaves with ``requires_grad`` (``op_cases``); the timed call sets ``.grad`` to None, runs forward and backward with
-pre-made gradient outputs; the time is the median of ``triton.testing.do_bench``; for calls under 20 ms, the median
-of 3 such timings taken in turns over the implementations (``ROUNDS``: the host's speed drifts within a run). The copy ceiling
-(device-to-device copy, read + write bytes) and the bf16 matmul ceiling (8192^3) are measured in the same run, and
-each op is judged against its floor ``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is
-``max_memory_allocated`` during one call minus what was allocated before it (inputs and gradient outputs), so
-parameter gradients count.
+One harness for every implementation (docs/design.md, "Timing harness and floors"): inputs are created once as leaves
+with ``requires_grad`` (``op_cases``); the timed call sets ``.grad`` to None, runs forward and backward with pre-made
+gradient outputs; the time is the median of ``triton.testing.do_bench``; for calls under 20 ms, the median of 3 such
+timings taken in turns over the implementations (``ROUNDS``: the host's speed drifts within a run). The copy ceiling
+(device-to-device copy, read + write bytes) and the bf16 matmul ceiling (8192^3) are measured in the same run, and each
+op is judged against its floor ``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is
+``max_memory_allocated`` during one call minus what was allocated before it (inputs and gradient outputs), so parameter
+gradients count.
 
 A second time, ``graph ms``, replays the same fwd+bwd captured once in a CUDA graph (also through ``do_bench``, with
 its L2 flush): the device time without the host. When the host issues kernels slower than the GPU runs them (small
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import GRAPH_MAX_MS, GiB, Budget, measure_ceilings, run_child
+from .harness import GRAPH_MAX_MS, Budget, GiB, measure_ceilings, run_child
 from .op_cases import CASES, Case
 from .report import ops_markdown
 

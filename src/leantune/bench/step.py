@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from .flops import frozen_weight_bytes, hardware_flops_per_token, matmul_params, model_flops_per_token
-from .harness import BenchError, environment, load_config, measure_ceilings, model_name
+from .harness import BenchError, GiB, environment, load_config, measure_ceilings, model_name
 
 IMPLS = ("hf+peft", "hf+peft+liger", "leantune")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
