@@ -3,7 +3,7 @@
 Builds the model of ``--config`` (random init, bf16) on the GPU, wraps it in PEFT LoRA r=16 on all 7 projections with
 non-zero B (``init_lora_weights=False``, fp32 adapters as PEFT's default), and runs one forward+backward on random
 tokens: unpatched, then ``leantune.patch``-ed. Then the same model in fp32 (TF32 off) gives the reference: the patched
-bf16 errors must be no worse than the unpatched bf16 errors plus 1e-2 (DESIGN.md's half-precision rule).
+bf16 errors must be no worse than the unpatched bf16 errors plus 1e-2 (docs/design.md, "Numerics").
 
 Usage: PYTHONPATH=src python3 benchmarks/patch_check.py --config .gpu/llama3-8b --seq 2048 --out results.json
 """

@@ -10,17 +10,18 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from leantune.bench import e2e, report
-from leantune.bench.e2e import (
-    RunSpec,
+from leantune.bench import e2e, harness, max_context, report, step
+from leantune.bench.flops import (
     attention_flops_per_token,
-    bisect_max_fitting,
+    default_shape,
     frozen_weight_bytes,
     hardware_flops_per_token,
     matmul_params,
     model_flops_per_token,
     utilization,
 )
+from leantune.bench.max_context import bisect_max_fitting
+from leantune.bench.step import RunSpec
 from leantune.cli import main as cli_main
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -68,8 +69,8 @@ def test_utilization_math():
 
 
 def test_default_shape():
-    assert e2e.default_shape(LlamaConfig(**LLAMA3_8B)) == (4096, 1)
-    assert e2e.default_shape(LlamaConfig(**TINY)) == (8192, 2)
+    assert default_shape(LlamaConfig(**LLAMA3_8B)) == (4096, 1)
+    assert default_shape(LlamaConfig(**TINY)) == (8192, 2)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -79,7 +80,7 @@ def test_frozen_weight_bytes_tiny_peft_model(tied):
 
     config = LlamaConfig(**TINY, tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=e2e.TARGETS, init_lora_weights=False))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=step.TARGETS, init_lora_weights=False))
     h, i, kv, v = 64, 96, 32, 97
     layer = h * h + 2 * h * kv + h * h + 3 * h * i + 2 * h  # projections + two norms
     elements = v * h + 2 * layer + h + (0 if tied else v * h)  # embedding, layers, final norm, lm_head
@@ -92,7 +93,7 @@ def test_seeded_init_depends_on_seed_and_names_only():
     def draw(torch_seed, seed):
         torch.manual_seed(torch_seed)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.bfloat16)
-        e2e.seeded_init(model, seed, trainable_only=False, std=0.02)
+        step.seeded_init(model, seed, trainable_only=False, std=0.02)
         return model.state_dict()
 
     a, b, c = draw(1, 7), draw(2, 7), draw(1, 8)
@@ -149,7 +150,7 @@ def test_bisection_stops_on_budget_and_on_failed_probe():
 
 def test_budget_with_fake_clock():
     now = [0.0]
-    budget = e2e.Budget(100.0, clock=lambda: now[0])
+    budget = harness.Budget(100.0, clock=lambda: now[0])
     assert budget.can_start()
     now[0] = 30.0
     budget.record(50.0)
@@ -314,8 +315,8 @@ def test_run_max_context_with_fake_children(tiny_config, tmp_path, monkeypatch):
         assert spec["batch"] == 1 and spec["gc"] and spec["steps"] == 1 and spec["warmup"] == 0
         return {"status": "ok" if spec["seq"] <= limits[spec["impl"]] else "oom", "wall_s": 1.0}
 
-    monkeypatch.setattr(e2e, "run_child", fake_child)
-    results = e2e.run_max_context(tiny_config, ["hf+peft", "leantune"], tmp_path, lo=4096, hi=262144, step=4096,
+    monkeypatch.setattr(max_context, "run_child", fake_child)
+    results = max_context.run_max_context(tiny_config, ["hf+peft", "leantune"], tmp_path, lo=4096, hi=262144, step=4096,
                                   log=lambda *a: None)
     assert [(r["best"], r["first_fail"], r["complete"]) for r in results] == [(49152, 53248, True),
                                                                              (176128, 180224, True)]
@@ -329,14 +330,14 @@ def test_child_dry_run_on_cpu_agrees_between_implementations(tiny_config):
     rows = []
     for impl in ("hf+peft", "leantune"):
         for gc in (False, True):
-            r = e2e.run_one_safe(RunSpec(impl, tiny_config, seq=24, batch=2, gc=gc, warmup=1, steps=2, device="cpu"))
+            r = step.run_one_safe(RunSpec(impl, tiny_config, seq=24, batch=2, gc=gc, warmup=1, steps=2, device="cpu"))
             assert r["status"] == "ok", r.get("error")
             assert len(r["step_ms"]) == 2 and r["tokens_per_s"] > 0 and math.isfinite(r["last_loss"])
             assert r["lora_params"] == 2 * 16 * (128 + 96 + 96 + 128 + 3 * 160)  # r=16 on all 7 projections
             rows.append(r)
     hf_off, hf_on, lt_off, lt_on = rows
     # the first-step loss is that of the freshly built model (the optimizer priming left the weights unchanged)
-    model, config = e2e.build(RunSpec("hf+peft", tiny_config, seq=24, batch=2, gc=False, device="cpu"))
+    model, config = step.build(RunSpec("hf+peft", tiny_config, seq=24, batch=2, gc=False, device="cpu"))
     ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert model(input_ids=ids, labels=ids).loss.item() == hf_off["first_loss"]
@@ -347,21 +348,21 @@ def test_child_dry_run_on_cpu_agrees_between_implementations(tiny_config):
     report.flag_agreement(rows)
     assert [r["agreement"] for r in rows] == ["reference", "reference", "ok", "ok"]
     # a different seed changes weights and tokens: the agreement check can fail
-    other = e2e.run_one_safe(RunSpec("leantune", tiny_config, seq=24, batch=2, gc=False, warmup=0, steps=1,
+    other = step.run_one_safe(RunSpec("leantune", tiny_config, seq=24, batch=2, gc=False, warmup=0, steps=1,
                                      device="cpu", seed=1))
     assert other["first_loss"] != lt_off["first_loss"]
 
 
 def test_child_skips_liger_when_not_importable(tiny_config, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)  # import fails even if installed
-    r = e2e.run_one_safe(RunSpec("hf+peft+liger", tiny_config, seq=8, batch=1, gc=False, device="cpu"))
+    r = step.run_one_safe(RunSpec("hf+peft+liger", tiny_config, seq=8, batch=1, gc=False, device="cpu"))
     assert r["status"] == "skipped" and "liger_kernel not importable" in r["error"]
 
 
 def test_child_errors_are_results(tiny_config, tmp_path):
-    r = e2e.run_one_safe(RunSpec("hf+peft", str(tmp_path / "missing"), seq=8, batch=1, gc=False, device="cpu"))
+    r = step.run_one_safe(RunSpec("hf+peft", str(tmp_path / "missing"), seq=8, batch=1, gc=False, device="cpu"))
     assert r["status"] == "error" and "model config not found" in r["error"]
-    with pytest.raises(e2e.BenchError, match="unknown implementation 'hf'"):
+    with pytest.raises(harness.BenchError, match="unknown implementation 'hf'"):
         RunSpec("hf", tiny_config, seq=8, batch=1, gc=False)
 
 
@@ -370,11 +371,11 @@ def test_child_process_protocol(tiny_config, tmp_path):
     spec = RunSpec("leantune", tiny_config, seq=16, batch=1, gc=True, warmup=0, steps=1, device="cpu")
     import dataclasses
 
-    r = e2e.run_child(["--one", json.dumps(dataclasses.asdict(spec))], tmp_path / "r.json", tmp_path / "r.log",
+    r = harness.run_child(["--one", json.dumps(dataclasses.asdict(spec))], tmp_path / "r.json", tmp_path / "r.log",
                       timeout_s=120)
     assert r["status"] == "ok", (r, (tmp_path / "r.log").read_text()[-2000:])
     assert r["name"] == "tiny_leantune_s16_b1_gcon" and r["wall_s"] > 0
-    crashed = e2e.run_child(["-c", "raise SystemExit('boom')"], tmp_path / "c.json", tmp_path / "c.log",
+    crashed = harness.run_child(["-c", "raise SystemExit('boom')"], tmp_path / "c.json", tmp_path / "c.log",
                             timeout_s=60, module="leantune.no_such_module")
     assert crashed["status"] == "crashed" and "exit 1" in crashed["error"] and "No module named" in crashed["error"]
 
@@ -408,7 +409,7 @@ def test_ops_each_op_in_its_own_child_merged(tmp_path, monkeypatch):
         return {"date": "d", "gpu": "H200", "versions": {"torch": "t", "triton": "tr", "transformers": "tf"},
                 "ceilings": {"copy_bytes_per_s": 4e12, "matmul_flop_per_s": 7e14}, "rows": [row], "wall_s": 1.0}
 
-    monkeypatch.setattr(e2e, "run_child", fake_child)
+    monkeypatch.setattr(ops, "run_child", fake_child)
     merged = ops.run_isolated(["rms_norm", "rope", "swiglu"], "leantune", tmp_path, log=lambda *a: None)
     assert [c[0] for c in calls] == ["leantune.bench.ops"] * 3
     assert calls[0][1] == ["--ops", "rms_norm", "--out", str(tmp_path / "ops_rms_norm.json"), "--impls", "leantune"]
@@ -423,15 +424,13 @@ def test_ops_each_op_in_its_own_child_merged(tmp_path, monkeypatch):
 
 
 def test_ops_markdown_keeps_a_failed_row_on_one_line():
-    """From a new-user pass: CUDA error texts hold newlines and '|', which used to split the table row."""
-    from leantune.bench import ops
-
+    """CUDA error texts hold newlines and '|', which must not split the table row."""
     row = {"op": "rope", "shape": "s", "impl": "liger", "ms": math.nan, "graph_ms": math.nan, "graph_error": None,
            "extra_peak_gib": math.nan, "saved_gib": math.nan, "floor_ms": 1.0,
            "error": "AcceleratorError: CUDA error: illegal address\nCUDA kernel errors | might be asynchronous"}
     result = {"date": "d", "gpu": "H200", "versions": {"torch": "t", "triton": "tr", "transformers": "tf"},
               "ceilings": {"copy_bytes_per_s": 4e12, "matmul_flop_per_s": 7e14}, "rows": [row]}
-    lines = ops.markdown(result).splitlines()
+    lines = report.ops_markdown(result).splitlines()
     assert lines[-1].startswith("| rope | s | liger (AcceleratorError: CUDA error: illegal address CUDA kernel errors "
                                 "/ might be asynchronous) | nan | — |"), lines[-1]
     assert lines[-1].count("|") == lines[-2].count("|") == 10
@@ -558,9 +557,9 @@ def _op_row(op, impl, ms, graph=None):
 
 
 def test_report_rebuilds_op_tables(tmp_path, capsys):
-    """From a new-user pass: `bench report` skipped `bench ops` results, so no command rebuilt their tables. A folder's
-    merged ops.json stands for its ops_NAME.json parts; each table is rewritten beside its JSON and gathered in
-    results.md, also without any e2e result."""
+    """`bench report` rebuilds the tables of `bench ops` results too. A folder's merged ops.json stands for its
+    ops_NAME.json parts; each table is rewritten beside its JSON and gathered in results.md, also without any e2e
+    result."""
     _write(tmp_path / "call1", "ops.json", _ops_result(_op_row("rope", "leantune", 2.0, 0.5),
                                                        _op_row("rope", "liger", 4.0)))
     _write(tmp_path / "call1", "ops_rope.json", _ops_result(_op_row("rope", "leantune", 2.0, 0.5)))
@@ -645,11 +644,11 @@ def test_ops_short_calls_take_the_median_of_interleaved_rounds(monkeypatch):
     assert [r["ms_rounds"] for r in short] == [[2.0, 4.0, 1.0], [3.0, 2.0, 9.0]]
     assert [r["ms"] for r in short] == [2.0, 3.0]
     assert short[1]["gb_per_s"] == pytest.approx(1e9 / 3e-3 / 1e9)
-    assert "median of 3 timings" in ops._rounds_note(short) and ops._rounds_note(rows(1.0)) == ""
+    assert "median of 3 timings" in report._rounds_note(short) and report._rounds_note(rows(1.0)) == ""
 
     order.clear()
     script.update(a=[4.0, 6.0], c=[])
-    long = rows(2.0, ops.GRAPH_MAX_MS + 1)  # the device-bound row keeps its single timing (no interleaving cost)
+    long = rows(2.0, harness.GRAPH_MAX_MS + 1)  # the device-bound row keeps its single timing (no interleaving cost)
     ops._interleaved_rounds(long, {"a": "a", "b": "b"}, case, ceilings, rounds=3)
     assert order == ["a", "a"] and long[0]["ms"] == 4.0 and "ms_rounds" not in long[1]
     order.clear()
@@ -667,7 +666,7 @@ def test_ops_short_calls_take_the_median_of_interleaved_rounds(monkeypatch):
     assert broken[0]["ms_rounds"] == [2.0] and broken[0]["rounds_error"].startswith("RuntimeError: CUDA out")
 
 
-# ------------------------------------------------------------------------------ bad values before any run (new user)
+# ----------------------------------------------------------------------------------- bad values before any run
 @pytest.mark.parametrize("argv, message", [
     (["ops", "--out", "AFILE"], "exists and is not a directory"),
     (["ops", "--out", "AFILE/sub"], "exists and is not a directory"),
@@ -683,9 +682,12 @@ def test_ops_short_calls_take_the_median_of_interleaved_rounds(monkeypatch):
     (["max-context", "--config", "CONFIG", "--layers", "-1"], "--layers must be >= 1, got -1"),
 ])
 def test_bench_values_are_checked_before_anything_runs(argv, message, tmp_path, tiny_config, capsys, monkeypatch):
-    """From a new-user pass: these ran (on a GPU) and wrote files, or ended in tracebacks."""
+    """Each bad value is one error line before any child process starts or any file is written."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the checks come before the GPU is needed
-    monkeypatch.setattr(e2e, "run_child", lambda *a, **k: pytest.fail("a child process was started"))
+    from leantune.bench import ops
+
+    for module in (e2e, max_context, ops):
+        monkeypatch.setattr(module, "run_child", lambda *a, **k: pytest.fail("a child process was started"))
     afile = tmp_path / "afile.txt"
     afile.write_text("keep")
     bad = tmp_path / "bad.json"
@@ -701,30 +703,30 @@ def test_bench_values_are_checked_before_anything_runs(argv, message, tmp_path, 
 
 
 def test_a_failing_rerun_keeps_the_earlier_result_and_exits_non_zero(tmp_path, tiny_config, capsys, monkeypatch):
-    """From a new-user pass: run_child deleted the stored result before the child ran, a failed e2e run replaced a
-    good JSON with its error, and both commands exited 0."""
+    """A rerun that crashes or runs out of memory leaves the stored result of an earlier run in place, and a
+    command where no run measured anything exits non-zero."""
     stored = {"status": "ok", "kept": True}
     result, log = tmp_path / "r.json", tmp_path / "r.log"
     result.write_text(json.dumps(stored))
-    crashed = e2e.run_child(["--bogus-flag"], result, log, 60)  # the e2e child rejects it: exit 2
+    crashed = harness.run_child(["--bogus-flag"], result, log, 60)  # the e2e child rejects it: exit 2
     assert crashed["status"] == "crashed" and json.loads(result.read_text()) == stored
     src = tmp_path / "src.json"
     src.write_text(json.dumps({"status": "ok", "new": 1}))
-    done = e2e.run_child([str(src), str(result)], result, log, 60, module="json.tool")  # a child that succeeds
+    done = harness.run_child([str(src), str(result)], result, log, 60, module="json.tool")  # a child that succeeds
     assert done["new"] == 1 and json.loads(result.read_text()) == {"status": "ok", "new": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.log", "src.json", "tiny"]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    real_run_child = e2e.run_child
+    real_run_child = harness.run_child
 
-    def oom_child(args, result, log, timeout_s, **kw):  # a child that ends normally with an oom result (review)
+    def oom_child(args, result, log, timeout_s, **kw):  # a child that ends normally with an oom result
         src = tmp_path / "oom.json"
         src.write_text(json.dumps({"status": "oom", "error": "CUDA out of memory"}))
         return real_run_child([str(src), str(result)], result, log, timeout_s, module="json.tool", **kw)
 
     monkeypatch.setattr(e2e, "run_child", oom_child)
     out = tmp_path / "out"
-    spec = e2e.RunSpec("leantune", tiny_config, 64, 1, True, 0, 1, 0)
+    spec = RunSpec("leantune", tiny_config, 64, 1, True, 0, 1, 0)
     out.mkdir()
     good = {**_row("leantune", model="tiny", seq=64), "name": spec.name, "kept": True}
     (out / f"{spec.name}.json").write_text(json.dumps(good))

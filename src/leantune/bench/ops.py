@@ -1,13 +1,13 @@
 """Op-level benchmark on the GPU: leantune vs eager PyTorch, torch.compile, Liger-Kernel and Cut Cross-Entropy.
 
-One harness for every implementation (DESIGN.md, "Roofline"): inputs are created once as leaves with
-``requires_grad``; the timed call sets ``.grad`` to None, runs forward and backward with pre-made gradient outputs;
-the time is the median of ``triton.testing.do_bench``; for calls under 20 ms, the median of 3 such timings taken
-in turns over the implementations (``ROUNDS``: the host's speed drifts within a run). The copy ceiling
-(device-to-device copy, read + write bytes) and the bf16 matmul ceiling (8192^3) are measured in the same run, and
-each op is judged against its floor ``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is
-``max_memory_allocated`` during one call minus what was allocated before it (inputs and gradient outputs), so
-parameter gradients count.
+One harness for every implementation (docs/design.md, "Timing harness and floors"): inputs are created once as leaves
+with ``requires_grad`` (``op_cases``); the timed call sets ``.grad`` to None, runs forward and backward with pre-made
+gradient outputs; the time is the median of ``triton.testing.do_bench``; for calls under 20 ms, the median of 3 such
+timings taken in turns over the implementations (``ROUNDS``: the host's speed drifts within a run). The copy ceiling
+(device-to-device copy, read + write bytes) and the bf16 matmul ceiling (8192^3) are measured in the same run, and each
+op is judged against its floor ``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is
+``max_memory_allocated`` during one call minus what was allocated before it (inputs and gradient outputs), so parameter
+gradients count.
 
 A second time, ``graph ms``, replays the same fwd+bwd captured once in a CUDA graph (also through ``do_bench``, with
 its L2 flush): the device time without the host. When the host issues kernels slower than the GPU runs them (small
@@ -22,7 +22,6 @@ Usage (CUDA only)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
@@ -31,42 +30,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-GiB = 1024**3
-
-
-@dataclasses.dataclass
-class Case:
-    """One op at one shape: leaves, gradient outputs, the floor, and the implementations to time."""
-
-    op: str
-    shape: str
-    leaves: list[torch.Tensor]
-    grad_outputs: list[torch.Tensor] | None  # None: the output is a scalar loss
-    bytes: float = 0.0  # minimal bytes moved (DESIGN.md's roofline count)
-    flops: float = 0.0
-    impls: dict[str, Callable] = dataclasses.field(default_factory=dict)
-    params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # weights and adapters: not activations
-
-
-# --------------------------------------------------------------------------------------------------------- ceilings
-def measure_ceilings() -> dict:
-    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate (FLOP/s) of this card, measured now."""
-    from triton.testing import do_bench
-
-    src = torch.randn(2 * GiB // 4, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
-    copy_rate = 2 * src.numel() * 4 / (copy_ms * 1e-3)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
-    mm_rate = 2 * 8192**3 / (mm_ms * 1e-3)
-    torch.cuda.empty_cache()
-    return {"copy_bytes_per_s": copy_rate, "matmul_flop_per_s": mm_rate}
+from .harness import GRAPH_MAX_MS, Budget, GiB, measure_ceilings, run_child
+from .op_cases import CASES, Case
+from .report import ops_markdown
 
 
 # ---------------------------------------------------------------------------------------------------------- harness
@@ -85,7 +55,7 @@ def _fwd_bwd(fn: Callable, leaves: list[torch.Tensor], grad_outputs) -> Callable
 
 
 def harness_ms(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) -> float:
-    """Median ms of fwd+bwd through ``do_bench`` (DESIGN.md's harness), grads cleared after."""
+    """Median ms of fwd+bwd through ``do_bench`` (the timing harness), grads cleared after."""
     from triton.testing import do_bench
 
     ms = do_bench(_fwd_bwd(fn, case.leaves, case.grad_outputs), warmup=warmup_ms, rep=rep_ms, return_mode="median")
@@ -113,7 +83,6 @@ def time_and_peak(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 
     return harness_ms(fn, case, warmup_ms, rep_ms), peak
 
 
-GRAPH_MAX_MS = 20.0  # longer calls are device-bound: a graph replay would only repeat do_bench
 # Calls shorter than GRAPH_MAX_MS are often host-bound, and the lent hosts' speed drifts within a process (the same
 # code measured 1.80 and 2.82 ms a minute apart): their harness time is the median of ROUNDS timings taken in turns
 # over the implementations (A B C A B C ...), so that a slow stretch of the host hits every implementation alike.
@@ -171,222 +140,7 @@ def saved_bytes(fn: Callable, case: Case) -> int:
     return sum(storages.values())
 
 
-# ------------------------------------------------------------------------------------------------------------ cases
-def _liger(name: str):
-    try:
-        if name == "rms_norm":
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-            return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", True)
-        if name == "rope":
-            from liger_kernel.transformers.rope import liger_rotary_pos_emb
-
-            return liger_rotary_pos_emb
-        if name == "swiglu":
-            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-            return LigerSiLUMulFunction.apply
-        if name == "cross_entropy":
-            from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
-
-            return lambda z, y: LigerCrossEntropyFunction.apply(z, y, None)[0]
-        if name == "linear_cross_entropy":
-            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-
-            return lambda h, w, y: LigerFusedLinearCrossEntropyFunction.apply(h, w, y)[0]
-    except ImportError:
-        return None
-    return None
-
-
-def _cce(filter_eps):
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except ImportError:
-        return None
-    return lambda h, w, y: linear_cross_entropy(h, w, y, filter_eps=filter_eps)
-
-
-def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
-    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(dtype).requires_grad_()
-
-
-def case_rms_norm(n=16384, h=4096) -> Case:
-    from leantune import ops
-
-    x, w = _rand(n, h), _rand(h, scale=0.1)
-    with torch.no_grad():
-        w.add_(1.0)
-
-    def eager(x, w):
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
-
-    case = Case("rms_norm", f"{n}x{h} bf16", [x, w], [torch.randn_like(x)], bytes=5 * n * h * 2)
-    case.impls = {"leantune": lambda x, w: ops.rms_norm(x, w, 1e-5), "eager": eager,
-                  "torch.compile": torch.compile(eager), "liger": _liger("rms_norm")}
-    return case
-
-
-def case_rope(b=4, s=4096, hq=32, hk=8, d=128) -> Case:
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    from leantune import ops
-
-    q, k = _rand(b, hq, s, d), _rand(b, hk, s, d)
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
-    freqs = torch.arange(s, device="cuda", dtype=torch.float32)[:, None] * inv_freq[None]
-    emb = torch.cat((freqs, freqs), dim=-1)[None]  # [1, S, D], HF's layout
-    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
-    liger = _liger("rope")
-
-    def eager(q, k):
-        return apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin)
-
-    case = Case("rope", f"B{b} S{s} {hq}/{hk}h D{d} bf16", [q, k],
-                [torch.randn_like(q), torch.randn_like(k)], bytes=6 * (q.numel() + k.numel()) * 2)
-    case.impls = {
-        "leantune": lambda q, k: ops.rope(q.clone(), k.clone(), cos, sin),
-        "eager": eager,
-        "torch.compile": torch.compile(eager),
-        "liger": None if liger is None else (lambda q, k: liger(q.clone(), k.clone(), cos, sin)),
-    }
-    return case
-
-
-def case_swiglu(n=16384, i=14336) -> Case:
-    from leantune import ops
-
-    g, u = _rand(n, i), _rand(n, i)
-
-    def eager(g, u):
-        return F.silu(g) * u
-
-    case = Case("swiglu", f"{n}x{i} bf16", [g, u], [torch.randn_like(g)], bytes=8 * n * i * 2)
-    case.impls = {"leantune": ops.swiglu, "eager": eager, "torch.compile": torch.compile(eager),
-                  "liger": _liger("swiglu")}
-    return case
-
-
-def case_cross_entropy(n=16384, v=128256) -> Case:
-    from leantune import ops
-
-    z = _rand(n, v, scale=2.0)
-    y = torch.randint(0, v, (n,), device="cuda")
-
-    def eager(z):
-        return F.cross_entropy(z.float(), y)
-
-    liger = _liger("cross_entropy")
-    case = Case("cross_entropy", f"{n}x{v} bf16 logits", [z], None, bytes=3 * n * v * 2)
-    case.impls = {"leantune": lambda z: ops.cross_entropy(z, y), "eager": eager,
-                  "torch.compile": torch.compile(eager),
-                  "liger": None if liger is None else (lambda z: liger(z, y))}
-    return case
-
-
-def case_linear_cross_entropy(n=16384, h=4096, v=128256, memory="fast", chunk_bytes=None) -> Case:
-    from leantune import ops
-
-    hidden, weight = _rand(n, h), _rand(v, h, scale=h**-0.5)
-    y = torch.randint(0, v, (n,), device="cuda")
-
-    def eager(hidden, weight):
-        return F.cross_entropy((hidden @ weight.T).float(), y)
-
-    liger, cce_exact, cce_filtered = _liger("linear_cross_entropy"), _cce(None), _cce("high")
-    flops = (8 if memory == "low" else 6) * n * h * v  # 3 (4 with the recompute) GEMMs of 2 N H V FLOP
-    case = Case(f"linear_cross_entropy[{memory}]", f"N{n} H{h} V{v} bf16", [hidden, weight], None, flops=flops)
-    extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-    label = "leantune" if chunk_bytes is None else f"leantune (chunk_bytes={chunk_bytes >> 20} MiB)"
-    case.impls = {label: lambda h, w: ops.linear_cross_entropy(h, w, y, memory=memory, **extra)}
-    if memory == "fast" and chunk_bytes is None:
-        case.impls.update({"eager": eager, "torch.compile": torch.compile(eager),
-                           "liger": None if liger is None else (lambda h, w: liger(h, w, y))})
-    else:
-        case.impls.update({"cce (filter_eps=None)": None if cce_exact is None else (lambda h, w: cce_exact(h, w, y)),
-                           "cce (default filter)": None if cce_filtered is None else
-                           (lambda h, w: cce_filtered(h, w, y))})
-    return case
-
-
-def _peft_linear(x, w, a, b, scaling):
-    """PEFT LoraLayer.forward at p = 0: base in the weight's dtype, branch in lora_A's dtype, cast back once."""
-    result = F.linear(x, w)
-    return (result + F.linear(F.linear(x.to(a.dtype), a), b) * scaling).to(result.dtype)
-
-
-def _lora_params(n_in, n_out, r, dtype, adapter_dtype):
-    w = (torch.randn(n_out, n_in, device="cuda") * n_in**-0.5).to(dtype)
-    a = _rand(r, n_in, dtype=adapter_dtype, scale=n_in**-0.5)
-    b = _rand(n_out, r, dtype=adapter_dtype, scale=r**-0.5)  # non-zero B: every gradient is non-trivial
-    return w, a, b
-
-
-def case_lora_mlp(n=4096, h=4096, i=14336, r=16, adapter_dtype=torch.float32) -> Case:
-    from leantune import ops
-
-    x = _rand(n, h)
-    (wg, ag, bg), (wu, au, bu) = _lora_params(h, i, r, torch.bfloat16, adapter_dtype), \
-        _lora_params(h, i, r, torch.bfloat16, adapter_dtype)
-    wd, ad, bd = _lora_params(i, h, r, torch.bfloat16, adapter_dtype)
-    s = 2.0
-
-    def peft(x, ag, bg, au, bu, ad, bd):
-        return _peft_linear(F.silu(_peft_linear(x, wg, ag, bg, s)) * _peft_linear(x, wu, au, bu, s), wd, ad, bd, s)
-
-    def leantune(x, ag, bg, au, bu, ad, bd):
-        return ops.lora_mlp(x, ops.LoraWeights(wg, ag, bg, s), ops.LoraWeights(wu, au, bu, s),
-                            ops.LoraWeights(wd, ad, bd, s))
-
-    name = "fp32" if adapter_dtype == torch.float32 else "bf16"
-    case = Case(f"lora_mlp[{name} adapters]", f"N{n} H{h} I{i} r{r} bf16", [x, ag, bg, au, bu, ad, bd],
-                [torch.randn_like(x)], flops=2 * n * h * i * 3 * 2,  # 3 frozen GEMMs, fwd + dX (no dW)
-                params=[wg, wu, wd, ag, bg, au, bu, ad, bd])
-    case.impls = {"leantune": leantune, "peft eager": peft}
-    return case
-
-
-def case_lora_qkv(n=4096, h=4096, hq=32, hk=8, d=128, r=16, adapter_dtype=torch.float32) -> Case:
-    from leantune import ops
-
-    x = _rand(n, h)
-    (wq, aq, bq), (wk, ak, bk), (wv, av, bv) = (_lora_params(h, o, r, torch.bfloat16, adapter_dtype)
-                                                for o in (hq * d, hk * d, hk * d))
-    s = 2.0
-
-    def peft(x, aq, bq, ak, bk, av, bv):
-        return _peft_linear(x, wq, aq, bq, s), _peft_linear(x, wk, ak, bk, s), _peft_linear(x, wv, av, bv, s)
-
-    def leantune(x, aq, bq, ak, bk, av, bv):
-        return ops.lora_qkv(x, ops.LoraWeights(wq, aq, bq, s), ops.LoraWeights(wk, ak, bk, s),
-                            ops.LoraWeights(wv, av, bv, s))
-
-    name = "fp32" if adapter_dtype == torch.float32 else "bf16"
-    outs = [torch.randn(n, o, device="cuda", dtype=torch.bfloat16) for o in (hq * d, hk * d, hk * d)]
-    case = Case(f"lora_qkv[{name} adapters]", f"N{n} H{h} {hq}/{hk}h r{r} bf16", [x, aq, bq, ak, bk, av, bv], outs,
-                flops=2 * n * h * (hq + 2 * hk) * d * 2,  # the frozen GEMMs, fwd + dX (no dW)
-                params=[wq, wk, wv, aq, bq, ak, bk, av, bv])
-    case.impls = {"leantune": leantune, "peft eager": peft}
-    return case
-
-
-CASES = {
-    "rms_norm": case_rms_norm,
-    "rope": case_rope,
-    "swiglu": case_swiglu,
-    "cross_entropy": case_cross_entropy,
-    "linear_cross_entropy": lambda: case_linear_cross_entropy(memory="fast"),
-    "linear_cross_entropy_low": lambda: case_linear_cross_entropy(memory="low"),
-    "linear_cross_entropy_512m": lambda: case_linear_cross_entropy(memory="fast", chunk_bytes=512 << 20),
-    "lora_mlp": case_lora_mlp,
-    "lora_mlp_bf16": lambda: case_lora_mlp(adapter_dtype=torch.bfloat16),
-    "lora_qkv": case_lora_qkv,
-    "lora_qkv_bf16": lambda: case_lora_qkv(adapter_dtype=torch.bfloat16),
-}
-
-
-# --------------------------------------------------------------------------------------------------------- reporting
+# --------------------------------------------------------------------------------------------------------- measuring
 def _interleaved_rounds(rows: list[dict], fns: dict, case: Case, ceilings: dict, rounds: int = ROUNDS) -> None:
     """Rows under GRAPH_MAX_MS get ``rounds - 1`` more timings, taken in turns over their implementations; each such
     row's ``ms`` becomes the median of its timings (kept as ``ms_rounds``) and its rates follow. A timing that
@@ -475,50 +229,11 @@ def run(op_names: list[str], impl_filter: set[str] | None = None) -> dict:
     return result
 
 
-def _rounds_note(rows: list[dict]) -> str:
-    """The header's word on interleaved rounds, for runs that took them (older JSON has a single timing)."""
-    counts = {len(r["ms_rounds"]) for r in rows if len(r.get("ms_rounds") or ()) > 1}
-    if not counts:
-        return ""
-    return (f" fwd+bwd ms of the rows under {GRAPH_MAX_MS:.0f} ms: the median of {max(counts)} timings taken in "
-            "turns over the implementations.")
-
-
-def markdown(result: dict) -> str:
-    """ops.md: a header (date, GPU, versions, the run's ceilings) and one table row per (op, implementation): ms of
-    fwd+bwd (harness), CUDA-graph ms ("—" when not captured), floor ms, % of the copy or matmul ceiling, extra peak
-    and saved GiB; a failed row carries its error in the impl cell."""
-    from .report import table_cell
-
-    c = result["ceilings"]
-    lines = [
-        f"{result['date']}, {result['gpu']}, torch {result['versions']['torch']}, triton "
-        f"{result['versions']['triton']}, transformers {result['versions']['transformers']}. Ceilings measured in "
-        f"this run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flop_per_s'] / 1e12:.0f} "
-        "TFLOP/s." + _rounds_note(result["rows"]),
-        "",
-        "| op | shape | impl | fwd+bwd ms | graph ms | floor ms | % of ceiling | extra peak GiB | saved GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        pct = r.get("pct_copy_ceiling", r.get("pct_matmul_ceiling", math.nan))
-        note = f" ({table_cell(r['error'])})" if r.get("error") else ""
-        graph = r.get("graph_ms", math.nan)  # absent in runs before the column existed
-        graph = "—" if graph is None or math.isnan(graph) else f"{graph:.3f}"
-        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {graph} | "
-                     f"{r['floor_ms']:.3f} | {pct:.0f}% | {r['extra_peak_gib']:.3f} | {r['saved_gib']:.3f} |")
-    return "\n".join(lines)
-
-
 def run_isolated(op_names: list[str], impl_filter: str | None, out_dir, budget_s: float = 540.0,
                  log=print) -> dict:
     """Each op in its own process (``python -m leantune.bench.ops --ops NAME --out DIR/ops_NAME.json``, which
     measures its own ceilings), merged into DIR/ops.json and DIR/ops.md. Rows keep the percentages computed against
     their own process's ceilings; the merged header shows the first op's. Ops the budget leaves out are listed."""
-    from pathlib import Path
-
-    from .e2e import Budget, run_child
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     budget = Budget(budget_s)
@@ -544,8 +259,8 @@ def run_isolated(op_names: list[str], impl_filter: str | None, out_dir, budget_s
         merged["ceilings_per_op"][name] = result["ceilings"]
     if merged:
         (out_dir / "ops.json").write_text(json.dumps(merged, indent=1))
-        (out_dir / "ops.md").write_text(markdown(merged) + "\n")
-        log(markdown(merged))
+        (out_dir / "ops.md").write_text(ops_markdown(merged) + "\n")
+        log(ops_markdown(merged))
     return merged
 
 
@@ -565,7 +280,7 @@ def main(argv=None) -> int:
         print("leantune bench ops needs a CUDA GPU", file=sys.stderr)
         return 2
     result = run(names, set(args.impls.split(",")) if args.impls else None)
-    table = markdown(result)
+    table = ops_markdown(result)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -3,7 +3,7 @@
 Works on any machine: it only reads the JSON files that the GPU runs wrote into an output directory, so results of
 several invocations (each bounded by the device's per-command limit) accumulate into one table.
 
-- Agreement (issue 7): with one seed every implementation starts from the same weights and tokens, so its first-step
+- Agreement: with one seed every implementation starts from the same weights and tokens, so its first-step
   loss and global LoRA-gradient norm must match the reference implementation's (``hf+peft``) of the same model,
   seq and batch (same gradient-checkpointing setting preferred; checkpointing does not change the math) within bf16
   tolerance: |x - ref| <= rtol * |ref| with loss rtol 1e-2, grad-norm rtol 3e-2. Otherwise the row is flagged.
@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 from ..errors import LeantuneError
+from .harness import GRAPH_MAX_MS, table_cell
 
 BASELINE = "hf+peft"
 IMPL_ORDER = ("hf+peft", "hf+peft+liger", "leantune")
@@ -277,11 +278,6 @@ def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASE
 
 
 # --------------------------------------------------------------------------------------------------------- markdown
-def table_cell(text, limit: int | None = None) -> str:
-    """``text`` on one markdown table line: whitespace runs (newlines of CUDA errors) collapsed, ``|`` as ``/``."""
-    return " ".join(str(text).split())[:limit].replace("|", "/")
-
-
 def _num(x, fmt: str) -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
@@ -340,6 +336,39 @@ def markdown(rows: list[dict], maxctx: list[dict] | None = None, *, baseline: st
             lines.append(f"| {_workload(r)} | {r['impl']} | {best} | {_num(r.get('first_fail'), 'd')} | "
                          f"{_num(mx.get((r['model'], r.get('layers'), r['impl'])), '.2f')} | {probes} |")
     return "\n".join(lines) + "\n"
+
+
+def _rounds_note(rows: list[dict]) -> str:
+    """The header's word on interleaved rounds, for runs that took them (older JSON has a single timing)."""
+    counts = {len(r["ms_rounds"]) for r in rows if len(r.get("ms_rounds") or ()) > 1}
+    if not counts:
+        return ""
+    return (f" fwd+bwd ms of the rows under {GRAPH_MAX_MS:.0f} ms: the median of {max(counts)} timings taken in "
+            "turns over the implementations.")
+
+
+def ops_markdown(result: dict) -> str:
+    """ops.md: a header (date, GPU, versions, the run's ceilings) and one table row per (op, implementation): ms of
+    fwd+bwd (harness), CUDA-graph ms ("—" when not captured), floor ms, % of the copy or matmul ceiling, extra peak
+    and saved GiB; a failed row carries its error in the impl cell."""
+    c = result["ceilings"]
+    lines = [
+        f"{result['date']}, {result['gpu']}, torch {result['versions']['torch']}, triton "
+        f"{result['versions']['triton']}, transformers {result['versions']['transformers']}. Ceilings measured in "
+        f"this run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flop_per_s'] / 1e12:.0f} "
+        "TFLOP/s." + _rounds_note(result["rows"]),
+        "",
+        "| op | shape | impl | fwd+bwd ms | graph ms | floor ms | % of ceiling | extra peak GiB | saved GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        pct = r.get("pct_copy_ceiling", r.get("pct_matmul_ceiling", math.nan))
+        note = f" ({table_cell(r['error'])})" if r.get("error") else ""
+        graph = r.get("graph_ms", math.nan)  # absent in runs before the column existed
+        graph = "—" if graph is None or math.isnan(graph) else f"{graph:.3f}"
+        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']}{note} | {r['ms']:.3f} | {graph} | "
+                     f"{r['floor_ms']:.3f} | {pct:.0f}% | {r['extra_peak_gib']:.3f} | {r['saved_gib']:.3f} |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------------------ plots
@@ -418,8 +447,6 @@ def write_report(out: Path, *, compare_ratios: bool = False, log=print) -> str:
     if not rows and not maxctx and not op_results:
         raise ReportError(f"no benchmark results (*.json of `leantune bench e2e` / `max-context` / `ops`) in {out}; "
                           "nothing written")
-    from .ops import markdown as ops_markdown
-
     flag_agreement(rows)
     text = markdown(rows, maxctx) if rows or maxctx else ""
     for path, data in op_results:  # each op table rebuilt beside its JSON, and gathered in results.md

@@ -1,0 +1,273 @@
+"""One benchmark run in its own process: a LoRA training step of one implementation on one model and shape (CUDA).
+
+``leantune bench e2e`` and ``max-context`` start ``python -m leantune.bench.step --one SPEC_JSON --result PATH`` per
+run (``harness.run_child``), so that monkey patches (Liger's are module-level) never leak between implementations.
+What one run measures (one implementation x one model x seq x batch x gradient checkpointing):
+
+- model: a config folder (or config.json), random init directly on the device in bf16, then every matrix re-drawn
+  from (seed, parameter name) (``seeded_init``: identical weights whatever classes Liger swapped in); PEFT LoRA
+  r=16, alpha=32 on all 7 projections, ``init_lora_weights=False`` (non-zero B, so every gradient is non-trivial),
+  adapters in fp32 (PEFT's default); sdpa attention; fused AdamW on the LoRA parameters; gradient checkpointing
+  non-reentrant with ``enable_input_require_grads``.
+- implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
+  model is built; skipped with a note when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
+  ``get_peft_model``).
+- the optimizer state is created up front (one AdamW step with lr 0 on zero gradients), so every step, even the
+  first, holds steady-state memory; then ``warmup`` steps, then ``steps`` timed steps (each CUDA-synchronised;
+  the same token batch every step).
+- first step: loss and the global L2 norm of all LoRA gradients (before the optimizer update, outside the timed
+  part); same seed, same weights, same tokens in every implementation, so these must agree
+  (``report.flag_agreement``).
+- tokens/s = steps * batch * seq / total timed seconds; peak GiB = ``max_memory_allocated`` over all steps after
+  ``reset_peak_memory_stats`` (taken after the model is built); peak minus the bytes of the frozen weights; FLOPs
+  per token from ``flops``.
+
+``--ceilings`` instead measures the card's copy and matmul ceilings (``harness.measure_ceilings``) once per
+invocation, in its own child before the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from .flops import frozen_weight_bytes, hardware_flops_per_token, matmul_params, model_flops_per_token
+from .harness import BenchError, GiB, environment, load_config, measure_ceilings, model_name
+
+IMPLS = ("hf+peft", "hf+peft+liger", "leantune")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """One child process: one implementation, one model, one shape. ``device='cpu'`` is a dry run for the tests."""
+
+    impl: str
+    config: str  # a model folder holding config.json, or the config.json itself
+    seq: int
+    batch: int
+    gc: bool
+    warmup: int = 2
+    steps: int = 5
+    seed: int = 0
+    device: str = "cuda"
+    layers: int | None = None  # override num_hidden_layers (quick runs)
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lr: float = 1e-4
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise BenchError(f"unknown implementation {self.impl!r}; expected one of {', '.join(IMPLS)}")
+        if self.seq < 1 or self.batch < 1 or self.steps < 1 or self.warmup < 0:
+            raise BenchError("seq, batch and steps must be >= 1 and warmup >= 0")
+
+    @property
+    def name(self) -> str:
+        layers = f"_L{self.layers}" if self.layers else ""
+        return (f"{model_name(self.config)}{layers}_{self.impl}_s{self.seq}_b{self.batch}_gc"
+                f"{'on' if self.gc else 'off'}").replace("+", "-")
+
+
+class Skip(Exception):
+    """The implementation cannot run here (e.g. Liger not installed): a result with a note, not a failure."""
+
+
+def build(spec: RunSpec):
+    """(model, config): the spec's model on ``spec.device`` in bf16 with LoRA, patched per ``spec.impl``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(spec.config, spec.layers)
+    if spec.impl == "hf+peft+liger":
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError as exc:
+            raise Skip(f"liger_kernel not importable ({exc})") from None
+        if config.model_type != "llama":
+            raise Skip(f"Liger's llama patch does not apply to model_type {config.model_type!r}")
+        apply_liger_kernel_to_llama()  # module-level: classes swapped before the model is built
+    torch.manual_seed(spec.seed)
+    with torch.device(spec.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
+    model.config.use_cache = False
+    if spec.gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, target_modules=TARGETS,
+                                             lora_dropout=0.0, init_lora_weights=False, bias="none",
+                                             task_type="CAUSAL_LM"))
+    seeded_init(model, spec.seed + 1, trainable_only=True)
+    if spec.impl == "leantune":
+        import leantune
+
+        leantune.patch(model)
+    model.train()  # HF checkpoints only in training mode
+    return model, config
+
+
+def seeded_init(model, seed: int, *, trainable_only: bool, std: float | None = None) -> None:
+    """Re-draw every matrix from a generator seeded by (seed, parameter name), so the weights depend on neither the
+    module classes (Liger swaps some) nor the order they were built in. ``std`` given: normal(0, std) (base
+    weights; 1-D parameters, the norms, keep their init); else uniform(+-1/sqrt(fan_in)), nn.Linear's default
+    (LoRA A [r, in] and B [out, r], non-zero as with ``init_lora_weights=False``)."""
+    import zlib
+
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights appear once
+            if p.dim() < 2 or (trainable_only and not p.requires_grad):
+                continue
+            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if std is not None:
+                p.normal_(0.0, std, generator=g)
+            else:
+                bound = p.shape[1] ** -0.5
+                p.uniform_(-bound, bound, generator=g)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def lora_grad_norm(model) -> float:
+    """Global L2 norm (float64) of the gradients of every trainable parameter."""
+    import torch
+
+    squares = [p.grad.detach().double().pow(2).sum() for p in model.parameters() if p.requires_grad
+               and p.grad is not None]
+    return math.sqrt(float(torch.stack(squares).sum())) if squares else math.nan
+
+
+def run_one(spec: RunSpec) -> dict:
+    """Build, then train ``warmup + steps`` steps; the result dict of one run (see the module docstring).
+
+    Raises Skip, BenchError, and torch.OutOfMemoryError (the caller turns each into a status).
+    """
+    import torch
+
+    cuda = spec.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise BenchError("this benchmark needs a CUDA GPU")
+    t0 = time.perf_counter()
+    model, config = build(spec)
+    g = torch.Generator(device=spec.device).manual_seed(spec.seed + 2)
+    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), generator=g, device=spec.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=spec.lr, fused=cuda)
+    _sync(spec.device)
+    build_s = time.perf_counter() - t0
+    frozen = frozen_weight_bytes(model)
+    # Optimizer state up front (one step with lr 0 on zero gradients: weights unchanged), so that every step, the
+    # first included, holds steady-state memory and a one-step max-context probe is a fair test.
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.param_groups[0]["lr"] = 0.0
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    _sync(spec.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    step_s = []
+    for i in range(spec.warmup + spec.steps):
+        optimizer.zero_grad(set_to_none=True)
+        _sync(spec.device)
+        t = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        _sync(spec.device)
+        elapsed = time.perf_counter() - t
+        if i == 0:  # the agreement step (untimed part): same seed, weights, tokens in every implementation
+            first_loss, grad_norm = float(loss.detach()), lora_grad_norm(model)
+        t = time.perf_counter()
+        optimizer.step()
+        _sync(spec.device)
+        if i >= spec.warmup:
+            step_s.append(elapsed + time.perf_counter() - t)
+    last_loss = float(loss.detach())
+    tokens_per_s = spec.steps * spec.batch * spec.seq / sum(step_s)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    lora_params = sum(p.numel() for p in params)
+    return {
+        "status": "ok" if math.isfinite(first_loss) and math.isfinite(last_loss) else "nonfinite",
+        **dataclasses.asdict(spec), "model": model_name(spec.config), "name": spec.name,
+        "first_loss": first_loss, "grad_norm": grad_norm, "last_loss": last_loss,
+        "step_ms": [1e3 * s for s in step_s], "median_step_ms": 1e3 * sorted(step_s)[len(step_s) // 2],
+        "tokens_per_s": tokens_per_s, "build_s": build_s,
+        "peak_gib": None if peak is None else peak / GiB,
+        "frozen_weight_gib": frozen / GiB,
+        "peak_minus_frozen_gib": None if peak is None else (peak - frozen) / GiB,
+        "lora_params": lora_params, "matmul_params": matmul_params(config),
+        "model_flops_per_token": model_flops_per_token(config, spec.seq),
+        "hardware_flops_per_token": hardware_flops_per_token(config, spec.seq, spec.gc),
+        "leantune_summary": _summary(model) if spec.impl == "leantune" else None,
+        **environment(spec.device),
+    }
+
+
+def _summary(model):
+    from leantune.patch import SUMMARY_ATTR
+
+    for module in model.modules():
+        if SUMMARY_ATTR in module.__dict__:
+            return json.loads(json.dumps(module.__dict__[SUMMARY_ATTR], default=str))
+    return None
+
+
+def run_one_safe(spec: RunSpec) -> dict:
+    """``run_one`` with every outcome a result: status ok | nonfinite | oom | skipped | error."""
+    import torch
+
+    base = {**dataclasses.asdict(spec), "model": model_name(spec.config), "name": spec.name}
+    try:
+        return run_one(spec)
+    except Skip as exc:
+        return {**base, "status": "skipped", "error": str(exc)}
+    except torch.OutOfMemoryError as exc:
+        return {**base, "status": "oom", "error": str(exc).splitlines()[0][:300]}
+    except Exception as exc:  # a failing implementation is a result, not a crash of the benchmark
+        text = f"{type(exc).__name__}: {str(exc)[:300]}"
+        # Allocation failures that do not surface as OutOfMemoryError (e.g. cuBLAS workspaces).
+        oom = any(m in text for m in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED"))
+        return {**base, "status": "oom" if oom else "error", "error": text}
+
+
+def ceilings_child() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BenchError("this benchmark needs a CUDA GPU")
+    return {**measure_ceilings(), **environment("cuda")}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="child process of `leantune bench e2e` / `max-context`")
+    parser.add_argument("--one", default=None, help="a RunSpec as JSON: run it and write the result")
+    parser.add_argument("--ceilings", action="store_true", help="measure the copy and matmul ceilings")
+    parser.add_argument("--result", required=True, help="where to write the JSON result")
+    args = parser.parse_args(argv)
+    try:
+        result = ceilings_child() if args.ceilings else run_one_safe(RunSpec(**json.loads(args.one)))
+    except BenchError as exc:
+        print(f"leantune: error: {exc}", file=sys.stderr)
+        return 1
+    Path(args.result).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
