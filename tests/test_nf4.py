@@ -235,3 +235,62 @@ def test_dequantize_errors():
         dequantize_nf4(w, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"w must be an NF4Weight"):
         dequantize_nf4(torch.randn(8, 128))
+
+
+# ------------------------------------------------------------------------------------------- leantune.quantize
+def test_quantize_model_loss_matches_float64_of_dequantised_weights(monkeypatch):
+    """A tiny Llama with NF4 decoder linears: its loss is near the fp32 model's (NF4 error) and equals, within fp32
+    rounding, a float64 run of the same model whose linear weights are the dequantised NF4 values."""
+    import copy
+
+    from test_patch_families import batch, tiny_model
+
+    import leantune
+    from leantune.quantize import NF4Linear
+
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_model("llama")
+    input_ids, labels = batch()
+    quantised = copy.deepcopy(model)
+    summary = leantune.quantize(quantised, "nf4")
+    assert summary["layers"] == 2 * 7 and summary["bytes_after"] < summary["bytes_before"] / 7
+    assert isinstance(quantised.lm_head, torch.nn.Linear) and not isinstance(quantised.lm_head, NF4Linear)
+    assert type(quantised.model.embed_tokens) is torch.nn.Embedding
+
+    reference64 = copy.deepcopy(model)
+    for name, module in quantised.named_modules():
+        if isinstance(module, NF4Linear):
+            target = reference64.get_submodule(name)
+            with torch.no_grad():
+                target.weight.copy_(dequantize_nf4(module.weight_nf4, dtype=torch.float32))
+    reference64.double()
+
+    loss = quantised(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    loss64 = reference64(input_ids=input_ids, labels=labels).loss
+    loss64.backward()
+    with torch.no_grad():
+        loss_fp32 = model(input_ids=input_ids, labels=labels).loss
+    reference.assert_close("NF4 model loss", loss, loss64, torch.float32)
+    reference.assert_close("embedding gradient through NF4 linears", quantised.model.embed_tokens.weight.grad,
+                           reference64.model.embed_tokens.weight.grad, torch.float32)
+    assert 0 < abs(loss.item() - loss_fp32.item()) < 0.05 * loss_fp32.item()
+
+
+def test_quantize_model_errors_leave_it_unchanged():
+    from test_patch_families import tiny_model
+
+    import leantune
+
+    model = tiny_model("llama")
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(10, 3)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj: NF4 needs a number of weights"):
+        leantune.quantize(model, "nf4")
+    from leantune.quantize import NF4Linear
+
+    assert not any(isinstance(m, NF4Linear) for m in model.modules())
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    with pytest.raises(ValueError, match=r"quant_type must be one of \('nf4',\), got 'fp4' \(fp4 is not supported"):
+        leantune.quantize(model, "fp4")
+    with pytest.raises(ValueError, match=r"quantize needs a Hugging Face causal LM with get_decoder\(\), got Linear"):
+        leantune.quantize(torch.nn.Linear(64, 64), "nf4")
