@@ -33,7 +33,9 @@ Facts checked against bitsandbytes 0.50.2 (its Python source, and bit-for-bit by
   8-bit code for some absmaxes (not checked here). Either dequantises through the same formula.
 - Dequantisation (``functional.dequantize_4bit``): ``absmax = dynamic[q] * nested_absmax[j // 256]`` in fp32, then
   ``absmax += offset`` in fp32 (two roundings, no fused multiply-add), then ``NF4[nibble] * absmax`` in fp32, rounded
-  once (to nearest even) to the output dtype, which defaults to the dtype the weight had when quantised.
+  once (to nearest even) to the output dtype, which defaults to the dtype the weight had when quantised. (Its CPU
+  C kernel gets weights whose last dim is not a multiple of 64 wrong, round-trip error O(absmax); its torch kernel
+  ``backends/default/ops.py`` ``_dequantize_4bit_compute`` and this module use the flat 64-blocks for every shape.)
 - State dict (``QuantState.as_dict(packed=True)``, read back by ``QuantState.from_dict``), next to the packed codes
   under ``<name>``: ``<name>.absmax`` (uint8 codes), ``<name>.quant_map`` (fp32 [16]), ``<name>.nested_absmax``
   (fp32), ``<name>.nested_quant_map`` (fp32 [256]) and ``<name>.quant_state.bitsandbytes__nf4``: a uint8 tensor of
