@@ -2,11 +2,13 @@
 
 Public API (DESIGN.md): ``leantune.ops`` (the kernels) and ``leantune.patch(model)`` / ``leantune.unpatch(model)``
 (``leantune.is_patched(model)`` tells; the name ``leantune.patch`` is the function, so reach the subpackage's other
-names with ``from leantune.patch import ...``).
+names with ``from leantune.patch import ...``), and ``leantune.quantize(model, "nf4")`` (frozen decoder linear
+weights in NF4).
 """
 
 from . import ops
 from .patch import is_patched, patch, unpatch
+from .quantize import quantize
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "is_patched", "ops", "patch", "unpatch"]
+__all__ = ["__version__", "is_patched", "ops", "patch", "quantize", "unpatch"]

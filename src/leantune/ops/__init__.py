@@ -13,19 +13,23 @@ from .cross_entropy import cross_entropy
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
 from .lora import LoraWeights, lora_linear, lora_mlp, lora_qkv
+from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from .rms_norm import rms_norm
 from .rope import rope
 
 __all__ = [
     "LoraWeights",
+    "NF4Weight",
     "backend",
     "backend_choice",
     "cross_entropy",
+    "dequantize_nf4",
     "geglu",
     "linear_cross_entropy",
     "lora_linear",
     "lora_mlp",
     "lora_qkv",
+    "quantize_nf4",
     "rms_norm",
     "rope",
     "swiglu",

@@ -1,0 +1,89 @@
+"""``leantune.quantize(model, "nf4")``: the frozen linear weights of a causal LM's decoder blocks stored in NF4.
+
+QLoRA (Dettmers et al. 2023) keeps the frozen base weights in 4-bit NF4 with double-quantised absmax and the
+embeddings, norms and ``lm_head`` in the compute dtype. Each targeted ``nn.Linear`` becomes an :class:`NF4Linear`
+holding an :class:`~leantune.ops.NF4Weight` (bitsandbytes' layout); its forward dequantises the weight to the input's
+dtype and runs ``F.linear``. The weight is frozen: it gets no gradient (the input and the bias do).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import NF4Weight, dequantize_nf4, quantize_nf4
+
+QUANT_TYPES = ("nf4",)
+_TENSOR_FIELDS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code")
+
+
+class NF4Linear(nn.Module):
+    """``y = x W^T + b`` with W [out_features, in_features] stored as NF4 and dequantised at each call.
+
+    The NF4 tensors are buffers (they follow ``.to(device)``); ``bias`` stays a parameter in its dtype.
+    """
+
+    def __init__(self, weight: NF4Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise ValueError(f"{weight.name}: an NF4Linear weight must be 2-D, got shape {weight.shape}")
+        self.out_features, self.in_features = weight.shape
+        for field in _TENSOR_FIELDS:
+            self.register_buffer(field, getattr(weight, field), persistent=False)
+        self._meta = (weight.offset, weight.shape, weight.dtype, weight.name)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    @property
+    def weight_nf4(self) -> NF4Weight:
+        offset, shape, dtype, name = self._meta
+        return NF4Weight(**{f: getattr(self, f) for f in _TENSOR_FIELDS}, offset=offset, shape=shape, dtype=dtype,
+                         name=name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else self._meta[2]
+        weight = dequantize_nf4(self.weight_nf4, dtype=dtype)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack (embeddings, blocks, final norm; not lm_head) of a Hugging Face causal LM."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        raise ValueError(f"quantize needs a Hugging Face causal LM with get_decoder(), got {type(model).__name__}")
+    return decoder
+
+
+def quantize(model: nn.Module, quant_type: str = "nf4") -> dict[str, int]:
+    """Replace, in place, every ``nn.Linear`` of the decoder blocks by an :class:`NF4Linear` (quantise with
+    :func:`~leantune.ops.quantize_nf4`). Embeddings, norms and ``lm_head`` are left as they are.
+
+    Returns:
+        ``{"layers": number of linear layers quantised, "bytes_before": their weight bytes, "bytes_after": NF4
+        bytes (codes + absmax codes + nested absmax)}``.
+
+    Raises:
+        ValueError: an unsupported quant type, a model without ``get_decoder()``, or a layer whose weight cannot be
+            NF4 (e.g. its size is not a multiple of 64); the message names the layer, and the model is unchanged.
+    """
+    if quant_type not in QUANT_TYPES:
+        raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {quant_type!r} (fp4 is not supported yet)")
+    decoder = _decoder(model)
+    prefix = next((n + "." for n, m in model.named_modules() if m is decoder and n), "")
+    targets = [(name, module) for name, module in decoder.named_modules() if type(module) is nn.Linear]
+    replacements = []
+    for name, linear in targets:  # quantise all first, so a failing layer leaves the model unchanged
+        nf4 = quantize_nf4(linear.weight.detach(), name=prefix + name)
+        replacements.append((name, NF4Linear(nf4, linear.bias)))
+    before = after = 0
+    for (name, linear), (_, replacement) in zip(targets, replacements):
+        parent_name, _, child = name.rpartition(".")
+        setattr(decoder.get_submodule(parent_name) if parent_name else decoder, child, replacement)
+        before += linear.weight.numel() * linear.weight.element_size()
+        after += sum(getattr(replacement, f).numel() * getattr(replacement, f).element_size()
+                     for f in ("codes", "absmax_codes", "nested_absmax"))
+    return {"layers": len(replacements), "bytes_before": before, "bytes_after": after}
