@@ -38,6 +38,7 @@ import importlib
 import torch
 from torch import nn
 
+from ..ops import _runtime
 from .forwards import STATE_ATTR
 
 TILE_TOKENS = 4096  # default tile: [4096, 14336] bf16 is 112 MiB per intermediate tensor at Llama-3-8B shape
@@ -93,7 +94,7 @@ class TiledMLPFunction(torch.autograd.Function):
             rng_states.append(_rng_state(x.device))
             y = forward(tokens[start:end].view(*lead, end - start, tokens.shape[1]))
             if out is None:
-                out = torch.empty((n, y.shape[-1]), dtype=y.dtype, device=y.device)
+                out = _runtime.empty((n, y.shape[-1]), dtype=y.dtype, device=y.device)
             out[start:end] = y.reshape(end - start, -1)
         ctx.save_for_backward(x)
         ctx.forward, ctx.bounds, ctx.lead, ctx.rng_states = forward, bounds, lead, rng_states
@@ -108,7 +109,7 @@ class TiledMLPFunction(torch.autograd.Function):
         grad_tokens = grad_out.reshape(tokens.shape[0], -1)
         need_x = ctx.needs_input_grad[2]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
-        grad_x = torch.empty_like(tokens) if need_x else None
+        grad_x = _runtime.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device) if need_x else None
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         for (start, end), rng in zip(ctx.bounds, ctx.rng_states):
             with _restored(rng, x.device, ctx.autocast_states), torch.enable_grad():
