@@ -15,8 +15,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import leantune
 from leantune.errors import LeantuneError
 from leantune.patch import offload
-from leantune.patch.offload import (CheckpointOffloader, disable_offloaded_checkpoints, enable_offloaded_checkpoints,
-                                    offloader_of)
+from leantune.patch.offload import (
+    CheckpointOffloader,
+    disable_offloaded_checkpoints,
+    enable_offloaded_checkpoints,
+    offloader_of,
+)
 
 VOCAB = 300
 LAYERS = 2
@@ -173,7 +177,7 @@ def test_bad_arguments_named():
         CheckpointOffloader(min_bytes=-1)
     with pytest.raises(ValueError, match="margin_gib"):
         CheckpointOffloader(margin_gib="4")
-    with pytest.raises(ValueError, match="transformers model"):
+    with pytest.raises(ValueError, match="transformers causal LM"):
         enable_offloaded_checkpoints(torch.nn.Linear(2, 2))
 
 

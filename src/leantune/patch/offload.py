@@ -308,18 +308,6 @@ class _OffloadedCheckpointFunc:
             return self.inner(function, *args, **kwargs)
 
 
-def _hf_model(model) -> nn.Module:
-    from transformers import PreTrainedModel
-
-    inner = model
-    for _ in range(4):  # PeftModel -> LoraModel -> the transformers model
-        if isinstance(inner, PreTrainedModel):
-            return inner
-        inner = inner.get_base_model() if hasattr(inner, "get_base_model") else getattr(inner, "model", None)
-    raise ValueError(f"offloaded checkpoints need a transformers model (or a PEFT wrapper of one), got "
-                     f"{type(model).__name__}")
-
-
 def _checkpoint_layers(hf: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -376,6 +364,8 @@ def enable_offloaded_checkpoints(model, *, min_bytes: int = 1 << 20, margin_gib:
         LeantuneError: at a training forward: checkpointing off, reentrant, or transformers' own ``offload=True``;
             at the first forward of a shape: the host lacks room for the buffers plus the margin.
     """
+    from . import _hf_model  # the package imports this module: a call-time import keeps the cycle harmless
+
     hf = _hf_model(model)
     layers = _checkpoint_layers(hf)
     if not layers:
@@ -391,6 +381,8 @@ def enable_offloaded_checkpoints(model, *, min_bytes: int = 1 << 20, margin_gib:
 def disable_offloaded_checkpoints(model):
     """Undo :func:`enable_offloaded_checkpoints` (layers get their checkpoint functions back, the pool is freed);
     harmless when it was never enabled. Returns ``model``."""
+    from . import _hf_model
+
     hf = _hf_model(model)
     state = hf.__dict__.pop(_OFFLOAD_ATTR, None)
     if state is None:
@@ -407,5 +399,7 @@ def disable_offloaded_checkpoints(model):
 
 def offloader_of(model) -> CheckpointOffloader | None:
     """The :class:`CheckpointOffloader` enabled on ``model``, or None."""
+    from . import _hf_model
+
     state = _hf_model(model).__dict__.get(_OFFLOAD_ATTR)
     return state[0] if state else None
