@@ -1,0 +1,190 @@
+"""Offloaded checkpoints on CPU: the same pack/prefetch/unpack bookkeeping as on CUDA with host-to-host copies, so
+gradients must equal plain non-reentrant checkpointing bit for bit; the host pool, its room check, and the errors."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils.checkpoint import checkpoint
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import leantune
+from leantune.errors import LeantuneError
+from leantune.patch import offload
+from leantune.patch.offload import (
+    CheckpointOffloader,
+    disable_offloaded_checkpoints,
+    enable_offloaded_checkpoints,
+    offloader_of,
+)
+
+VOCAB = 300
+LAYERS = 2
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NON_REENTRANT = {"use_reentrant": False}
+
+
+def tiny_llama_lora(**lora_kwargs):
+    """A random 2-layer Llama (hidden 64) wrapped by PEFT LoRA on all seven projections, in training mode."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=112, num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2)
+    config._attn_implementation = "eager"
+    options = {"r": 4, "lora_alpha": 8, "target_modules": PROJECTIONS, "lora_dropout": 0.0, "init_lora_weights": False}
+    options.update(lora_kwargs)
+    return get_peft_model(LlamaForCausalLM(config), LoraConfig(**options)).train()
+
+
+def step(model, input_ids):
+    """(loss, {name: grad}) of one forward + backward with labels = input_ids."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and g.norm() > 0 for g in grads.values())
+    return out.loss.detach(), grads
+
+
+def assert_bit_identical(result, ref):
+    (loss, grads), (ref_loss, ref_grads) = result, ref
+    assert torch.equal(loss, ref_loss), f"loss {loss.item()!r} != {ref_loss.item()!r}"
+    assert grads.keys() == ref_grads.keys()
+    different = [name for name in grads if not torch.equal(grads[name], ref_grads[name])]
+    assert not different, f"gradients not bit-identical: {different}"
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["hf", "leantune"])
+@pytest.mark.parametrize("order", ["checkpointing_first", "offload_first"])
+def test_gradients_bit_identical_to_plain_checkpointing(order, patched):
+    model = tiny_llama_lora()
+    if patched:
+        leantune.patch(model)
+    input_ids = torch.randint(3, VOCAB, (2, 37))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    ref = step(model, input_ids)
+    if order == "offload_first":
+        model.gradient_checkpointing_disable()
+        offloader = enable_offloaded_checkpoints(model, min_bytes=0)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    else:
+        offloader = enable_offloaded_checkpoints(model, min_bytes=0)
+    assert_bit_identical(step(model, input_ids), ref)
+    # exactly one saved input per checkpointed layer (no masks, position ids or cos/sin); layer 0's prefetched
+    assert (offloader.packed, offloader.prefetched) == (LAYERS, LAYERS - 1)
+    assert_bit_identical(step(model, input_ids), ref)
+
+
+def test_layer_input_is_released_after_pack():
+    """The layer input is held only by the host copy: the original tensor is freed as the forward moves on."""
+    offloader = CheckpointOffloader(min_bytes=0)
+    weight = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    hidden = x * 2.0  # non-leaf, saved by nothing but the checkpoint
+    alive = weakref.ref(hidden)
+    offloader.begin_forward(1)
+    with offloader.hooks():
+        y = checkpoint(lambda h: torch.tanh(h @ weight), hidden, use_reentrant=False)
+    del hidden
+    gc.collect()
+    assert alive() is None, "the checkpoint input is still referenced after offloading"
+    y.square().sum().backward()
+    ref_x, ref_w = x.grad.clone(), weight.grad.clone()
+    x.grad = weight.grad = None
+    checkpoint(lambda h: torch.tanh(h @ weight), x * 2.0, use_reentrant=False).square().sum().backward()
+    assert torch.equal(x.grad, ref_x) and torch.equal(weight.grad, ref_w)
+
+
+def test_host_pool_reused_across_steps():
+    model = tiny_llama_lora()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    offloader = enable_offloaded_checkpoints(model, min_bytes=0)
+    input_ids = torch.randint(3, VOCAB, (3, 29))
+    step(model, input_ids)
+    first = sorted(t.data_ptr() for t in offloader.pool.buffers())
+    assert len(first) == LAYERS and offloader.pool.nbytes() == LAYERS * 3 * 29 * 64 * 4
+    for _ in range(2):
+        step(model, input_ids)
+        assert sorted(t.data_ptr() for t in offloader.pool.buffers()) == first, "pool buffers were reallocated"
+    assert offloader.pool.nbytes() == LAYERS * 3 * 29 * 64 * 4
+    # a shorter last batch: a new set, the idle set of the old shape dropped first
+    step(model, input_ids[:2])
+    assert offloader.pool.nbytes() == LAYERS * 2 * 29 * 64 * 4
+
+
+def test_host_room_check_raises_before_allocating(monkeypatch):
+    model = tiny_llama_lora()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    offloader = enable_offloaded_checkpoints(model, min_bytes=0, margin_gib=1.0)
+    monkeypatch.setattr(offload, "host_available_bytes", lambda: 1024**3)  # 1 GiB: the margin alone fills it
+    with pytest.raises(LeantuneError, match=r"need 0\.00 GiB of host memory for 2 layer inputs of shape \[2, 9, 64\] "
+                                            r"float32, plus a 1\.00 GiB margin, but only 1\.00 GiB is available"):
+        model(input_ids=torch.randint(3, VOCAB, (2, 9)), labels=None)
+    assert offloader.pool.nbytes() == 0
+    monkeypatch.setattr(offload, "host_available_bytes", lambda: 2 * 1024**3)
+    step(model, torch.randint(3, VOCAB, (2, 9)))
+    assert offloader.pool.nbytes() > 0
+
+
+def test_checkpointing_off_is_an_error():
+    model = tiny_llama_lora()
+    enable_offloaded_checkpoints(model)
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    with pytest.raises(LeantuneError, match=r"gradient checkpointing is off .*gradient_checkpointing_enable"):
+        model(input_ids=input_ids, labels=input_ids)
+    model.eval()
+    model(input_ids=input_ids)  # no training forward, nothing to offload: fine
+    with torch.no_grad():
+        model.train()(input_ids=input_ids)
+
+
+def test_reentrant_checkpointing_is_an_error():
+    model = tiny_llama_lora()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    enable_offloaded_checkpoints(model)
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    with pytest.raises(LeantuneError, match="non-reentrant"):
+        model(input_ids=input_ids, labels=input_ids)
+
+
+def test_small_tensors_stay_and_disable_restores():
+    model = tiny_llama_lora()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    ref = step(model, input_ids)
+    offloader = enable_offloaded_checkpoints(model)  # default min_bytes 1 MiB: these inputs are 4.5 KiB
+    assert_bit_identical(step(model, input_ids), ref)
+    assert offloader.packed == 0 and offloader.pool.nbytes() == 0
+    layers = model.get_base_model().model.layers
+    originals = [layer._gradient_checkpointing_func.inner for layer in layers]
+    assert offloader_of(model) is offloader
+    disable_offloaded_checkpoints(model)
+    assert offloader_of(model) is None
+    assert [layer._gradient_checkpointing_func for layer in layers] == originals
+    assert_bit_identical(step(model, input_ids), ref)
+    disable_offloaded_checkpoints(model)  # harmless twice
+
+
+def test_bad_arguments_named():
+    with pytest.raises(ValueError, match="min_bytes"):
+        CheckpointOffloader(min_bytes=-1)
+    with pytest.raises(ValueError, match="margin_gib"):
+        CheckpointOffloader(margin_gib="4")
+    with pytest.raises(ValueError, match="transformers causal LM"):
+        enable_offloaded_checkpoints(torch.nn.Linear(2, 2))
+
+
+def test_transformers_own_offload_is_an_error():
+    model = tiny_llama_lora()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT, offload=True)
+    enable_offloaded_checkpoints(model)
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    with pytest.raises(LeantuneError, match="offload=True"):
+        model(input_ids=input_ids, labels=input_ids)
