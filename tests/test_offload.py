@@ -188,3 +188,34 @@ def test_transformers_own_offload_is_an_error():
     input_ids = torch.randint(3, VOCAB, (2, 9))
     with pytest.raises(LeantuneError, match="offload=True"):
         model(input_ids=input_ids, labels=input_ids)
+
+
+def test_patch_keywords_enable_offload_and_tiling_and_unpatch_removes_them():
+    """``leantune.patch(offload_checkpoints=True, tile_mlp=N)``: gradients equal plain checkpointing bit for bit
+    (tile of 48 rows over 2 x 24 tokens: one GEMM row block), the summary says so, and ``unpatch`` takes both away."""
+    from leantune.patch.tiled_mlp import TiledForward
+
+    input_ids = torch.randint(0, VOCAB, (2, 24))
+    torch.manual_seed(0)
+    plain = tiny_llama_lora()
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    leantune.patch(plain)
+    reference = step(plain, input_ids)
+
+    torch.manual_seed(0)
+    model = tiny_llama_lora()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    leantune.patch(model, offload_checkpoints=True, tile_mlp=48)
+    summary = model.base_model.model.leantune_summary
+    assert summary["offload_checkpoints"] is True and summary["tile_mlp"] == 48
+    mlps = [m for m in model.modules() if type(m).__name__ == "LlamaMLP"]
+    assert all(isinstance(m.__dict__.get("forward"), TiledForward) for m in mlps)
+    offloader_of(model).min_bytes = 0  # these layer inputs are 6 KiB, below the default threshold
+    assert_bit_identical(step(model, input_ids), reference)
+    assert offloader_of(model).packed == LAYERS
+
+    leantune.unpatch(model)
+    assert offloader_of(model) is None
+    assert not any("forward" in m.__dict__ for m in mlps)
+    with pytest.raises(ValueError, match="tile_mlp must be an int >= 1"):
+        leantune.patch(model, tile_mlp=0)

@@ -28,32 +28,17 @@ import logging
 
 from torch import nn
 
+from ._model import hf_model as _hf_model
 from .families import ACTIVATIONS, FAMILIES, Family, family_for
 from .forwards import STATE_ATTR, ModuleState, bind, is_leantune_forward, lora_status, unbind
+from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
+from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("rms_norm", "rope", "mlp", "loss", "lora")
 _MODEL_ATTR = "_leantune_model"  # on the HF causal LM: (family name, flags) of the current patch
 SUMMARY_ATTR = "leantune_summary"
-
-
-def _hf_model(model) -> nn.Module:
-    """The transformers causal LM inside ``model`` (itself, or the base of a PEFT wrapper)."""
-    from transformers import PreTrainedModel
-
-    inner = model
-    for _ in range(4):  # PeftModel -> LoraModel (a BaseTuner) -> the transformers model
-        if isinstance(inner, PreTrainedModel):
-            return inner
-        if "get_base_model" in dir(type(inner)):
-            inner = inner.get_base_model()
-        elif isinstance(getattr(inner, "model", None), PreTrainedModel):
-            inner = inner.model
-        else:
-            break
-    raise ValueError(f"leantune.patch needs a transformers causal LM (or a PEFT wrapper of one), got "
-                     f"{type(model).__name__}")
 
 
 def _bind(module: nn.Module, state: ModuleState) -> None:
@@ -69,13 +54,19 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
-          lora: bool = True):
+          lora: bool = True, offload_checkpoints: bool = False, tile_mlp: int | None = None):
     """Make ``model`` run leantune's ops; returns ``model`` (the same object, patched in place).
 
     Args:
         model: an instantiated transformers causal LM of a family in :data:`FAMILIES` (llama, mistral, qwen2, qwen3,
             gemma2, gemma3_text), or a PEFT wrapper of one (``get_peft_model`` may also come after ``patch``).
         rms_norm, rope, mlp, loss, lora: which kinds to swap (see the module docstring).
+        offload_checkpoints: keep each checkpointed decoder layer's input in pinned host memory between forward and
+            backward (:mod:`leantune.patch.offload`); needs non-reentrant gradient checkpointing at training
+            forwards (enabled before or after this call).
+        tile_mlp: tokens per tile: run every MLP block over token tiles of this many tokens, recomputed tile by tile
+            in backward (:mod:`leantune.patch.tiled_mlp`); None (default) runs it whole. For long sequences, where
+            the MLP's [tokens, intermediate] tensors bound the context.
 
     Returns:
         ``model``. Its summary (counts per kind, and what was left unpatched and why) is logged at INFO and stored as
@@ -84,9 +75,11 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         (call ``patch`` again to refresh the summary; patching twice is harmless).
 
     Raises:
-        ValueError: ``config.model_type`` is not supported (the message lists the supported ones), or ``model`` is
-            not a transformers model.
+        ValueError: ``config.model_type`` is not supported (the message lists the supported ones), ``model`` is
+            not a transformers model, or ``tile_mlp`` is not a positive int.
     """
+    if tile_mlp is not None:
+        check_tile_tokens(tile_mlp, "tile_mlp")
     hf = _hf_model(model)
     family = family_for(getattr(hf.config, "model_type", None))
     if _MODEL_ATTR in hf.__dict__:
@@ -132,10 +125,16 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             if type(hf.lm_head) is not nn.Linear:
                 left["lm_head"] = f"{type(hf.lm_head).__name__}: logits formed, loss from ops.cross_entropy"
     hf.__dict__[_MODEL_ATTR] = (family.name, rope and counts["rope"] > 0)
+    if tile_mlp is not None:  # after the MLP forwards are bound: it tiles whichever forward the module has
+        enable_tiled_mlp(model, tile_tokens=tile_mlp)
+    if offload_checkpoints:
+        enable_offloaded_checkpoints(model)
     summary = {
         "family": family.name,
         "counts": {k: counts[k] for k in ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp")},
         "off": [k for k, on in zip(KINDS, (rms_norm, rope, mlp, loss, lora)) if not on],
+        "offload_checkpoints": offload_checkpoints,
+        "tile_mlp": tile_mlp,
         "unpatched": left,
     }
     hf.__dict__[SUMMARY_ATTR] = summary
@@ -183,6 +182,8 @@ def unpatch(model):
         ValueError: ``model`` is neither a transformers model nor a PEFT wrapper of one.
     """
     hf = _hf_model(model)
+    disable_tiled_mlp(model)  # before unbinding: a tiled forward wraps the bound one
+    disable_offloaded_checkpoints(model)
     for module in hf.modules():
         if STATE_ATTR in module.__dict__:
             unbind(module)

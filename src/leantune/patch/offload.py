@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from ..errors import LeantuneError
+from ._model import hf_model
 
 logger = logging.getLogger(__name__)
 
@@ -364,9 +365,7 @@ def enable_offloaded_checkpoints(model, *, min_bytes: int = 1 << 20, margin_gib:
         LeantuneError: at a training forward: checkpointing off, reentrant, or transformers' own ``offload=True``;
             at the first forward of a shape: the host lacks room for the buffers plus the margin.
     """
-    from . import _hf_model  # the package imports this module: a call-time import keeps the cycle harmless
-
-    hf = _hf_model(model)
+    hf = hf_model(model)
     layers = _checkpoint_layers(hf)
     if not layers:
         raise ValueError(f"{type(hf).__name__} has no GradientCheckpointingLayer: offloaded checkpoints need "
@@ -381,9 +380,7 @@ def enable_offloaded_checkpoints(model, *, min_bytes: int = 1 << 20, margin_gib:
 def disable_offloaded_checkpoints(model):
     """Undo :func:`enable_offloaded_checkpoints` (layers get their checkpoint functions back, the pool is freed);
     harmless when it was never enabled. Returns ``model``."""
-    from . import _hf_model
-
-    hf = _hf_model(model)
+    hf = hf_model(model)
     state = hf.__dict__.pop(_OFFLOAD_ATTR, None)
     if state is None:
         return model
@@ -399,7 +396,5 @@ def disable_offloaded_checkpoints(model):
 
 def offloader_of(model) -> CheckpointOffloader | None:
     """The :class:`CheckpointOffloader` enabled on ``model``, or None."""
-    from . import _hf_model
-
-    state = _hf_model(model).__dict__.get(_OFFLOAD_ATTR)
+    state = hf_model(model).__dict__.get(_OFFLOAD_ATTR)
     return state[0] if state else None

@@ -39,14 +39,16 @@ import torch
 from torch import nn
 
 from ..ops import _runtime
+from ._model import hf_model
+from .families import family_for
 from .forwards import STATE_ATTR
 
 TILE_TOKENS = 4096  # default tile: [4096, 14336] bf16 is 112 MiB per intermediate tensor at Llama-3-8B shape
 
 
-def _check_tile_tokens(tile_tokens) -> None:
+def check_tile_tokens(tile_tokens, name: str = "tile_tokens") -> None:
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be an int >= 1 (tokens per tile), got {tile_tokens!r}")
+        raise ValueError(f"{name} must be an int >= 1 (tokens per tile), got {tile_tokens!r}")
 
 
 def _autocast_states(device_type: str) -> list[tuple[str, bool, torch.dtype, bool]]:
@@ -151,7 +153,7 @@ def tiled_mlp(forward, x: torch.Tensor, params=(), *, tile_tokens: int = TILE_TO
     Raises:
         ValueError: ``tile_tokens`` is not a positive int, or ``x`` has fewer than 2 dims.
     """
-    _check_tile_tokens(tile_tokens)
+    check_tile_tokens(tile_tokens)
     if x.dim() < 2:
         raise ValueError(f"x must be [..., tokens, hidden] with at least 2 dims, got shape {tuple(x.shape)}")
     if x.shape[:-1].numel() <= tile_tokens:
@@ -190,10 +192,7 @@ class TiledForward:
 
 
 def _mlp_modules(model) -> list[nn.Module]:
-    from . import _hf_model
-    from .families import family_for
-
-    hf = _hf_model(model)
+    hf = hf_model(model)
     family = family_for(getattr(hf.config, "model_type", None))
     mlp_cls = getattr(importlib.import_module(family.modeling_module), family.mlp_class)
     return [m for m in hf.modules() if type(m) is mlp_cls]
@@ -213,7 +212,7 @@ def enable_tiled_mlp(model, *, tile_tokens: int = TILE_TOKENS):
     Raises:
         ValueError: ``tile_tokens`` is not a positive int, or the model's family is not supported.
     """
-    _check_tile_tokens(tile_tokens)
+    check_tile_tokens(tile_tokens)
     for module in _mlp_modules(model):
         previous = module.__dict__.get("forward")
         if isinstance(previous, TiledForward):
