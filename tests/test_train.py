@@ -21,7 +21,8 @@ from leantune.errors import LeantuneError
 from leantune.train import data as data_mod
 from leantune.train.config import TrainConfig, make_config
 from leantune.train.data import IGNORE_INDEX, Document, pack
-from leantune.train.loop import accumulate_gradients, load_model, load_tokenizer, train, wrap_lora
+from leantune.train.loop import accumulate_gradients, train
+from leantune.train.model import load_model, load_tokenizer, wrap_lora
 
 
 def close(out, ref, name):
@@ -269,8 +270,6 @@ def test_config_toml_then_flags(tmp_path):
 
 def test_make_config_checks_types_of_python_values_too():
     """The library entry point applies the same strict types as the CLI (flags) and the TOML file."""
-    from leantune.train.config import LeantuneError
-
     with pytest.raises(LeantuneError, match=r"--max-steps must be an integer, got 2\.7"):
         make_config(flag_values={"max_steps": 2.7})
     with pytest.raises(LeantuneError, match=r"config key 'overwrite' must be a boolean .*got 'no'"):
@@ -293,7 +292,7 @@ def test_metrics_are_strict_json_with_null_for_non_finite(tmp_path):
 
 
 def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
-    """From a new-user pass: `docker stop` / a scheduler's preemption (SIGTERM) used to kill the run outright."""
+    """`docker stop` / a scheduler's preemption (SIGTERM) stops the run with a checkpoint, as Ctrl-C does."""
     def terminate(step):
         if step == 1:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -313,8 +312,9 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
     ('{"text": "bad \\ud800 surrogate"}', "unpaired UTF-16 surrogate"),
     ('{"prompt": "a", "completion": "\\udfff"}', "unpaired UTF-16 surrogate"),
 ])
-def test_data_lines_that_used_to_end_in_tracebacks(tmp_path, line, match):
-    """From a new-user pass: each of these reached the tokenizer or the chat template and raised from there."""
+def test_bad_data_lines_are_refused_with_file_and_line(tmp_path, line, match):
+    """Each of these is refused while reading (it would otherwise reach the tokenizer or the chat template and raise
+    from there)."""
     from leantune.train.data import read_records
 
     path = tmp_path / "d.jsonl"
