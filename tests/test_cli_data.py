@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from cli_support import assert_error, files_of, run_cli, strict_json, tiny, train_args, umask, weights_folder  # noqa: F401
+from cli_support import assert_error, run_cli, train_args
 
+pytest_plugins = ["cli_support"]  # the tiny fixture
 
 
 def test_missing_data_file_is_named(tiny, tmp_path, capsys):
@@ -64,3 +65,17 @@ def test_a_data_file_of_another_extension_is_refused_by_name(tiny, tmp_path, cap
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", data=csv))
     assert_error(code, err, str(csv), "unsupported extension '.csv'", ".jsonl")
     assert not (tmp_path / "o1").exists()
+
+
+def test_data_whose_assistant_turns_are_all_empty_warns(tiny, tmp_path, capsys):
+    """Only the end-of-turn markers would be learned: one warning line, and the run still trains."""
+    empty = tmp_path / "empty-answers.jsonl"
+    empty.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                      {"role": "assistant", "content": " "}]}) + "\n"
+                             for i in range(40)))
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=empty))
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "leantune: warning: every assistant turn" in line]
+    assert len(warnings) == 1 and str(empty) in warnings[0] and "end-of-turn" in warnings[0], err
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out2"))
+    assert code == 0 and "every assistant turn" not in err, err

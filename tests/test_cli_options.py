@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_support import assert_error, files_of, run_cli, strict_json, tiny, train_args, umask, weights_folder  # noqa: F401
+from cli_support import assert_error, files_of, run_cli, train_args
 
 from leantune.cli import DEMO_DEFAULTS, main
 from leantune.train.config import FIELDS
 
+pytest_plugins = ["cli_support"]  # the tiny fixture
 
 
 @pytest.mark.parametrize("command", ["train", "demo"])
@@ -166,3 +167,26 @@ def test_a_toml_file_that_sets_an_option_twice_is_refused(tiny, tmp_path, capsys
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o2"), "--config", toml)
     assert_error(code, err, "'seq-len'", "repeats", "seq-len")
     assert not (tmp_path / "o2").exists()
+
+
+def test_version_prints_the_package_version(capsys):
+    import leantune
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"leantune {leantune.__version__}" == "leantune 0.1.0"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["--version"]])
+def test_help_and_version_do_not_import_transformers_or_peft(argv):
+    """--help and --version answer without loading transformers or peft (seconds of imports before any output)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom leantune.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'peft'))\n"
+            "print('HEAVY', heavy, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert "HEAVY []" in done.stderr, done.stderr[-2000:]
+    assert "leantune" in done.stdout

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import assert_error, files_of, run_cli, strict_json, tiny, train_args, umask, weights_folder  # noqa: F401
+from cli_support import assert_error, files_of, run_cli, train_args, umask, weights_folder
 
+pytest_plugins = ["cli_support"]  # the tiny fixture
 
 
 def test_export_errors(tmp_path, capsys):
@@ -130,7 +131,6 @@ def test_export_keeps_a_16_bit_base_in_its_dtype(tiny, tmp_path, capsys):
                                         run / "adapter").merge_and_unload()
     for name, param in adapted.named_parameters():  # the fp32 merge, rounded once to bf16
         assert torch.equal(merged.get_parameter(name), param.to(torch.bfloat16)), name
-
 
 
 def test_export_dtype_follows_the_stored_weights(tiny, tmp_path, capsys):
@@ -342,3 +342,62 @@ def test_a_signal_while_tidying_up_a_replaced_export_is_noted_not_acted_on(tiny,
     monkeypatch.setattr(shutil_module, "rmtree", real_rmtree)
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_export_of_a_stopped_run_uses_its_last_checkpoint_and_says_so(tiny, tmp_path, capsys, monkeypatch):
+    """A run stopped by Ctrl-C has no adapter/ yet: export merges its last checkpoint, in one line naming the step
+    and --resume, and the merged model matches the checkpoint's adapter."""
+    import os
+    import signal
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import leantune.train as train_package
+    from leantune.train.model import load_model
+
+    run = tmp_path / "run"
+    real_train = train_package.train
+    monkeypatch.setattr(train_package, "train", lambda config: real_train(
+        config, progress=False, on_step=lambda step: os.kill(os.getpid(), signal.SIGINT) if step == 2 else None))
+    code, err = run_cli(capsys, *train_args(tiny, run, "--max-steps", "4", "--lr", "5e-2"))
+    monkeypatch.undo()
+    assert code == 130 and not (run / "adapter").exists(), err
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if "last checkpoint" in line]
+    assert len(notes) == 1 and "step 2 of 4" in notes[0] and "--resume" in notes[0], err
+
+    # the reference: the checkpoint's tensors in a PEFT model built from a finished run's adapter config
+    done = tmp_path / "done"
+    code, err = run_cli(capsys, *train_args(tiny, done, "--max-steps", "4", "--lr", "5e-2"))
+    assert code == 0, err
+    base = load_model("config", tiny["model"], torch.float32, "cpu", 0)
+    adapted = PeftModel.from_pretrained(base, done / "adapter")
+    from peft import set_peft_model_state_dict
+
+    saved = load_file(str(run / "checkpoints" / "step-000002" / "adapter_model.safetensors"))
+    set_peft_model_state_dict(adapted, saved)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.randint(0, 250, (2, 17))
+    with torch.no_grad():
+        diff = (adapted.eval()(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
+    assert diff < 1e-4, diff
+
+
+def test_export_of_a_run_stopped_before_its_first_checkpoint_says_so(tiny, tmp_path, capsys, monkeypatch):
+    from leantune.train import loop
+
+    run = tmp_path / "run"
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "evaluate", stopped)
+    code, err = run_cli(capsys, *train_args(tiny, run))
+    monkeypatch.undo()
+    assert code == 130 and (run / "run.json").is_file(), err
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
+    assert_error(code, err, f"no adapter in {run}", "stopped before its first checkpoint")
+    assert not (tmp_path / "merged").exists()

@@ -7,8 +7,10 @@ import json
 import shutil
 
 import pytest
-from cli_support import assert_error, files_of, run_cli, strict_json, tiny, train_args, umask, weights_folder  # noqa: F401
+from cli_support import assert_error, run_cli, train_args, weights_folder
+from test_train import write_tiny_model
 
+pytest_plugins = ["cli_support"]  # the tiny fixture
 
 
 @pytest.mark.parametrize("kind", ["missing", "folder-without-config", "other-suffix", "unknown-type"])
@@ -94,3 +96,23 @@ def test_seq_len_beyond_the_models_context_warns(tiny, tmp_path, capsys):
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--seq-len", "300"))
     assert code == 0, err
     assert "--seq-len 300 is longer than the model's context (max_position_embeddings = 256)" in err
+
+
+@pytest.mark.parametrize("architectures", [["BertForMaskedLM"], ["T5ForConditionalGeneration"]])
+def test_a_model_that_is_not_a_causal_lm_is_named_so(tiny, tmp_path, capsys, architectures):
+    """A BERT folder (or any config whose architectures are not causal LMs) is "not a causal LM", named by its type
+    and architectures, before any weight is read (it was reported as missing weights)."""
+    from transformers import BertConfig, T5Config
+
+    folder = tmp_path / "encoder"
+    config_class = BertConfig if architectures[0].startswith("Bert") else T5Config
+    config = config_class(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          intermediate_size=64, architectures=architectures)
+    config.save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"not read")  # reading it would fail with another message
+    for path in tiny["model"].parent.iterdir():  # the tokenizer's files
+        if path.is_file() and path.name != "config.json":
+            (folder / path.name).write_bytes(path.read_bytes())
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", model=folder))
+    assert_error(code, err, f"{folder} is not a causal LM", f"model type {config.model_type!r}", architectures[0])
+    assert not (tmp_path / "out").exists()

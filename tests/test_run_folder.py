@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_support import assert_error, files_of, run_cli, strict_json, tiny, train_args, umask, weights_folder  # noqa: F401
+from cli_support import assert_error, files_of, run_cli, strict_json, train_args
+from test_train import write_chat_jsonl
 
 from leantune.cli import main
 
+pytest_plugins = ["cli_support"]  # the tiny fixture
 
 
 def test_existing_run_is_never_overwritten(tiny, tmp_path, capsys):

@@ -4,10 +4,11 @@ short, a replaced run is put back (docs/design.md, "Run folder and signals")."""
 from __future__ import annotations
 
 import pytest
-from cli_support import assert_error, files_of, run_cli, strict_json, tiny, train_args, umask, weights_folder  # noqa: F401
+from cli_support import files_of, run_cli, train_args
 
 from leantune.cli import main
 
+pytest_plugins = ["cli_support"]  # the tiny fixture
 
 
 @pytest.mark.parametrize("signum, status", [("SIGINT", 130), ("SIGTERM", 143)])
