@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import cli_support
 from cli_support import assert_error, run_cli, train_args
 
-pytest_plugins = ["cli_support"]  # the tiny fixture
+tiny = cli_support.tiny  # the fixture: a tiny model and chat data
 
 
 def test_missing_data_file_is_named(tiny, tmp_path, capsys):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 
+import cli_support
 import pytest
 from cli_support import assert_error, files_of, run_cli, train_args
 
 from leantune.cli import DEMO_DEFAULTS, main
 from leantune.train.config import FIELDS
 
-pytest_plugins = ["cli_support"]  # the tiny fixture
+tiny = cli_support.tiny  # the fixture: a tiny model and chat data
 
 
 @pytest.mark.parametrize("command", ["train", "demo"])

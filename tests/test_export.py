@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import cli_support
 import pytest
 import torch
 from cli_support import assert_error, files_of, run_cli, train_args, umask, weights_folder
 
-pytest_plugins = ["cli_support"]  # the tiny fixture
+tiny = cli_support.tiny  # the fixture: a tiny model and chat data
 
 
 def test_export_errors(tmp_path, capsys):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 
+import cli_support
 import pytest
 from cli_support import assert_error, run_cli, train_args, weights_folder
 from test_train import write_tiny_model
 
-pytest_plugins = ["cli_support"]  # the tiny fixture
+tiny = cli_support.tiny  # the fixture: a tiny model and chat data
 
 
 @pytest.mark.parametrize("kind", ["missing", "folder-without-config", "other-suffix", "unknown-type"])

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 
+import cli_support
 import pytest
 from cli_support import assert_error, files_of, run_cli, strict_json, train_args
 from test_train import write_chat_jsonl
 
 from leantune.cli import main
 
-pytest_plugins = ["cli_support"]  # the tiny fixture
+tiny = cli_support.tiny  # the fixture: a tiny model and chat data
 
 
 def test_existing_run_is_never_overwritten(tiny, tmp_path, capsys):

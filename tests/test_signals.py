@@ -3,12 +3,13 @@ short, a replaced run is put back (docs/design.md, "Run folder and signals")."""
 
 from __future__ import annotations
 
+import cli_support
 import pytest
 from cli_support import files_of, run_cli, train_args
 
 from leantune.cli import main
 
-pytest_plugins = ["cli_support"]  # the tiny fixture
+tiny = cli_support.tiny  # the fixture: a tiny model and chat data
 
 
 @pytest.mark.parametrize("signum, status", [("SIGINT", 130), ("SIGTERM", 143)])
