@@ -336,3 +336,26 @@ def test_chitchat_turns_must_be_lists_of_objects_and_a_bom_is_not_data(tmp_path,
     assert records == [{"text": "the cat"}, {"messages": []}]
     documents, _ = build_documents(records, tokenizer, 64)
     assert len(documents) == 1  # the empty conversation has nothing to learn: dropped, not a template error
+
+
+def test_a_chitchat_conversation_opened_by_an_empty_turn_starts_with_the_user(tmp_path, tokenizer):
+    """The first speaker with words is the user: an empty opening turn used to make the other speaker the
+    "assistant" of the first kept turn, and rendering the prompt before it crashed the chat template ("Cannot apply
+    chat template to an empty conversation"; the embedded data holds such a conversation)."""
+    from leantune.train.data import build_documents, read_records
+
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"c": {"messages": [
+        [{"text": " ", "sender": "a"}], [{"text": "Hi!", "sender": "b"}, {"text": "Anyone?", "sender": "b"}],
+        [{"text": "hello", "sender": "a"}], [{"text": "", "sender": "b"}], [{"text": "bye", "sender": "a"}]]}}))
+    records = read_records(path)
+    assert records == [{"messages": [{"role": "user", "content": "Hi!\nAnyone?"},
+                                     {"role": "assistant", "content": "hello\nbye"}]}]
+    documents, _ = build_documents(records, tokenizer, 256)
+    targets = tokenizer.decode([t for t, keep in zip(documents[0].input_ids, documents[0].target) if keep])
+    assert targets == "hello\nbye<|im_end|>\n"
+
+    embedded = [r for r in read_records(data_mod.chitchat_path()) if r["messages"]]
+    assert all(r["messages"][0]["role"] == "user" for r in embedded)
+    documents, _ = build_documents(embedded[:: max(1, len(embedded) // 200)], tokenizer, 256)
+    assert documents
