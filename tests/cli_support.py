@@ -70,3 +70,28 @@ def umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def signal_after_step(monkeypatch, step, signum=None):
+    """Make ``leantune train`` (as the CLI calls it) receive ``signum`` (SIGINT by default) after optimizer step
+    ``step``, as a user's Ctrl-C would arrive; undone by ``monkeypatch.undo()``."""
+    import signal
+
+    import leantune.train as train_package
+
+    real_train = train_package.train
+    signum = signal.SIGINT if signum is None else signum
+
+    def train_then_signal(config):
+        return real_train(config, progress=False,
+                          on_step=lambda done: os.kill(os.getpid(), signum) if done == step else None)
+
+    monkeypatch.setattr(train_package, "train", train_then_signal)
+
+
+def stopped_run(capsys, monkeypatch, argv, step=2):
+    """Run the CLI with ``argv`` and Ctrl-C after ``step``: a run with a checkpoint at ``step`` and no adapter."""
+    signal_after_step(monkeypatch, step)
+    code, err = run_cli(capsys, *argv)
+    monkeypatch.undo()
+    assert code == 130, err

@@ -9,7 +9,7 @@ from pathlib import Path
 import cli_support
 import pytest
 import torch
-from cli_support import assert_error, files_of, run_cli, train_args, umask, weights_folder
+from cli_support import assert_error, files_of, run_cli, stopped_run, train_args, umask, weights_folder
 
 tiny = cli_support.tiny  # the fixture: a tiny model and chat data
 
@@ -348,23 +348,15 @@ def test_a_signal_while_tidying_up_a_replaced_export_is_noted_not_acted_on(tiny,
 def test_export_of_a_stopped_run_uses_its_last_checkpoint_and_says_so(tiny, tmp_path, capsys, monkeypatch):
     """A run stopped by Ctrl-C has no adapter/ yet: export merges its last checkpoint, in one line naming the step
     and --resume, and the merged model matches the checkpoint's adapter."""
-    import os
-    import signal
-
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    import leantune.train as train_package
     from leantune.train.model import load_model
 
     run = tmp_path / "run"
-    real_train = train_package.train
-    monkeypatch.setattr(train_package, "train", lambda config: real_train(
-        config, progress=False, on_step=lambda step: os.kill(os.getpid(), signal.SIGINT) if step == 2 else None))
-    code, err = run_cli(capsys, *train_args(tiny, run, "--max-steps", "4", "--lr", "5e-2"))
-    monkeypatch.undo()
-    assert code == 130 and not (run / "adapter").exists(), err
+    stopped_run(capsys, monkeypatch, train_args(tiny, run, "--max-steps", "4", "--lr", "5e-2"))
+    assert not (run / "adapter").exists()
     code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
     assert code == 0, err
     notes = [line for line in err.splitlines() if "last checkpoint" in line]

@@ -7,7 +7,7 @@ import json
 
 import cli_support
 import pytest
-from cli_support import assert_error, files_of, run_cli, strict_json, train_args
+from cli_support import assert_error, files_of, run_cli, stopped_run, strict_json, train_args
 from test_train import write_chat_jsonl
 
 from leantune.cli import main
@@ -105,18 +105,8 @@ def test_a_users_run_json_is_not_taken_for_a_leantune_run(tiny, tmp_path, capsys
 
 def test_resume_refuses_other_settings_and_a_step_count_below_the_checkpoint(tiny, tmp_path, capsys,
                                                                              monkeypatch):
-    import os
-    import signal
-
-    import leantune.train as train_package
-
     out = tmp_path / "out"
-    real_train = train_package.train
-    monkeypatch.setattr(train_package, "train", lambda config: real_train(
-        config, progress=False, on_step=lambda step: os.kill(os.getpid(), signal.SIGINT) if step == 2 else None))
-    code, err = run_cli(capsys, *train_args(tiny, out, "--save-every", "1", "--max-steps", "3"))
-    assert code == 130, err
-    monkeypatch.undo()
+    stopped_run(capsys, monkeypatch, train_args(tiny, out, "--save-every", "1", "--max-steps", "3"))
     before = files_of(out)
     for flag, value in (("--lora-r", "8"), ("--lora-alpha", "1.0"), ("--seq-len", "32"), ("--seed", "3"),
                         ("--target-modules", "q_proj,v_proj")):
@@ -255,18 +245,8 @@ def test_resume_refuses_another_lr(tiny, tmp_path, capsys):
 def test_resume_refuses_another_step_count(tiny, tmp_path, capsys, monkeypatch):
     """The warmup and cosine decay are laid out over the step count: resuming with a larger --max-steps used to
     make the learning rate jump back up at the resumed step, so another count is refused, naming the run's."""
-    import os
-    import signal
-
-    import leantune.train as train_package
-
     out = tmp_path / "out"
-    real_train = train_package.train
-    monkeypatch.setattr(train_package, "train", lambda config: real_train(
-        config, progress=False, on_step=lambda step: os.kill(os.getpid(), signal.SIGINT) if step == 2 else None))
-    code, err = run_cli(capsys, *train_args(tiny, out, "--max-steps", "4", "--save-every", "1"))
-    assert code == 130, err
-    monkeypatch.undo()
+    stopped_run(capsys, monkeypatch, train_args(tiny, out, "--max-steps", "4", "--save-every", "1"))
     before = files_of(out)
     code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "8"))
     assert_error(code, err, "--resume: this run would have 8 steps", "has 4", "--max-steps 4")
