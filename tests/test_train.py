@@ -17,6 +17,7 @@ import torch
 from reference import assert_close
 from safetensors.torch import load_file
 
+from leantune import is_patched
 from leantune.errors import LeantuneError
 from leantune.train import data as data_mod
 from leantune.train.config import TrainConfig, make_config
@@ -176,7 +177,7 @@ def test_grad_accumulation_matches_one_big_batch(tiny, tokenizer, patch):
     train_data, _, _ = data_mod.load_dataset(tiny["data"], tokenizer, 64, 4, seed=0)
     rows = train_data.select(slice(0, 4))
     model = wrap_lora(load_model("config", tiny["model"], torch.float32, "cpu", 0), config)
-    assert getattr(model, "_leantune_patched", False) == (patch == "on")
+    assert is_patched(model) == (patch == "on")
     for p in model.parameters():  # PEFT starts lora_B at zero: make every gradient non-trivial
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.05)
