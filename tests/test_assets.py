@@ -73,3 +73,38 @@ def test_real_cached_folder_is_plain_hf():
     assert "quantization_config" not in config
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
     assert "im_start" in (path / "chat_template.jinja").read_text()
+
+
+def test_an_older_conversion_in_the_cache_is_redone(monkeypatch, tmp_path):
+    """A cached folder of an older conversion (its marker without this CONVERSION_VERSION, e.g. the one whose
+    tokenizer said eos = <|im_start|>) is converted again and replaced, leaving no stale or temporary folder."""
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path))
+    old = tmp_path / assets.SMOLLM2_DIRNAME
+    old.mkdir()
+    (old / "tokenizer_config.json").write_text('{"eos_token": "<|im_start|>"}')
+    (old / assets._COMPLETE_MARKER).write_text(f"converted from {assets.SMOLLM2_GGUF}\n")  # version 1 wrote this
+    calls = []
+
+    def fake(gguf, out_dir):
+        calls.append(gguf)
+        (out_dir / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+
+    monkeypatch.setattr(assets, "_convert_gguf", fake)
+    path = assets.smollm2_path()
+    assert path == old and len(calls) == 1
+    assert json.loads((path / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+    assert assets.smollm2_path() == path and len(calls) == 1, "the new conversion is reused"
+    assert [p.name for p in tmp_path.iterdir()] == [assets.SMOLLM2_DIRNAME]
+
+
+def test_the_converted_tokenizer_ends_sequences_as_the_model_does():
+    """eos is <|im_end|> (id 2), as the GGUF's config.json and generation_config.json say, not <|im_start|> (id 1):
+    text and prompt/completion data learn to stop on it."""
+    from transformers import AutoTokenizer
+
+    path = assets.smollm2_path()
+    config = json.loads((path / "config.json").read_text())
+    generation = json.loads((path / "generation_config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert config["eos_token_id"] == generation["eos_token_id"] == tokenizer.eos_token_id

@@ -17,11 +17,13 @@ import torch
 from reference import assert_close
 from safetensors.torch import load_file
 
+from leantune import is_patched
 from leantune.errors import LeantuneError
 from leantune.train import data as data_mod
 from leantune.train.config import TrainConfig, make_config
 from leantune.train.data import IGNORE_INDEX, Document, pack
-from leantune.train.loop import accumulate_gradients, load_model, load_tokenizer, train, wrap_lora
+from leantune.train.loop import accumulate_gradients, train
+from leantune.train.model import load_model, load_tokenizer, wrap_lora
 
 
 def close(out, ref, name):
@@ -175,7 +177,7 @@ def test_grad_accumulation_matches_one_big_batch(tiny, tokenizer, patch):
     train_data, _, _ = data_mod.load_dataset(tiny["data"], tokenizer, 64, 4, seed=0)
     rows = train_data.select(slice(0, 4))
     model = wrap_lora(load_model("config", tiny["model"], torch.float32, "cpu", 0), config)
-    assert getattr(model, "_leantune_patched", False) == (patch == "on")
+    assert is_patched(model) == (patch == "on")
     for p in model.parameters():  # PEFT starts lora_B at zero: make every gradient non-trivial
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.05)
@@ -269,8 +271,6 @@ def test_config_toml_then_flags(tmp_path):
 
 def test_make_config_checks_types_of_python_values_too():
     """The library entry point applies the same strict types as the CLI (flags) and the TOML file."""
-    from leantune.train.config import LeantuneError
-
     with pytest.raises(LeantuneError, match=r"--max-steps must be an integer, got 2\.7"):
         make_config(flag_values={"max_steps": 2.7})
     with pytest.raises(LeantuneError, match=r"config key 'overwrite' must be a boolean .*got 'no'"):
@@ -293,7 +293,7 @@ def test_metrics_are_strict_json_with_null_for_non_finite(tmp_path):
 
 
 def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
-    """From a new-user pass: `docker stop` / a scheduler's preemption (SIGTERM) used to kill the run outright."""
+    """`docker stop` / a scheduler's preemption (SIGTERM) stops the run with a checkpoint, as Ctrl-C does."""
     def terminate(step):
         if step == 1:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -313,8 +313,9 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
     ('{"text": "bad \\ud800 surrogate"}', "unpaired UTF-16 surrogate"),
     ('{"prompt": "a", "completion": "\\udfff"}', "unpaired UTF-16 surrogate"),
 ])
-def test_data_lines_that_used_to_end_in_tracebacks(tmp_path, line, match):
-    """From a new-user pass: each of these reached the tokenizer or the chat template and raised from there."""
+def test_bad_data_lines_are_refused_with_file_and_line(tmp_path, line, match):
+    """Each of these is refused while reading (it would otherwise reach the tokenizer or the chat template and raise
+    from there)."""
     from leantune.train.data import read_records
 
     path = tmp_path / "d.jsonl"
@@ -336,3 +337,26 @@ def test_chitchat_turns_must_be_lists_of_objects_and_a_bom_is_not_data(tmp_path,
     assert records == [{"text": "the cat"}, {"messages": []}]
     documents, _ = build_documents(records, tokenizer, 64)
     assert len(documents) == 1  # the empty conversation has nothing to learn: dropped, not a template error
+
+
+def test_a_chitchat_conversation_opened_by_an_empty_turn_starts_with_the_user(tmp_path, tokenizer):
+    """The first speaker with words is the user: an empty opening turn used to make the other speaker the
+    "assistant" of the first kept turn, and rendering the prompt before it crashed the chat template ("Cannot apply
+    chat template to an empty conversation"; the embedded data holds such a conversation)."""
+    from leantune.train.data import build_documents, read_records
+
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"c": {"messages": [
+        [{"text": " ", "sender": "a"}], [{"text": "Hi!", "sender": "b"}, {"text": "Anyone?", "sender": "b"}],
+        [{"text": "hello", "sender": "a"}], [{"text": "", "sender": "b"}], [{"text": "bye", "sender": "a"}]]}}))
+    records = read_records(path)
+    assert records == [{"messages": [{"role": "user", "content": "Hi!\nAnyone?"},
+                                     {"role": "assistant", "content": "hello\nbye"}]}]
+    documents, _ = build_documents(records, tokenizer, 256)
+    targets = tokenizer.decode([t for t, keep in zip(documents[0].input_ids, documents[0].target) if keep])
+    assert targets == "hello\nbye<|im_end|>\n"
+
+    embedded = [r for r in read_records(data_mod.chitchat_path()) if r["messages"]]
+    assert all(r["messages"][0]["role"] == "user" for r in embedded)
+    documents, _ = build_documents(embedded[:: max(1, len(embedded) // 200)], tokenizer, 256)
+    assert documents

@@ -11,7 +11,12 @@ Data: the chitchat dialogues ship as ``chitchat_dataset/dataset.json`` inside ``
 the same way (:func:`chitchat_path`).
 
 Cache: ``$LEANTUNE_CACHE`` or ``~/.cache/leantune``. The cached folder is written to a temporary sibling and renamed
-into place, so a crash or a concurrent test worker never leaves a half-written model behind.
+into place, so a crash or a concurrent test worker never leaves a half-written model behind. Its marker file names
+the conversion's version (``CONVERSION_VERSION``); a folder of an older conversion is converted again and replaced.
+
+Version 2: the tokenizer's end-of-sequence token is the one config.json and generation_config.json name
+(``<|im_end|>``, id 2); transformers' GGUF reader gave the tokenizer ``<|im_start|>`` (id 1), so text and
+prompt/completion data learned to stop on the wrong token.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -31,6 +37,7 @@ SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 CHITCHAT_PACKAGE = "chitchat_dataset"
 CHITCHAT_FILE = "dataset.json"
 _COMPLETE_MARKER = "leantune-complete"  # written last inside the temp folder: a folder without it is not a cache
+CONVERSION_VERSION = 2  # raised whenever _convert_gguf writes something different: older caches are redone
 
 
 def _packaged_file(package: str, pip_name: str, filename: str) -> Path:
@@ -81,12 +88,33 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _align_eos(tokenizer, model)
     # The weights are already dequantised; without these the saved folder would claim a GGUF quantisation.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def _align_eos(tokenizer, model) -> None:
+    """Give the tokenizer the end-of-sequence token that the model's generation config (else its config) names."""
+    eos_id = getattr(model.generation_config, "eos_token_id", None)
+    if eos_id is None:
+        eos_id = model.config.eos_token_id
+    if isinstance(eos_id, (list, tuple)):
+        eos_id = eos_id[0] if eos_id else None
+    if eos_id is not None and tokenizer.eos_token_id != eos_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+
+
+def _is_current(folder: Path) -> bool:
+    """``folder`` is a complete cache written by this version of the conversion."""
+    try:
+        marker = (folder / _COMPLETE_MARKER).read_text()
+    except OSError:
+        return False
+    return f"conversion {CONVERSION_VERSION}\n" in marker
 
 
 def smollm2_path() -> Path:
@@ -100,28 +128,33 @@ def smollm2_path() -> Path:
         ImportError: ``gguf`` (needed by transformers to read the file) is not installed.
     """
     final = cache_dir() / SMOLLM2_DIRNAME
-    if (final / _COMPLETE_MARKER).is_file():
+    if _is_current(final):
         return final
     gguf = smollm2_gguf_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s to a cached Hugging Face folder at %s (once)", gguf, final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_DIRNAME}-", dir=final.parent))
+    stale = final.with_name(f".{SMOLLM2_DIRNAME}-stale-{uuid.uuid4().hex[:8]}")  # where an older cache goes
     try:
         _convert_gguf(gguf, tmp)
-        (tmp / _COMPLETE_MARKER).write_text(f"converted from {gguf.name}\n")
+        (tmp / _COMPLETE_MARKER).write_text(f"converted from {gguf.name}\nconversion {CONVERSION_VERSION}\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         for f in tmp.iterdir():
             f.chmod(0o644)  # safetensors writes its file 0600 through a temporary file
-        if final.exists() and not (final / _COMPLETE_MARKER).is_file():
-            shutil.rmtree(final, ignore_errors=True)  # leftover of an older, interrupted layout
+        if final.exists() and not _is_current(final):  # an older conversion, or an interrupted older layout
+            try:
+                os.rename(final, stale)
+            except OSError:
+                pass  # another caller moved it first
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / _COMPLETE_MARKER).is_file():  # not a lost race: a real failure
+            if not _is_current(final):  # not a lost race: a real failure
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, stale):
+            if leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
     return final
 
 

@@ -100,9 +100,22 @@ def _export(args) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (no import of the package's heavy modules), else the source's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("leantune")
+    except PackageNotFoundError:  # a source tree on sys.path without an install
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="leantune", description=__doc__.replace("``", ""),  # no RST markup in --help
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"leantune {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="LoRA fine-tuning of a causal LM (defaults: the embedded model and data)",
@@ -135,17 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import LeantuneError
 
     try:
-        args = build_parser().parse_args(argv)  # imports torch and peft: seconds in which Ctrl-C may come
+        args = build_parser().parse_args(argv)  # imports torch (the bench options): a second in which Ctrl-C may come
     except _UsageError as exc:
         print(f"leantune: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("leantune: aborted", file=sys.stderr)
         return 128 + signal.SIGINT
-    from .ops import _runtime
+    from .ops import backend_choice
 
     try:
-        _runtime.backend_choice()  # before any command runs (the ops would raise it mid-run)
+        backend_choice()  # before any command runs (the ops would raise it mid-run)
     except ValueError as exc:
         print(f"leantune: error: {exc}", file=sys.stderr)
         return 1

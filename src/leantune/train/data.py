@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .config import LeantuneError
+from ..errors import LeantuneError
+from .metrics import say
 
 IGNORE_INDEX = -100
 DATA_SUFFIXES = (".jsonl", ".ndjson", "", ".json", ".txt")
@@ -82,7 +83,9 @@ def _parse_json(text: str, where: str):
 
 
 def _chitchat_records(raw: dict, path: Path) -> list[dict]:
-    """Map chitchat conversations to ``messages`` records; the first sender is the user."""
+    """Map chitchat conversations to ``messages`` records; the first sender of a non-empty turn is the user (a
+    conversation opened by an empty turn would otherwise start with an assistant turn, which chat templates cannot
+    render a prompt for)."""
     records = []
     for key, conversation in raw.items():
         turns = conversation.get("messages") if isinstance(conversation, dict) else None
@@ -97,15 +100,17 @@ def _chitchat_records(raw: dict, path: Path) -> list[dict]:
                 raise LeantuneError(f"{path}: conversation {key!r}: a turn must be a list of {{sender, text}} "
                                     f"objects, got {json.dumps(turn)[:60]}")
             sender = turn[0].get("sender")
+            text = "\n".join(str(item.get("text", "")) for item in turn).strip()
+            _check_text(text, f"{path}: conversation {key!r}")
+            if not text:  # an empty turn names no speaker: the user is the first one with words
+                continue
             if sender not in roles:
                 if len(roles) == 2:
                     break  # a third speaker: keep the two-party part
                 roles[sender] = "user" if not roles else "assistant"
-            text = "\n".join(str(item.get("text", "")) for item in turn).strip()
-            _check_text(text, f"{path}: conversation {key!r}")
             if messages and messages[-1]["role"] == roles[sender]:
                 messages[-1]["content"] += "\n" + text
-            elif text:
+            else:
                 messages.append({"role": roles[sender], "content": text})
         records.append({"messages": messages})
     return records
@@ -306,6 +311,17 @@ def pack(documents: list[Document], seq_len: int, pad_id: int) -> PackedData:
     return PackedData(as_tensor(rows_ids), as_tensor(rows_labels), as_tensor(rows_pos))
 
 
+def _warn_if_only_end_markers(records: list[dict], path) -> None:
+    """One warning line when every answer of the data (assistant turns, completions) is empty: the run would then
+    learn nothing but the end-of-turn or end-of-text markers."""
+    answers = [m["content"] for r in records for m in r.get("messages", []) if m["role"] == "assistant"]
+    answers += [r["completion"] for r in records if "completion" in r and "messages" not in r]
+    if answers and not any(a.strip() for a in answers):
+        what = "assistant turn" if any("messages" in r for r in records) else "completion"
+        say(f"leantune: warning: every {what} of {path} is empty ({len(answers)} of them): the run learns only "
+            "the end-of-turn markers")
+
+
 def load_dataset(path: str | Path, tokenizer, seq_len: int, eval_size: int, seed: int,
                  max_examples: int | None = None) -> tuple[PackedData, PackedData, dict]:
     """Read, tokenise, shuffle (seeded), pack; the last ``eval_size`` rows are the held-out split.
@@ -319,6 +335,7 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, eval_size: int, seed
     rng.shuffle(records)
     if max_examples is not None:
         records = records[:max_examples]
+    _warn_if_only_end_markers(records, path)
     documents, truncated = build_documents(records, tokenizer, seq_len)
     if not documents and truncated:  # the targets were there, cut off by the sequence length
         raise LeantuneError(f"--seq-len {seq_len} is too short: no example of {path} keeps a token to train on "

@@ -1,4 +1,5 @@
-"""Run feedback on disk: ``metrics.jsonl`` (one JSON object per step and per eval) and ``loss.png``.
+"""Run feedback: on disk, ``metrics.jsonl`` (one JSON object per step and per eval) and ``loss.png``; on the
+console, status and warning lines (``say``) that leave the progress bar intact.
 
 Both JSON files of a run are strict JSON: a non-finite number (a diverged loss, the grad norm with clipping off) is
 written as ``null`` (``to_json``), since ``NaN``/``Infinity`` are not JSON and break other readers.
@@ -8,7 +9,20 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+def say(message: str) -> None:
+    """A status or warning line on stderr that does not break the progress bar."""
+    tqdm.write(message, file=sys.stderr)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's whole message on one line (transformers' messages span several lines)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def finite_or_none(value):

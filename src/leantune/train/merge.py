@@ -1,0 +1,228 @@
+"""``leantune export``: merge a run's adapter into its base model and write a standalone Hugging Face folder.
+
+(Named ``merge`` rather than ``export`` so that the module never shadows, or is shadowed by, the function
+``leantune.train.export``.)
+
+The base is rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed) and merged
+in fp32; the weights are stored in the dtype of the base folder's safetensors weights when that is 16-bit (else
+fp32). A run stopped before it wrote its adapter is exported from its last checkpoint (said in one line). The folder
+is written beside ``--out`` and moved into place, with a marker file; a failure, Ctrl-C or SIGTERM leaves no partial
+folder and the previous export in place, and ``--overwrite`` replaces only a previous export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from ..errors import LeantuneError
+from . import checkpoint
+from .config import TrainConfig
+from .metrics import say
+from .model import load_model, load_tokenizer, lora_config
+from .run_folder import nearest_existing, read_run_info, remove
+from .signals import SignalsDeferred, TerminateAborts
+
+EXPORT_MARKER = "leantune_export.json"
+
+
+def _check_export_target(target: Path, overwrite: bool, base_model: Path) -> None:
+    """Refuse a file, the run's base model, a non-empty folder without ``overwrite``, and with it any folder that is
+    not a leantune export (one holding the marker file: a model folder of save_pretrained's files is not one)."""
+    existing = nearest_existing(target)
+    if not existing.is_dir():
+        raise LeantuneError(f"export target {target}: {existing} exists and is not a directory")
+    base = base_model.resolve()
+    if target.resolve() in (base, base.parent if base.is_file() else base):
+        raise LeantuneError(f"export target {target} is the run's base model; choose another --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise LeantuneError(f"export target {target}: cannot write in {existing}")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not overwrite:
+        raise LeantuneError(f"export target {target} is not empty; pass --overwrite to replace a previous export")
+    if not (target / EXPORT_MARKER).is_file():
+        raise LeantuneError(f"export target {target} holds files that are not a leantune export (no "
+                            f"{EXPORT_MARKER}); --overwrite only replaces a previous export: choose another --out")
+
+
+def _checkpoint_dtype(kind: str, path: Path) -> torch.dtype | None:
+    """The dtype of a Hugging Face folder's floating-point safetensors weights when it is 16-bit (an export is
+    written in it, as the base was stored), else None: fp32, .bin weights, a GGUF or a random init (fp32)."""
+    from safetensors import SafetensorError, safe_open
+
+    if kind != "hf":
+        return None
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            first = sorted(set(json.loads(index.read_text())["weight_map"].values()))[0]
+            weights = path / first
+        else:
+            weights = path / "model.safetensors"
+        if not weights.is_file():
+            return None
+        with safe_open(str(weights), framework="pt") as fh:
+            dtypes = {fh.get_slice(key).get_dtype() for key in fh.keys()}
+    except (OSError, ValueError, KeyError, IndexError, SafetensorError):  # unreadable here: write fp32
+        return None
+    floats = dtypes & {"F32", "F16", "BF16", "F64"}
+    return {frozenset({"BF16"}): torch.bfloat16, frozenset({"F16"}): torch.float16}.get(frozenset(floats))
+
+
+def _untie_embeddings(peft_model) -> None:
+    """Give the output projection its own copy of a weight it shares with the input embeddings when a LoRA sits on
+    either of them, so that merging changes only the adapted one (merged into the shared matrix, an lm_head adapter
+    would change the input embeddings too, and an embed_tokens adapter the output logits). The merged model's
+    config then says the embeddings are not tied."""
+    model = peft_model.get_base_model()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None:
+        return
+    head_owner, embed_owner = getattr(head, "base_layer", head), getattr(embed, "base_layer", embed)
+    adapted = head_owner is not head or embed_owner is not embed
+    if not adapted or head_owner.weight is not embed_owner.weight:
+        return
+    head_owner.weight = torch.nn.Parameter(embed_owner.weight.detach().clone(), requires_grad=False)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+
+
+def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
+    """Merge a trained adapter into its base model and save a standalone HF folder (model + tokenizer).
+
+    ``adapter`` is a run directory (holding ``run.json`` and ``adapter/``) or its ``adapter/`` folder; a run
+    directory without ``adapter/`` (stopped by Ctrl-C or SIGTERM) is exported from its last checkpoint. See the
+    module docstring for how the base is rebuilt, the stored dtype, tied embeddings and the atomic write. Raises
+    LeantuneError for a missing adapter (or a run stopped before its first checkpoint), an ``out`` that is a file or
+    the base model, or an ``out`` that is not empty (without ``overwrite``; with it, only a previous export is
+    replaced, never a folder of other files).
+    """
+    with TerminateAborts():
+        return _export(adapter, out, overwrite)
+
+
+def _adapter_source(src: Path) -> tuple[Path, Path, Path | None]:
+    """``(run folder, adapter folder, checkpoint)`` of ``--adapter``: the checkpoint is set (and the adapter folder
+    absent) for a run that stopped before writing its adapter."""
+    run_dir = src if (src / "run.json").is_file() else src.parent
+    adapter_dir = src / "adapter" if (src / "adapter").is_dir() else src
+    if (adapter_dir / "adapter_config.json").is_file():
+        if not (run_dir / "run.json").is_file():
+            raise LeantuneError(f"no run.json next to {adapter_dir}: export needs the run directory that made it")
+        return run_dir, adapter_dir, None
+    info = read_run_info(src)
+    if info is None:
+        raise LeantuneError(f"no adapter in {src}: expected a run directory or its adapter/ folder")
+    found = checkpoint.latest_checkpoint(src)
+    if found is None:
+        raise LeantuneError(f"no adapter in {src}: the run was stopped before its first checkpoint, so there is "
+                            "nothing to export; run it again")
+    step = checkpoint.checkpoint_step(found)
+    say(f"leantune: the run in {src} was stopped at step {step} of {info.get('total_steps', '?')} before writing "
+        f"its adapter; exporting its last checkpoint (step {step}); 'leantune train --resume' with the run's "
+        "settings continues it")
+    return run_dir, src / "adapter", found
+
+
+def _export(adapter: str, out: str, overwrite: bool) -> Path:
+    from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    run_dir, adapter_dir, saved = _adapter_source(Path(adapter))
+    if not str(out).strip():
+        raise LeantuneError("--out must name a folder, got an empty path")
+    # absolute and normalised: "." has no name to put a temporary folder beside, and "missing/../folder" must be
+    # checked as the folder it names
+    target = Path(os.path.abspath(out))
+    if target.is_symlink():  # replace the folder it points to, not the link
+        target = target.resolve()
+    run = json.loads((run_dir / "run.json").read_text())
+    kind, model_path = run["model_kind"], Path(run["model_path"])
+    _check_export_target(target, overwrite, model_path)
+    if not model_path.exists():
+        raise LeantuneError(f"the base model of this run is gone: {model_path}")
+    tokenizer_dir = run_dir / "tokenizer"
+    tokenizer = (load_tokenizer("hf", tokenizer_dir) if tokenizer_dir.is_dir()
+                 else load_tokenizer(kind, model_path))
+    base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
+    if saved is None:
+        peft_model = PeftModel.from_pretrained(base, adapter_dir)
+    else:  # a checkpoint holds the adapter's tensors; its shape and targets are the run's settings
+        peft_model = get_peft_model(base, lora_config(base, TrainConfig(**run["config"])))
+        set_peft_model_state_dict(peft_model, load_file(str(saved / "adapter_model.safetensors")))
+    _untie_embeddings(peft_model)
+    merged = peft_model.merge_and_unload()  # in fp32, then stored in the base checkpoint's own 16-bit dtype
+    saved_dtype = _checkpoint_dtype(kind, model_path) or torch.float32
+    merged = merged.to(saved_dtype)
+    merged.config.dtype = saved_dtype  # config.json says what the weights are (the base's may say otherwise)
+    marker = {"adapter": str((saved or adapter_dir).resolve()), "base_model": str(model_path)}
+    _check_export_target(target, overwrite, model_path)  # again: the folder may have changed while merging
+    if target.is_dir() and not any(target.iterdir()):
+        _write_into_empty(target, merged, tokenizer, marker)
+    else:
+        _write_beside(target, merged, tokenizer, marker)
+    return target
+
+
+def _save_export(folder: Path, merged, tokenizer, marker: dict) -> None:
+    merged.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / EXPORT_MARKER).write_text(json.dumps(marker, indent=2))
+
+
+def _export_error(target: Path, exc: BaseException) -> None:
+    """A write failure (full disk, permissions) as one error line; anything else (Ctrl-C, SIGTERM) as it is."""
+    from safetensors import SafetensorError
+
+    if isinstance(exc, (OSError, SafetensorError)):
+        raise LeantuneError(f"cannot write the export to {target}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+
+
+def _write_beside(target: Path, merged, tokenizer, marker: dict) -> None:
+    """Write next to ``target`` and rename into place; a previous export is set aside until then and put back on any
+    failure or stop. The hidden folders' names are fixed before they exist, so a stop at any point is cleaned up."""
+    token = uuid.uuid4().hex[:8]
+    tmp, old = (target.with_name(f".{target.name}.{kind}-{token}") for kind in ("tmp", "old"))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        _save_export(tmp, merged, tokenizer, marker)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with SignalsDeferred():
+            if old.exists() and not target.exists():
+                os.replace(old, target)  # the previous export first: the rest is only tidying up
+            shutil.rmtree(tmp, ignore_errors=True)
+        _export_error(target, exc)
+        raise
+    with SignalsDeferred():  # done: a Ctrl-C now must not leave a full copy of the old model behind
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_into_empty(target: Path, merged, tokenizer, marker: dict) -> None:
+    """An existing empty folder keeps its identity (it may be the shell's working directory or a mount point):
+    write into a hidden folder inside it, then move the files up; on failure remove only what this export made."""
+    tmp = target / f".leantune-export-{uuid.uuid4().hex[:8]}"
+    names: list[str] = []
+    try:
+        tmp.mkdir()
+        _save_export(tmp, merged, tokenizer, marker)
+        names = sorted(os.listdir(tmp))  # the folder was empty: each of these names in it is this export's
+        for name in names:
+            os.replace(tmp / name, target / name)
+        tmp.rmdir()
+    except BaseException as exc:
+        with SignalsDeferred():
+            for path in (*(target / name for name in names), tmp):
+                remove(path)
+        _export_error(target, exc)
+        raise

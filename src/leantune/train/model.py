@@ -1,0 +1,221 @@
+"""The model side of a run: which ``--model`` it is, its tokenizer, the causal LM itself, and the LoRA wrapper.
+
+Every check here raises ``LeantuneError`` with one line naming the model path: a path of no known kind, a config that
+is not a causal LM (checked from config.json before any weight is read), weights that do not fit config.json (a
+missing tensor would be initialised at random), a tokenizer that is missing or empty, LoRA targets the model lacks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import LeantuneError
+from ..patch import patch
+from .config import TrainConfig
+from .metrics import one_line, say
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def resolve_model(spec: str | None) -> tuple[str, Path]:
+    """Classify ``--model``: ``("hf", folder)``, ``("gguf", file)`` or ``("config", config.json)``.
+
+    ``None`` is the embedded SmolLM2-135M-Instruct (converted once from its GGUF by ``leantune.assets``).
+    Raises LeantuneError for a missing path or one that is none of the three kinds.
+    """
+    if spec is None:
+        from .. import assets
+
+        try:
+            return "hf", assets.smollm2_path()
+        except (FileNotFoundError, ImportError) as exc:
+            raise LeantuneError(f"the embedded model is unavailable: {exc}") from None
+    path = Path(spec)
+    if not path.exists():
+        raise LeantuneError(f"model not found: {spec}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise LeantuneError(f"unsupported model folder {spec}: no config.json (expected a Hugging Face folder)")
+        return "hf", path
+    if path.suffix == ".gguf":
+        return "gguf", path
+    if path.suffix == ".json":
+        return "config", path
+    raise LeantuneError(f"unsupported model path {spec}: expected a Hugging Face folder, a .gguf file or a config.json")
+
+
+def _unsupported(path: Path, exc: BaseException) -> LeantuneError:
+    return LeantuneError(f"unsupported model type in {path}: {str(exc).splitlines()[0]}")
+
+
+def check_causal_lm(kind: str, path: Path) -> None:
+    """Refuse a config.json (of a folder or alone) that transformers cannot read, or that describes no causal LM.
+
+    A config whose ``architectures`` names only other heads (``BertForMaskedLM``, ``T5ForConditionalGeneration``)
+    is not a causal LM even when transformers has a causal-LM class for its model type: loading it as one would
+    report its weights as missing. Without ``architectures`` the model type decides. A GGUF file is not checked
+    here (transformers reads its architecture while loading it).
+    """
+    if kind == "gguf":
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:
+        raise _unsupported(path, exc) from None
+    except OSError as exc:
+        raise LeantuneError(f"cannot read the config of {path}: {one_line(exc)[:400]}") from None
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = list(getattr(config, "architectures", None) or [])
+    if architectures:
+        ok = any(name in causal or name.endswith("ForCausalLM") for name in architectures)
+    else:
+        ok = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if getattr(config, "is_encoder_decoder", False):
+        ok = False
+    if not ok:
+        named = f"architectures {', '.join(architectures)}" if architectures else "no causal-LM class"
+        raise LeantuneError(f"{path} is not a causal LM (model type {config.model_type!r}, {named}); leantune "
+                            "trains decoder-only models such as Llama, Mistral, Qwen2 or Gemma")
+
+
+def load_tokenizer(kind: str, path: Path):
+    """The tokenizer that goes with ``resolve_model``'s result; a bare config.json borrows the default one.
+
+    Raises LeantuneError when the folder has no tokenizer: no tokenizer file, a failed load, or a tokenizer of
+    fewer than 2 tokens (transformers can build an empty one, which would otherwise surface much later as an
+    "empty dataset"), and for a tokenizer that is there but does not load.
+    """
+    from transformers import AutoTokenizer
+
+    folder = path if kind == "hf" else path.parent
+    missing = f"no tokenizer in {folder}: expected tokenizer.json or tokenizer.model/tokenizer_config.json"
+    has_files = any((folder / name).is_file() for name in TOKENIZER_FILES)
+    try:
+        if kind == "gguf":
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        elif kind == "config" and not any((path.parent / n).is_file() for n in ("tokenizer.json",
+                                                                                  "tokenizer_config.json")):
+            tokenizer = load_tokenizer(*resolve_model(None))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+    except LeantuneError:
+        raise
+    except Exception as exc:  # transformers raises many kinds here; none of them is worth a traceback
+        if kind != "gguf" and not has_files:
+            raise LeantuneError(missing) from None
+        raise LeantuneError(f"cannot load the tokenizer of {path}: {one_line(exc)}") from None
+    if len(tokenizer) < 2:
+        if kind == "gguf":
+            raise LeantuneError(f"no tokenizer in {path}: it holds an empty vocabulary")
+        raise LeantuneError(missing + (f" (the tokenizer files there load as a vocabulary of {len(tokenizer)} "
+                                       "token)" if has_files else ""))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int):
+    """A causal LM on ``device`` in ``dtype``; a config.json is initialised randomly (seeded) directly on device.
+
+    Raises LeantuneError for a model that is not a causal LM, an unsupported model type or unreadable weights.
+    """
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    check_causal_lm(kind, path)
+    try:
+        if kind == "config":
+            config = AutoConfig.from_pretrained(path)
+            torch.manual_seed(seed)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        elif kind == "gguf":
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        else:
+            verbosity = transformers_logging.get_verbosity()
+            transformers_logging.set_verbosity_error()  # its load report table: the checks below say it in a line
+            try:
+                model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
+                                                                   ignore_mismatched_sizes=True)
+            finally:
+                transformers_logging.set_verbosity(verbosity)
+            _check_loading_info(path, info)
+    except (ValueError, KeyError) as exc:
+        raise _unsupported(path, exc) from None
+    except (OSError, RuntimeError, SafetensorError) as exc:  # missing, truncated or mismatched weights
+        raise LeantuneError(f"cannot load model {path}: {one_line(exc)[:400]}") from None
+    return model.to(device)
+
+
+def _check_loading_info(path: Path, info: dict) -> None:
+    """Weights that do not fit config.json are an error: a missing tensor would be initialised at random and a
+    mismatched one replaced (transformers only prints a table); tensors the model has no place for are a warning."""
+    def some(keys):
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)
+        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+    if info.get("mismatched_keys"):
+        key, stored, expected = sorted(info["mismatched_keys"], key=str)[0]
+        raise LeantuneError(f"cannot load model {path}: the weights do not match its config.json ({key} is "
+                            f"{tuple(stored)} in the checkpoint, {tuple(expected)} in the model; "
+                            f"{len(info['mismatched_keys'])} tensors differ)")
+    if info.get("missing_keys"):
+        raise LeantuneError(f"cannot load model {path}: its config.json asks for weights the checkpoint lacks "
+                            f"({some(info['missing_keys'])}); they would be initialised at random")
+    if info.get("unexpected_keys"):
+        say(f"leantune: warning: {path} holds weights its config.json has no place for, ignored: "
+            f"{some(info['unexpected_keys'])}")
+
+
+def lora_config(model, config: TrainConfig):
+    """PEFT's ``LoraConfig`` of a run, its ``--target-modules`` checked against ``model``'s module names and its
+    ``--lora-r`` against the widest linear layer (both before PEFT allocates anything)."""
+    from peft import LoraConfig
+
+    targets = config.target_modules
+    if targets != "all-linear":
+        targets = [name.strip() for name in targets.split(",") if name.strip()]
+        names = [name for name, _ in model.named_modules()]
+        # PEFT's rule for a list: a module matches a key when its name is the key or ends with "." + key; PEFT
+        # itself only complains when no key matches, so a typo next to a valid name would be silently dropped.
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched or not targets:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
+            raise LeantuneError(f"--target-modules: {', '.join(repr(t) for t in unmatched) or '(none)'} not found "
+                                f"in the model; its linear layers are {', '.join(linear)}")
+    widest = max((min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)),
+                 default=0)
+    if config.lora_r > widest:  # [r, in] and [out, r] per layer
+        raise LeantuneError(f"--lora-r {config.lora_r} is larger than every linear layer of the model allows: the "
+                            f"widest has min(in, out) = {widest}, and a rank above it is not low-rank")
+    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+
+
+def wrap_lora(model, config: TrainConfig):
+    """PEFT LoRA on ``config.target_modules`` (adapters in fp32, PEFT's default), then ``leantune.patch``."""
+    from peft import get_peft_model
+
+    lora = lora_config(model, config)
+    model.config.use_cache = False
+    if config.gradient_checkpointing == "on":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(config.seed)
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        raise LeantuneError(f"cannot apply LoRA: {str(exc).splitlines()[0]}") from None
+    if config.patch == "on":
+        try:
+            model = patch(model)
+        except ValueError as exc:  # a family without a patch table still trains, with HF's modules
+            say(f"leantune: warning: not patched ({str(exc).splitlines()[0]}); training with HF's modules")
+    return model
+

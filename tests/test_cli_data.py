@@ -1,0 +1,82 @@
+"""Data errors through ``leantune train``: each is one line naming the file (and line), before anything is written."""
+
+from __future__ import annotations
+
+import json
+
+import cli_support
+from cli_support import assert_error, run_cli, train_args
+
+tiny = cli_support.tiny  # the fixture: a tiny model and chat data
+
+
+def test_missing_data_file_is_named(tiny, tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=missing))
+    assert_error(code, err, "data file not found", str(missing))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_data_file(tiny, tmp_path, capsys):
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=tmp_path))
+    assert_error(code, err, "data file is a directory", str(tmp_path))
+
+
+def test_malformed_json_line_names_file_and_line(tiny, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n\n{"text": "broken"\n')
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=bad))
+    assert_error(code, err, "malformed JSON", f"{bad}:3")
+
+
+def test_record_without_known_fields(tiny, tmp_path, capsys):
+    bad = tmp_path / "odd.jsonl"
+    bad.write_text('{"text": "fine"}\n{"question": "?"}\n')
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=bad))
+    assert_error(code, err, f"{bad}:2", "'text', 'messages'")
+
+
+def test_empty_dataset_after_filtering(tiny, tmp_path, capsys):
+    only_users = tmp_path / "users.jsonl"
+    only_users.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=only_users))
+    assert_error(code, err, "empty dataset after filtering", str(only_users))
+
+
+def test_too_long_examples_are_truncated_and_counted(tiny, tmp_path, capsys):
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"text": "word " * n}) + "\n" for n in (5, 40, 6, 50, 7, 8, 9, 4) * 3))
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=long))
+    assert code == 0, err
+    assert "6 of 24 examples were longer than --seq-len 64 and were truncated" in err
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["truncated"] == 6
+
+
+def test_seq_len_too_short_for_any_target_names_seq_len(tiny, tmp_path, capsys):
+    # a ChatML prompt alone is longer than 4 tokens: every example is cut before its first assistant token
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--seq-len", "4"))
+    assert_error(code, err, "--seq-len 4 is too short", str(tiny["data"]))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_data_file_of_another_extension_is_refused_by_name(tiny, tmp_path, capsys):
+    """A .csv is refused for its extension, not reported as "malformed JSON" on its first line."""
+    csv = tmp_path / "chats.csv"
+    csv.write_text("a,b\n")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", data=csv))
+    assert_error(code, err, str(csv), "unsupported extension '.csv'", ".jsonl")
+    assert not (tmp_path / "o1").exists()
+
+
+def test_data_whose_assistant_turns_are_all_empty_warns(tiny, tmp_path, capsys):
+    """Only the end-of-turn markers would be learned: one warning line, and the run still trains."""
+    empty = tmp_path / "empty-answers.jsonl"
+    empty.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                      {"role": "assistant", "content": " "}]}) + "\n"
+                             for i in range(40)))
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=empty))
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "leantune: warning: every assistant turn" in line]
+    assert len(warnings) == 1 and str(empty) in warnings[0] and "end-of-turn" in warnings[0], err
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out2"))
+    assert code == 0 and "every assistant turn" not in err, err
