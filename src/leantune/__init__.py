@@ -1,9 +1,9 @@
 """leantune: fast, memory-lean LoRA fine-tuning of Hugging Face causal LMs with hand-derived Triton kernels.
 
-Public API (DESIGN.md): ``leantune.ops`` (the kernels) and ``leantune.patch(model)`` / ``leantune.unpatch(model)``
-(``leantune.is_patched(model)`` tells; the name ``leantune.patch`` is the function, so reach the subpackage's other
-names with ``from leantune.patch import ...``), and ``leantune.quantize(model, "nf4")`` (frozen decoder linear
-weights in NF4).
+Public API (docs/design.md, "Public op contract"): ``leantune.ops`` (the kernels), ``leantune.patch(model)`` /
+``leantune.unpatch(model)`` (``leantune.is_patched(model)`` tells; the name ``leantune.patch`` is the function, so
+reach the subpackage's other names with ``from leantune.patch import ...``), and ``leantune.quantize(model, "nf4")``
+(frozen decoder linear weights in NF4).
 """
 
 from . import ops

@@ -69,11 +69,13 @@ def evaluate(model, data: PackedData, batch_size: int, device: str) -> float:
     was_training = model.training
     model.eval()
     num_items = torch.tensor(max(data.num_targets(), 1), device=device)
+    only_loss = {"skip_logits": True} if is_patched(model) else {}  # a patched model in eval mode forms logits
     total = 0.0
     for start in range(0, len(data), batch_size):
         batch = data.select(slice(start, start + batch_size))
         total += model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                       labels=batch.labels.to(device), num_items_in_batch=num_items, use_cache=False).loss.item()
+                       labels=batch.labels.to(device), num_items_in_batch=num_items, use_cache=False,
+                       **only_loss).loss.item()
     model.train(was_training)
     return total
 
