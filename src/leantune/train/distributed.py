@@ -1,0 +1,235 @@
+"""Several processes through PyTorch's own engines: torchrun's environment, DDP or FSDP2.
+
+Launch. ``torchrun`` (and ``accelerate launch``, which runs it) sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT``; :func:`check_launch` reads them before anything is loaded and
+:func:`init` joins the ``env://`` rendezvous: NCCL for CUDA ranks (rank r on ``cuda:LOCAL_RANK``), gloo for CPU ranks.
+Without ``WORLD_SIZE`` a run is one plain process, as always.
+
+Engines (:func:`choose_engine`, :func:`wrap`):
+- ``ddp``: ``DistributedDataParallel(find_unused_parameters=False)`` (every adapter takes part in every forward),
+  bucketing left to DDP, ``no_sync`` on all but the last micro-batch of a step (:func:`gradient_sync`).
+- ``fsdp``: FSDP2, ``fully_shard`` on each decoder layer (the classes the model names in ``_no_split_modules``), then
+  on the root; frozen base and adapters are sharded alike. ``MixedPrecisionPolicy(reduce_dtype=float32)`` with the
+  parameters' own dtypes for compute: the base as loaded (bf16 on CUDA), PEFT's fp32 adapters kept fp32, so a rank
+  computes what the single-process run computes. What is gathered when: a layer's parameters are all-gathered in its
+  pre-forward hook and freed after its forward; the root's (embeddings, final norm, ``lm_head``) once per forward of
+  the whole model, so the fused loss sees the full ``lm_head`` weight exactly once per micro-batch forward, as a
+  plain tensor inside the root's forward (leantune's ops run only inside the forward of the module that owns their
+  weights; outside it the parameters are ``DTensor`` shards). In backward each layer is gathered again before its
+  gradients are formed, and gradients are reduce-scattered in fp32.
+- ``auto``: FSDP2 when the frozen weights take more than half of one device's memory, else DDP (CPU: DDP).
+
+Loss normalisation. The only collectives leantune calls itself are sums of a few numbers (:func:`all_reduce_sum`):
+the count of target tokens of the whole global step (so every token weighs the same whichever rank holds it), the
+losses and token counts for metrics, and the stop flag of a Ctrl-C / SIGTERM (:func:`any_rank`), so every rank stops
+after the same step. Both engines average gradients over ranks; the loss that is backpropagated is therefore the
+rank's share of the global token mean times the world size (:func:`loss_scale`), which makes N ranks x K
+micro-batches the same update as one process with the whole batch.
+
+Faults: a rank that raises prints ``leantune: error (rank r): ...`` and exits non-zero; torchrun then ends the other
+ranks (SIGTERM, SIGKILL after 30 s), and a rank blocked in a collective with a dead peer fails on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import LeantuneError
+
+ENGINES = ("auto", "ddp", "fsdp")
+# How long a collective may wait for a peer before it fails: longer than any step or checkpoint save of a sane run,
+# short enough that a wedged rank does not hold a node for the default 30 minutes.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands: ``rank`` of ``size`` processes, ``engine`` "none" (one plain process), "ddp" or
+    "fsdp", and ``reason``, the line that says why that engine."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    engine: str = "none"
+    reason: str = ""
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that prints, plots and writes the run's files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.engine != "none"
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name, "")
+    try:
+        number = int(value)
+    except ValueError:
+        raise LeantuneError(f"{name}={value!r} in the environment is not an integer (set by torchrun)") from None
+    if number < 0:
+        raise LeantuneError(f"{name}={number} in the environment is negative")
+    return number
+
+
+def check_launch(requested: str, device: str) -> World | None:
+    """The launch as the environment describes it, checked before any model is loaded.
+
+    Returns None for one plain process (``WORLD_SIZE`` unset), else a World with the rank numbers (engine not yet
+    chosen). Raises LeantuneError: ``--distributed ddp|fsdp`` without a launcher, a malformed torchrun environment,
+    CUDA ranks without CUDA (NCCL needs it) or with ``LOCAL_RANK`` beyond the visible devices.
+    """
+    if requested not in ENGINES:
+        raise LeantuneError(f"--distributed must be one of {', '.join(ENGINES)}, got {requested!r}")
+    if "WORLD_SIZE" not in os.environ:
+        if requested != "auto":
+            raise LeantuneError(f"--distributed {requested} needs a launcher (WORLD_SIZE is unset): run "
+                                f"torchrun --nproc_per_node N -m leantune train --distributed {requested} ...")
+        return None
+    size, rank, local_rank = _env_int("WORLD_SIZE"), _env_int("RANK"), _env_int("LOCAL_RANK")
+    if size < 1 or rank >= size:
+        raise LeantuneError(f"RANK={rank} and WORLD_SIZE={size} in the environment do not fit together")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise LeantuneError("--device cuda across processes uses NCCL, which needs CUDA, and no CUDA device is "
+                                "visible; use --device cpu (gloo) or a machine with GPUs")
+        if local_rank >= torch.cuda.device_count():
+            raise LeantuneError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA device(s) are "
+                                f"visible: launch at most {torch.cuda.device_count()} processes per node")
+    return World(rank=rank, size=size, local_rank=local_rank)
+
+
+def init(world: World, device: str) -> str:
+    """Join the ``env://`` rendezvous (NCCL on CUDA, gloo on CPU); returns this rank's device string."""
+    if device == "cuda":
+        torch.cuda.set_device(world.local_rank)
+        device = f"cuda:{world.local_rank}"
+        dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=torch.device(device))
+    else:
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def frozen_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters that do not require grad (the frozen base weights)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+
+
+def choose_engine(requested: str, world: World, model: torch.nn.Module, device: str) -> World:
+    """``world`` with its engine and the reason: as asked, or for ``auto`` FSDP2 when the frozen weights would take
+    more than half of one device's memory (room is needed for activations and the optimizer), else DDP."""
+    weights = frozen_bytes(model)
+    if requested != "auto":
+        reason = f"--distributed {requested}"
+        engine = requested
+    elif device.startswith("cuda"):
+        capacity = torch.cuda.get_device_properties(world.local_rank).total_memory
+        engine = "fsdp" if weights > capacity / 2 else "ddp"
+        relation = "more" if engine == "fsdp" else "no more"
+        reason = (f"--distributed auto: the frozen weights ({weights / 2**30:.1f} GiB) take {relation} than half of "
+                  f"one device's {capacity / 2**30:.1f} GiB")
+    else:
+        engine, reason = "ddp", "--distributed auto: CPU processes replicate the model (DDP)"
+    return World(world.rank, world.size, world.local_rank, engine, reason)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules whose class the transformers model lists in ``_no_split_modules``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise LeantuneError(f"--distributed fsdp: cannot find the decoder layers of {type(base).__name__} (it names "
+                            "none in _no_split_modules); use --distributed ddp")
+    return layers
+
+
+def wrap(model: torch.nn.Module, world: World, device: str) -> torch.nn.Module:
+    """The model under ``world.engine``: a DDP wrapper, or the same model with FSDP2 applied in place."""
+    if world.engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [torch.device(device).index] if device.startswith("cuda") else None
+        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=False)
+    if world.engine == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(torch.device(device).type, (world.size,))
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (FSDP2 shards in place: the model itself)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, world: World, enabled: bool):
+    """Within the block, gradients are reduced across ranks only if ``enabled`` (the last micro-batch of a step);
+    earlier micro-batches accumulate locally (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``)."""
+    if world.engine == "ddp" and not enabled:
+        with model.no_sync():
+            yield
+    elif world.engine == "fsdp":
+        model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def loss_scale(world: World) -> float:
+    """Factor on a rank's loss before backward: the engines average gradients over ranks, the global token mean
+    sums them."""
+    return float(world.size) if world.distributed else 1.0
+
+
+def all_reduce_sum(values: list[float], world: World, device: str) -> list[float]:
+    """Elementwise sum over ranks of a few numbers, in one collective (float64; exact for token counts)."""
+    if not world.distributed:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def any_rank(flag: bool, world: World, device: str) -> bool:
+    """True on every rank when ``flag`` is true on any (one collective)."""
+    if not world.distributed:
+        return flag
+    return all_reduce_sum([1.0 if flag else 0.0], world, device)[0] > 0
+
+
+def gather_objects(value, world: World) -> list:
+    """``value`` of every rank, in rank order (one collective; small picklable values such as RNG states)."""
+    if not world.distributed:
+        return [value]
+    out = [None] * world.size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()

@@ -1,0 +1,132 @@
+"""One rank of tests/test_distributed_library.py, started by torchrun (gloo, CPU): a patched PEFT model under FSDP2 or
+DDP, driven directly and through HF Trainer + accelerate, against the same model in one plain process.
+
+Usage: torchrun --nproc_per_node 2 distributed_library_worker.py ENGINE OUT_DIR   (ENGINE: fsdp | ddp)
+Each rank writes OUT_DIR/rank{r}.json; a failure is written there too, so the test reports it instead of hanging.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+ROWS, SEQ, VOCAB = 4, 24, 256
+
+
+def build(patched: bool):
+    import peft
+    import transformers
+
+    import leantune
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = peft.get_peft_model(model, lora)
+    if patched:
+        leantune.patch(model)
+    return model
+
+
+def batch():
+    """Rows with very unequal target counts: rank 0's share has 1 + 3 targets, rank 1's dozens."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :] = -100
+    labels[0, 7] = ids[0, 7]
+    labels[1, :-3] = -100
+    return ids, labels
+
+
+def lora_grads(model) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name] = g.detach().double()
+    return out
+
+
+def direct(engine: str, backend: str, rank: int, world: int) -> dict:
+    """Loss and LoRA gradients of the global batch: one plain process vs ``world`` ranks (global token count
+    all-reduced, loss scaled by the world size as the engines average)."""
+    from leantune.train import distributed
+
+    os.environ["LEANTUNE_BACKEND"] = backend
+    ids, labels = batch()
+    reference = build(patched=True)
+    count = (labels[:, 1:] != -100).sum()
+    ref_loss = reference(input_ids=ids, labels=labels, num_items_in_batch=count).loss
+    ref_loss.backward()
+    ref_grads = lora_grads(reference)
+
+    model = build(patched=True)
+    w = distributed.World(rank=rank, size=world, engine=engine)
+    wrapped = distributed.wrap(model, w, "cpu")
+    share = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    local = int((labels[share, 1:] != -100).sum())
+    total = int(distributed.all_reduce_sum([local], w, "cpu")[0])
+    loss = wrapped(input_ids=ids[share], labels=labels[share], num_items_in_batch=torch.tensor(total)).loss
+    (loss * distributed.loss_scale(w)).backward()
+    global_loss = distributed.all_reduce_sum([loss.item()], w, "cpu")[0]
+    grads = lora_grads(model)
+    errors = {name: ((grads[name] - ref).norm() / ref.norm()).item() for name, ref in ref_grads.items()}
+    dtensor = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    return {"loss": global_loss, "ref_loss": ref_loss.item(), "local_targets": local, "grad_errors": errors,
+            "missing_grads": sorted(set(ref_grads) - set(grads)), "dtensor": dtensor}
+
+
+def trainer(engine: str, patched: bool) -> dict:
+    """Three steps of HF Trainer (accelerate's FSDP2 or DDP), batch 2 x accumulation 2 per rank."""
+    from transformers import Trainer, TrainingArguments
+
+    model = build(patched)
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for _ in range(16):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    options = dict(output_dir=os.path.join(sys.argv[2], "trainer"), per_device_train_batch_size=2,
+                   gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to=[],
+                   use_cpu=True, save_strategy="no", seed=0, data_seed=0, dataloader_drop_last=True)
+    if engine == "fsdp":
+        options.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2,
+                                                       "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    run = Trainer(model=model, args=TrainingArguments(**options), train_dataset=rows)
+    run.train()
+    sharded = any(type(p).__name__ == "DTensor" for p in run.model_wrapped.parameters())
+    wrapper = type(run.model_wrapped).__name__
+    losses = [h["loss"] for h in run.state.log_history if "loss" in h]
+    norms = [h["grad_norm"] for h in run.state.log_history if "grad_norm" in h]
+    return {"losses": losses, "grad_norms": norms, "dtensor": sharded, "wrapper": wrapper}
+
+
+def main() -> None:
+    engine, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    result = {}
+    try:
+        for backend in ("torch", "triton"):
+            result[f"direct_{backend}"] = direct(engine, backend, rank, world)
+        os.environ["LEANTUNE_BACKEND"] = "torch"
+        result["trainer_unpatched"] = trainer(engine, patched=False)
+        result["trainer_patched"] = trainer(engine, patched=True)
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if "error" in result:
+        os._exit(1)  # a peer may be waiting in a collective: end now, torchrun ends the rest
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
