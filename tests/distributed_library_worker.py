@@ -1,5 +1,10 @@
 """One rank of tests/test_distributed_library.py, started by torchrun (gloo, CPU): a patched PEFT model under FSDP2 or
-DDP, driven directly and through HF Trainer + accelerate, against the same model in one plain process.
+DDP, driven directly, through accelerate's FSDP2 preparation, and through HF Trainer (DDP), against the same model
+unpatched or in one plain process.
+
+accelerate turns FSDP on only for GPU process groups, so on CPU its FSDP2 path is driven through its own
+``fsdp2_prepare_model`` (what ``Accelerator.prepare`` calls for ``fsdp_version: 2``) with a plain loop; HF Trainer
+runs the DDP launch.
 
 Usage: torchrun --nproc_per_node 2 distributed_library_worker.py ENGINE OUT_DIR   (ENGINE: fsdp | ddp)
 Each rank writes OUT_DIR/rank{r}.json; a failure is written there too, so the test reports it instead of hanging.
@@ -82,8 +87,8 @@ def direct(engine: str, backend: str, rank: int, world: int) -> dict:
             "missing_grads": sorted(set(ref_grads) - set(grads)), "dtensor": dtensor}
 
 
-def trainer(engine: str, patched: bool) -> dict:
-    """Three steps of HF Trainer (accelerate's FSDP2 or DDP), batch 2 x accumulation 2 per rank."""
+def trainer(patched: bool) -> dict:
+    """Three steps of HF Trainer under DDP, batch 2 x accumulation 2 per rank."""
     from transformers import Trainer, TrainingArguments
 
     model = build(patched)
@@ -95,9 +100,6 @@ def trainer(engine: str, patched: bool) -> dict:
     options = dict(output_dir=os.path.join(sys.argv[2], "trainer"), per_device_train_batch_size=2,
                    gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to=[],
                    use_cpu=True, save_strategy="no", seed=0, data_seed=0, dataloader_drop_last=True)
-    if engine == "fsdp":
-        options.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2,
-                                                       "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     run = Trainer(model=model, args=TrainingArguments(**options), train_dataset=rows)
     run.train()
     sharded = any(type(p).__name__ == "DTensor" for p in run.model_wrapped.parameters())
@@ -105,6 +107,32 @@ def trainer(engine: str, patched: bool) -> dict:
     losses = [h["loss"] for h in run.state.log_history if "loss" in h]
     norms = [h["grad_norm"] for h in run.state.log_history if "grad_norm" in h]
     return {"losses": losses, "grad_norms": norms, "dtensor": sharded, "wrapper": wrapper}
+
+
+def accelerate_fsdp2(accelerator, patched: bool) -> dict:
+    """Three AdamW steps of a model prepared by accelerate's FSDP2 code (transformer-based wrap of the decoder
+    layers, reshard after forward), each rank on its own rows."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    model = fsdp2_prepare_model(accelerator, build(patched))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    g = torch.Generator().manual_seed(3 + dist.get_rank())
+    losses, norms = [], []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e9)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
+    return {"losses": losses, "grad_norms": norms, "dtensor": sharded > 0, "wrapper": type(model).__name__}
 
 
 def main() -> None:
@@ -117,8 +145,15 @@ def main() -> None:
         for backend in ("torch", "triton"):
             result[f"direct_{backend}"] = direct(engine, backend, rank, world)
         os.environ["LEANTUNE_BACKEND"] = "torch"
-        result["trainer_unpatched"] = trainer(engine, patched=False)
-        result["trainer_patched"] = trainer(engine, patched=True)
+        if engine == "fsdp":
+            from accelerate import Accelerator
+
+            accelerator = Accelerator(cpu=True)
+            result["unpatched"] = accelerate_fsdp2(accelerator, patched=False)
+            result["patched"] = accelerate_fsdp2(accelerator, patched=True)
+        else:
+            result["unpatched"] = trainer(patched=False)
+            result["patched"] = trainer(patched=True)
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         result["error"] = traceback.format_exc()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

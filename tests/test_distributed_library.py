@@ -2,7 +2,8 @@
 
 One torchrun launch per engine serves every case of this module (distributed_library_worker.py): the ranks' share
 of a batch with very unequal target counts gives the loss and LoRA gradients of one plain process on the whole batch
-(both backends), and HF Trainer with accelerate's FSDP2 or DDP trains a patched model with the unpatched one's losses.
+(both backends); accelerate's FSDP2 preparation (FSDP launch) and HF Trainer (DDP launch) train a patched model with
+the unpatched one's losses and gradient norms.
 """
 
 import json
@@ -21,7 +22,7 @@ def launch(worker: str, args: list[str], out: Path, nproc: int = 2, timeout: int
     """Run ``worker`` under torchrun with ``nproc`` gloo ranks; returns each rank's JSON."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     env.pop("LEANTUNE_BACKEND", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(HERE / worker), *args, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     results = []
@@ -54,13 +55,12 @@ def test_ranks_match_one_process_with_unequal_targets(ranks, backend):
         assert worst <= 1e-5, (engine, backend, worst)
 
 
-def test_trainer_trains_patched_model_with_unpatched_losses(ranks):
+def test_accelerate_and_trainer_train_patched_model_with_unpatched_losses(ranks):
     engine, results = ranks
     main = results[0]
-    patched, unpatched = main["trainer_patched"], main["trainer_unpatched"]
+    patched, unpatched = main["patched"], main["unpatched"]
     assert patched["dtensor"] == (engine == "fsdp")  # accelerate really sharded it (FSDP2 keeps DTensor params)
-    if engine == "ddp":
-        assert patched["wrapper"] == "DistributedDataParallel"
+    assert patched["wrapper"] == ("FSDPPeftModel" if engine == "fsdp" else "DistributedDataParallel")
     assert len(patched["losses"]) == len(unpatched["losses"]) == 3
     for ours, theirs in zip(patched["losses"], unpatched["losses"]):
         assert abs(ours - theirs) <= 1e-5 * abs(theirs)
