@@ -66,7 +66,8 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
         if kind is bool:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
-            metavar = "on|off" if field.name in ("gradient_checkpointing", "patch") else field.name.upper()
+            metavar = {"gradient_checkpointing": "on|off", "patch": "on|off",
+                       "distributed": "auto|ddp|fsdp"}.get(field.name, field.name.upper())
             parser.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_text)
 
 
@@ -145,7 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
     from .errors import LeantuneError
+
+    # peft imports bitsandbytes when it is installed (the test extra); on CPUs with AVX512-BF16 it warns at import
+    # that an optional kernel download is unavailable, which says nothing about a leantune run
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
     try:
         args = build_parser().parse_args(argv)  # imports torch (the bench options): a second in which Ctrl-C may come

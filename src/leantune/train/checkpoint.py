@@ -66,6 +66,15 @@ def adapter_state(model) -> dict:
             get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False).items()}
 
 
+def save_adapter(model, folder: Path, world: World = World()) -> None:
+    """The adapter as PEFT's folder (``save_pretrained``), written from whole tensors: every rank calls it (the
+    tensors are gathered), rank 0 writes."""
+    state = get_model_state_dict(model, options=_FULL)
+    if world.main:
+        model.save_pretrained(folder, state_dict=state, save_embedding_layers=False)
+    barrier(world)
+
+
 def _peft_names(model) -> dict:
     """PEFT's key of each trainable parameter -> the parameter's name in ``model``, by PEFT's own renaming."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]

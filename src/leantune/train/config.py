@@ -66,6 +66,9 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "seed for init, data order and dropout"})
     patch: str = field(default="on", metadata={"help": "on|off: apply leantune.patch (the Triton/fused ops)"})
     device: str | None = field(default=None, metadata={"help": "cpu or cuda"})
+    distributed: str = field(default="auto", metadata={"help": "auto|ddp|fsdp: the engine when launched by torchrun "
+                             "(WORLD_SIZE set; --batch-size is per process); auto: FSDP2 when the frozen weights "
+                             "take more than half of one device, else DDP"})
 
     def validate(self) -> None:
         """Raise LeantuneError for values no run can use (types are checked by ``make_config``)."""
@@ -112,6 +115,8 @@ class TrainConfig:
             raise LeantuneError("--resume and --overwrite exclude each other")
         if self.device not in (None, "cpu", "cuda"):
             raise LeantuneError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.distributed not in ("auto", "ddp", "fsdp"):
+            raise LeantuneError(f"--distributed must be auto, ddp or fsdp, got {self.distributed!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -107,20 +107,50 @@ def check_launch(requested: str, device: str) -> World | None:
     return World(rank=rank, size=size, local_rank=local_rank)
 
 
+_OWNED = []  # the process group leantune created (a caller's own group is left to the caller)
+
+
 def init(world: World, device: str) -> str:
-    """Join the ``env://`` rendezvous (NCCL on CUDA, gloo on CPU); returns this rank's device string."""
+    """Join the ``env://`` rendezvous (NCCL on CUDA, gloo on CPU) unless the caller already did; returns this rank's
+    device string."""
     if device == "cuda":
         torch.cuda.set_device(world.local_rank)
         device = f"cuda:{world.local_rank}"
+    if dist.is_initialized():
+        if dist.get_world_size() != world.size or dist.get_rank() != world.rank:
+            raise LeantuneError(f"a process group of {dist.get_world_size()} ranks already exists, but the "
+                                f"environment says rank {world.rank} of {world.size}")
+        return device
+    if device.startswith("cuda"):
         dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=torch.device(device))
     else:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    _OWNED.append(dist.group.WORLD)
     return device
 
 
 def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
+    """Destroy the process group :func:`init` created (none other)."""
+    if _OWNED and dist.is_initialized():
+        _OWNED.clear()
         dist.destroy_process_group()
+
+
+def on_main(decide):
+    """``decide()`` run by rank 0 alone, its result (or its LeantuneError) on every rank, so that decisions about
+    the output folder are made once; plain ``decide()`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return decide()
+    outcome = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [decide(), None]
+        except LeantuneError as exc:
+            outcome = [None, str(exc)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise LeantuneError(outcome[1])
+    return outcome[0]
 
 
 def frozen_bytes(model: torch.nn.Module) -> int:

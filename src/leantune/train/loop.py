@@ -12,8 +12,17 @@ Gradient accumulation: the K micro-batches of a step share one divisor, the numb
 step (``num_items_in_batch`` at the model boundary), so the summed micro-batch losses are the token mean over the
 step and the gradients equal those of one batch K times larger (``accumulate_gradients``).
 
-Data order: step s of epoch e = s // steps_per_epoch takes rows ``perm_e[i*B*K:(i+1)*B*K]`` of a permutation seeded
-with ``seed + e``, so the data position is the step number and a resumed run sees exactly the rows it would have.
+Data order: step s of epoch e = s // steps_per_epoch takes rows ``perm_e[i*B*K*W:(i+1)*B*K*W]`` of a permutation
+seeded with ``seed + e`` (W processes, 1 without a launcher), so the data position is the step number and a resumed
+run sees exactly the rows it would have. Rank r takes the r-th B*K of them: the same seed gives the same global
+batches for every world size W with the same B*K*W.
+
+Several processes (``distributed``, under torchrun): the step's target count is summed over ranks before the first
+micro-batch, so every target token of the global step weighs the same whichever rank holds it; the engine (DDP or
+FSDP2) reduces the gradients on the last micro-batch only. Rank 0 alone prints, writes the run's files and plots;
+every rank takes part in checkpoints (the state is gathered) and evaluates the whole eval split (an FSDP2 forward is
+collective, so every rank runs the same forwards). A stop by Ctrl-C / SIGTERM is agreed on after each step, so all
+ranks save the same checkpoint and stop together.
 
 Reproducibility: on CPU (fp32) a run, and a run resumed from any checkpoint, ends with bit-identical weights for the
 same thread count. On CUDA, bf16 results are reproducible up to the run-to-run noise of atomic adds (weight-gradient
@@ -26,6 +35,7 @@ from __future__ import annotations
 import math
 import resource
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +45,11 @@ from tqdm.auto import tqdm
 
 from ..errors import LeantuneError
 from ..patch import is_patched
-from . import checkpoint, run_folder
+from . import checkpoint, distributed, run_folder
 from .config import TrainConfig
 from .data import PackedData, chitchat_path, load_dataset
-from .metrics import MetricsLog, plot_losses, say, to_json
+from .distributed import World
+from .metrics import MetricsLog, plot_losses, say, speak, to_json
 from .model import load_model, load_tokenizer, resolve_model, wrap_lora
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
 
@@ -46,19 +57,24 @@ from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
 # One step
 
 
-def accumulate_gradients(model, micro_batches: list[PackedData], device: str) -> float:
-    """Forward and backward every micro-batch, each loss divided by the step's total target tokens.
+def accumulate_gradients(model, micro_batches: list[PackedData], device: str, world: World = World()) -> float:
+    """Forward and backward every micro-batch, each loss divided by the global step's total target tokens.
 
-    Gradients accumulate in ``.grad``; returns the step's mean loss per target token (the sum of the micro losses).
-    With K micro-batches of B rows this equals one batch of K*B rows (loss and gradients; tested).
+    Gradients accumulate in ``.grad``; returns this process's share of the step's mean loss per target token (the
+    sum of its micro losses; summed over ranks it is the global step's mean). With K micro-batches of B rows on W
+    ranks this equals one batch of K*B*W rows (loss and gradients; tested). Several processes: one all-reduce of
+    the target count, gradients reduced by the engine on the last micro-batch only.
     """
-    num_items = sum(batch.num_targets() for batch in micro_batches)
+    local = sum(batch.num_targets() for batch in micro_batches)
+    num_items = int(distributed.all_reduce_sum([local], world, device)[0])
     num_items_t = torch.tensor(max(num_items, 1), device=device)
+    scale = distributed.loss_scale(world)  # the engines average over ranks; the token mean sums
     total = 0.0
-    for batch in micro_batches:
-        loss = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                     labels=batch.labels.to(device), num_items_in_batch=num_items_t, use_cache=False).loss
-        loss.backward()
+    for k, batch in enumerate(micro_batches):
+        with distributed.gradient_sync(model, world, enabled=k == len(micro_batches) - 1):
+            loss = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                         labels=batch.labels.to(device), num_items_in_batch=num_items_t, use_cache=False).loss
+            (loss * scale if scale != 1.0 else loss).backward()
         total += loss.item()
     return total
 
@@ -141,6 +157,8 @@ class _Run:
     start_step: int = 0
     train_tokens: int = 0
     train_seconds: float = 0.0
+    world: World = World()
+    wrapped: object = None  # what the forward runs: the DDP wrapper, else ``model`` itself (FSDP2 shards in place)
 
 
 def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunResult:
@@ -157,8 +175,8 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
             try:
                 run = _prepare(config)
                 _claim(run, replaced)
-                stopped = _fit(run, progress, on_step)
-                return stopped if stopped is not None else _finish(run, replaced)
+                stopped = _fit(run, progress and run.world.main, on_step)
+                result = stopped if stopped is not None else _finish(run, replaced)
             except BaseException:
                 with SignalsDeferred():
                     if replaced and not run_folder.new_run_has_checkpoint(output, *replaced[0]):
@@ -166,36 +184,52 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
                 raise
     finally:
         run_folder.release_lock(output)
+        speak(True)
+    distributed.barrier(run.world)  # rank 0 has released the folder when any rank returns
+    distributed.shutdown()  # after a normal end only: a failing rank exits at once and torchrun ends the others
+    return result
 
 
 def _prepare(config: TrainConfig) -> _Run:
     """Every check and load of the run; nothing in the output folder is written or removed."""
     output = Path(config.output)
-    resume_from = run_folder.check_output(config)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    launch = distributed.check_launch(config.distributed, device)
     if device == "cuda" and not torch.cuda.is_available():
         raise LeantuneError("--device cuda: no CUDA device is available")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    size = launch.size if launch is not None else 1
+    if launch is not None:
+        speak(launch.main)
+        device = distributed.init(launch, device)
+    resume_from = distributed.on_main(lambda: run_folder.check_output(config))
 
     kind, model_path = resolve_model(config.model)
     tokenizer = load_tokenizer(kind, model_path)
     data_path = Path(config.data) if config.data else chitchat_path()
-    resumed = run_folder.check_resume(config, output, model_path, data_path) if resume_from is not None else None
+    resumed = (distributed.on_main(lambda: run_folder.check_resume(config, output, model_path, data_path))
+               if resume_from is not None else None)
     train_data, eval_data, data_info = load_dataset(data_path, tokenizer, config.seq_len, config.eval_size,
                                                     config.seed, config.max_examples)
-    rows_per_step = config.batch_size * config.grad_accum
+    rows_per_step = config.batch_size * config.grad_accum * size
     steps_per_epoch = len(train_data) // rows_per_step
     if steps_per_epoch == 0:
+        processes = f" x {size} processes" if size > 1 else ""
         raise LeantuneError(f"the training split has {len(train_data)} sequences of {config.seq_len} tokens, fewer "
-                            f"than one step's --batch-size x --grad-accum = {rows_per_step}")
+                            f"than one step's --batch-size x --grad-accum{processes} = {rows_per_step}")
     total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, round(0.05 * total_steps))
     if resumed is not None:
         run_folder.check_resume_steps(resumed, resume_from, total_steps)
+        if resumed.get("world_size", 1) != size:  # the global batch, the ranks' RNG states: another run
+            raise LeantuneError(f"--resume: this run has {size} process(es), the run being resumed had "
+                                f"{resumed.get('world_size', 1)}; resume with the same number (its global batch and "
+                                "per-rank RNG states depend on it) or start a new --output")
     run = _Run(config, output, resume_from, device, dtype, kind, model_path, data_path, tokenizer, train_data,
                eval_data, data_info, total_steps, warmup)
 
-    model = load_model(kind, model_path, dtype, device, config.seed)
+    # several CUDA processes load on the CPU: FSDP2 moves only each rank's shard to its device
+    model = load_model(kind, model_path, dtype, "cpu" if launch is not None else device, config.seed)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise LeantuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                             f"{model.get_input_embeddings().num_embeddings}")
@@ -205,9 +239,18 @@ def _prepare(config: TrainConfig) -> _Run:
             f"(max_position_embeddings = {context}); positions beyond it were never trained")
     run.model = wrap_lora(model, config)
     run.model.train()
+    run.wrapped = run.model
+    if launch is not None:
+        run.world = distributed.choose_engine(config.distributed, launch, run.model, device)
+        if run.world.engine == "ddp":
+            run.model.to(device)
+        run.wrapped = distributed.wrap(run.model, run.world, device)
+        say(f"leantune: {run.world.size} processes, {run.world.engine.upper()} ({run.world.reason}); global batch "
+            f"{rows_per_step} sequences = --batch-size {config.batch_size} x --grad-accum {config.grad_accum} x "
+            f"{run.world.size}")
     params = [p for p in run.model.parameters() if p.requires_grad]
     run.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
-                                      fused=device == "cuda")
+                                      fused=device.startswith("cuda") and run.world.engine != "fsdp")
     run.scheduler = cosine_schedule(run.optimizer, total_steps, warmup, config.min_lr_ratio)
     return run
 
@@ -215,47 +258,52 @@ def _prepare(config: TrainConfig) -> _Run:
 def _claim(run: _Run, replaced: list) -> None:
     """Everything the user could get wrong has been checked: from here on the output folder is this run's. A fresh
     run sets aside leantune's own files (check_output allowed it: --overwrite or an incomplete run), never others."""
-    config, output = run.config, run.output
-    output.mkdir(parents=True, exist_ok=True)
-    run_folder.acquire_lock(output)
-    if run.resume_from is None:
-        run_folder.check_output(config)  # another run may have finished here while this one loaded: decide again
-        run_folder.set_aside(output, replaced)
-    for partial in (output / checkpoint.CHECKPOINTS).glob(".tmp-*"):  # a save cut short by a kill
-        shutil.rmtree(partial, ignore_errors=True)
-    info = run.data_info
-    if info["truncated"]:
-        say(f"leantune: warning: {info['truncated']} of {info['examples']} examples were longer than --seq-len "
-            f"{config.seq_len} and were truncated")
-    # absolute paths: export and --resume may run from another working directory
-    run_info = {"tool": "leantune", "config": config.to_dict(), "model_kind": run.kind,
-                "model_path": str(run.model_path.resolve()), "data_path": str(run.data_path.resolve()),
-                "data": info, "device": run.device, "dtype": str(run.dtype), "total_steps": run.total_steps,
-                "warmup_steps": run.warmup}
-    (output / "run.json").write_text(to_json(run_info, indent=2))
+    config, output, world = run.config, run.output, run.world
+    if world.main:  # the other ranks never write in the folder
+        output.mkdir(parents=True, exist_ok=True)
+        run_folder.acquire_lock(output)
+        if run.resume_from is None:
+            run_folder.check_output(config)  # another run may have finished here while this one loaded: decide again
+            run_folder.set_aside(output, replaced)
+        for partial in (output / checkpoint.CHECKPOINTS).glob(".tmp-*"):  # a save cut short by a kill
+            shutil.rmtree(partial, ignore_errors=True)
+        info = run.data_info
+        if info["truncated"]:
+            say(f"leantune: warning: {info['truncated']} of {info['examples']} examples were longer than --seq-len "
+                f"{config.seq_len} and were truncated")
+        # absolute paths: export and --resume may run from another working directory
+        run_info = {"tool": "leantune", "config": config.to_dict(), "model_kind": run.kind,
+                    "model_path": str(run.model_path.resolve()), "data_path": str(run.data_path.resolve()),
+                    "data": info, "device": run.device, "dtype": str(run.dtype), "total_steps": run.total_steps,
+                    "warmup_steps": run.warmup, "world_size": world.size, "engine": world.engine}
+        (output / "run.json").write_text(to_json(run_info, indent=2))
+        run.metrics = MetricsLog(output / "metrics.jsonl")
+    distributed.barrier(world)  # the folder is claimed before any rank goes on
 
-    run.metrics = MetricsLog(output / "metrics.jsonl")
     if run.resume_from is not None:
-        state = checkpoint.load_checkpoint(run.resume_from, run.model, run.optimizer, run.scheduler)
+        state = checkpoint.load_checkpoint(run.resume_from, run.model, run.optimizer, run.scheduler, world)
         run.start_step = state["step"]
-        run.metrics.truncate(state["metrics_lines"])
+        if world.main:
+            run.metrics.truncate(state["metrics_lines"])
         say(f"leantune: resuming from {run.resume_from} (step {run.start_step} of {run.total_steps})")
     else:
-        run.metrics.reset()
-        torch.manual_seed(config.seed)
-    if run.device == "cuda":
+        if world.main:
+            run.metrics.reset()
+        torch.manual_seed(config.seed + world.rank)  # ranks draw independent dropout masks; rank 0 as one process
+    if run.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
 
 
 def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
     """The optimizer steps from ``run.start_step``; returns the result of a run stopped by a signal (after its
     checkpoint), None when every step ran."""
-    config, model, device, metrics = run.config, run.model, run.device, run.metrics
+    config, model, device, metrics, world = run.config, run.model, run.device, run.metrics, run.world
     params = [p for p in model.parameters() if p.requires_grad]
-    rows_per_step = config.batch_size * config.grad_accum
+    local_rows = config.batch_size * config.grad_accum
     if run.start_step == 0:
-        metrics.log({"type": "eval", "step": 0, "eval_loss": evaluate(model, run.eval_data, config.batch_size,
-                                                                      device)})
+        eval_loss = evaluate(model, run.eval_data, config.batch_size, device)
+        if world.main:
+            metrics.log({"type": "eval", "step": 0, "eval_loss": eval_loss})
     diverged = False
     bar = tqdm(total=run.total_steps, initial=run.start_step, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
@@ -263,25 +311,28 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
     with GracefulInterrupt() as interrupt:
         for step in range(run.start_step, run.total_steps):
             t0 = time.perf_counter()
-            rows = step_rows(step, len(run.train_data), rows_per_step, config.seed)
+            rows = step_rows(step, len(run.train_data), local_rows * world.size, config.seed)
+            rows = rows[world.rank * local_rows:(world.rank + 1) * local_rows]  # this rank's share
             micro_batches = [run.train_data.select(rows[k * config.batch_size:(k + 1) * config.batch_size])
                              for k in range(config.grad_accum)]
-            loss = accumulate_gradients(model, micro_batches, device)
-            grad_norm = (torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm).item()
-                         if config.max_grad_norm > 0 else float("nan"))
+            loss = accumulate_gradients(run.wrapped, micro_batches, device, world)
+            grad_norm = _clip(params, config.max_grad_norm)
             lr = run.scheduler.get_last_lr()[0]
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
-            if device == "cuda":
+            tokens = sum(b.input_ids.numel() for b in micro_batches)
+            loss, tokens = distributed.all_reduce_sum([loss, tokens], world, device)  # the global step's
+            tokens = int(tokens)
+            if device.startswith("cuda"):
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            tokens = sum(b.input_ids.numel() for b in micro_batches)
             run.train_tokens += tokens
             run.train_seconds += seconds
             done = step + 1
-            metrics.log({"type": "train", "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                         "tokens": tokens, "tokens_per_s": tokens / seconds})
+            if world.main:
+                metrics.log({"type": "train", "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                             "tokens": tokens, "tokens_per_s": tokens / seconds})
             if not math.isfinite(loss) and not diverged:
                 diverged = True
                 say(f"leantune: warning: the training loss became non-finite ({loss}) at step {done}; the run "
@@ -290,15 +341,19 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
             if config.eval_every and done % config.eval_every == 0 and done < run.total_steps:
                 eval_loss = evaluate(model, run.eval_data, config.batch_size, device)
-                metrics.log({"type": "eval", "step": done, "eval_loss": eval_loss})
+                if world.main:
+                    metrics.log({"type": "eval", "step": done, "eval_loss": eval_loss})
                 say(f"step {done}: eval loss {eval_loss:.4f}")
             if on_step is not None:
                 on_step(done)
-            if interrupt.requested:
-                checkpoint.save_checkpoint(run.output, done, model, run.optimizer, run.scheduler, metrics.lines)
+            lines = metrics.lines if world.main else 0
+            if distributed.any_rank(interrupt.requested, world, device):  # every rank stops after the same step
+                interrupt.requested = True
+                interrupt.signum = interrupt.signum or signal.SIGTERM  # a peer's signal (torchrun forwards SIGTERM)
+                checkpoint.save_checkpoint(run.output, done, model, run.optimizer, run.scheduler, lines, world)
                 break
             if config.save_every and done % config.save_every == 0 and done < run.total_steps:
-                checkpoint.save_checkpoint(run.output, done, model, run.optimizer, run.scheduler, metrics.lines)
+                checkpoint.save_checkpoint(run.output, done, model, run.optimizer, run.scheduler, lines, world)
     bar.close()
     if not interrupt.requested:
         return None
@@ -310,14 +365,17 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
 
 def _finish(run: _Run, replaced: list) -> RunResult:
     """The last checkpoint, the final eval, the adapter and the run's summary; then the replaced run goes."""
-    config, output, model, total_steps = run.config, run.output, run.model, run.total_steps
+    config, output, model, total_steps, world = run.config, run.output, run.model, run.total_steps, run.world
     # the last step saved before the final eval (a kill during it loses no step); a first Ctrl-C / SIGTERM from here
     # on lets the run finish its eval and files, a second aborts
     with GracefulInterrupt():
-        checkpoint.save_checkpoint(output, total_steps, model, run.optimizer, run.scheduler, run.metrics.lines)
+        lines = run.metrics.lines if world.main else 0
+        checkpoint.save_checkpoint(output, total_steps, model, run.optimizer, run.scheduler, lines, world)
         final_eval = evaluate(model, run.eval_data, config.batch_size, run.device)
+        checkpoint.save_adapter(model, output / "adapter", world)
+        if not world.main:
+            return RunResult({"steps": total_steps, "final_eval_loss": final_eval}, output=output, model=model)
         run.metrics.log({"type": "eval", "step": total_steps, "eval_loss": final_eval})
-        model.save_pretrained(output / "adapter", save_embedding_layers=False)
         run.tokenizer.save_pretrained(output / "tokenizer")
     records = run.metrics.read()
     evals = [r for r in records if r["type"] == "eval"]
@@ -326,8 +384,12 @@ def _finish(run: _Run, replaced: list) -> RunResult:
         "initial_eval_loss": evals[0]["eval_loss"],
         "final_eval_loss": final_eval,
         "tokens_per_s": run.train_tokens / run.train_seconds if run.train_seconds else None,
+        "world_size": world.size,
+        "engine": world.engine,
+        "global_batch": config.batch_size * config.grad_accum * world.size,
         "peak_memory_gib": _peak_memory_gib(run.device),
-        "peak_memory_kind": "torch.cuda.max_memory_allocated" if run.device == "cuda" else "process peak RSS",
+        "peak_memory_kind": ("torch.cuda.max_memory_allocated (rank 0)" if run.device.startswith("cuda")
+                             else "process peak RSS (rank 0)" if world.distributed else "process peak RSS"),
         "train_tokens_this_session": run.train_tokens,
         "train_seconds_this_session": run.train_seconds,
         "device": run.device,
@@ -352,7 +414,15 @@ def _loss_text(loss: float | None) -> str:
     return f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "non-finite"
 
 
+def _clip(params: list, max_norm: float) -> float:
+    """Clip the global gradient norm (over every rank's shard under FSDP2); returns it (NaN when off)."""
+    if max_norm <= 0:
+        return float("nan")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def _peak_memory_gib(device: str) -> float:
-    if device == "cuda":
+    if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB; process peak RSS

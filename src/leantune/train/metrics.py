@@ -14,10 +14,19 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+_SPEAKS = True  # False on every rank but 0 of a multi-process run
+
+
+def speak(enabled: bool) -> None:
+    """Whether :func:`say` prints in this process (a multi-process run lets rank 0 alone speak)."""
+    global _SPEAKS
+    _SPEAKS = enabled
+
 
 def say(message: str) -> None:
-    """A status or warning line on stderr that does not break the progress bar."""
-    tqdm.write(message, file=sys.stderr)
+    """A status or warning line on stderr that does not break the progress bar (rank 0 only)."""
+    if _SPEAKS:
+        tqdm.write(message, file=sys.stderr)
 
 
 def one_line(exc: BaseException) -> str:

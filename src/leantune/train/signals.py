@@ -2,6 +2,8 @@
 
 - During training steps (``GracefulInterrupt``): the first signal lets the current step finish, saves a checkpoint
   and stops (the CLI exits 128 + the signal's number: 130, 143); a second one raises :class:`Aborted` at once.
+  Under a launcher (torchrun sets ``WORLD_SIZE``) a Ctrl-C reaches each rank twice, from the terminal and forwarded
+  by torchrun, so the same signal again within ``ECHO_SECONDS`` counts as the first.
 - While a command writes files (``TerminateAborts``): SIGTERM raises :class:`Aborted` as Ctrl-C raises
   KeyboardInterrupt, so the command's cleanup runs (a replaced run put back, a half-written export removed) instead
   of the process dying mid-write.
@@ -16,8 +18,10 @@ one installed from C, which Python cannot reinstall).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 from .metrics import say
 
@@ -50,6 +54,9 @@ class _SignalHandlers:
         return False
 
 
+ECHO_SECONDS = 2.0  # a launcher forwards the terminal's signal within milliseconds; a person needs longer
+
+
 class GracefulInterrupt(_SignalHandlers):
     """First Ctrl-C or SIGTERM (``docker stop``, a scheduler's preemption): ``requested`` is set and the loop
     finishes the current step, saves a checkpoint and stops. A second one: :class:`Aborted`."""
@@ -57,12 +64,17 @@ class GracefulInterrupt(_SignalHandlers):
     def __enter__(self):
         self.requested = False
         self.signum = None  # the first signal, for the exit status (128 + signum, as a shell reports it)
+        self._first_at = 0.0
         return super().__enter__()
 
     def _handle(self, signum, frame):
         if self.requested:
+            echo = ("WORLD_SIZE" in os.environ and signum == self.signum
+                    and time.monotonic() - self._first_at < ECHO_SECONDS)
+            if echo:
+                return
             raise Aborted(signum)
-        self.requested, self.signum = True, signum
+        self.requested, self.signum, self._first_at = True, signum, time.monotonic()
         say(f"leantune: {signal.Signals(signum).name}: finishing the current step (or the final eval) and saving "
             "(again to abort)")
 

@@ -1,0 +1,147 @@
+"""`leantune train` under torchrun (gloo, 2 CPU processes) with DDP and FSDP2 against one plain process.
+
+One launch serves the module (distributed_train_worker.py): per engine a whole run, a run stopped after step 2 by a
+SIGTERM that only rank 0 receives, and its ``--resume``; then a run in which rank 1 fails. The reference is the same
+global batch in this process: --batch-size 2 x --grad-accum 2 against 2 ranks x --batch-size 2 x --grad-accum 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from reference import assert_close
+from safetensors.torch import load_file
+from test_train import write_chat_jsonl, write_tiny_model
+
+from leantune.errors import LeantuneError
+from leantune.train import distributed
+from leantune.train.config import make_config
+from leantune.train.loop import train
+
+HERE = Path(__file__).parent
+ENGINES = ["ddp", "fsdp"]
+LAUNCH_TIMEOUT = 600  # seconds; the launch takes ~20 s on 2 idle cores
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed-train")
+    model, data = write_tiny_model(root / "model"), write_chat_jsonl(root / "chat.jsonl")
+    out = root / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("LEANTUNE_BACKEND", "WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(HERE / "distributed_train_worker.py"), str(model), str(data), str(out)],
+                          env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    sys.path.insert(0, str(HERE))
+    from distributed_train_worker import settings  # the same settings, one process, the whole global batch
+
+    reference = train(settings(str(model), str(data), str(out / "reference"), "auto", grad_accum=2), progress=False)
+    return {"out": out, "ranks": ranks, "proc": proc, "seconds": time.monotonic() - start,
+            "reference": reference}
+
+
+def records(folder: Path, kind: str) -> list[dict]:
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+
+def adapter(folder: Path) -> dict:
+    return load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_ranks_train_as_one_process_with_the_whole_batch(runs, engine):
+    folder, ref = runs["out"] / f"{engine}-whole", runs["out"] / "reference"
+    ours, theirs = records(folder, "train"), records(ref, "train")
+    assert [r["step"] for r in ours] == [1, 2, 3, 4]  # rank 0 alone wrote the metrics
+    for a, b in zip(ours, theirs):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(b["grad_norm"]), (a, b)
+        assert a["tokens"] == b["tokens"]  # the global step's tokens
+    for a, b in zip(records(folder, "eval"), records(ref, "eval")):
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * abs(b["eval_loss"])
+    ref_weights, weights = adapter(ref), adapter(folder)
+    assert weights.keys() == ref_weights.keys() and weights
+    for name in ref_weights:
+        assert_close(name, weights[name], ref_weights[name], torch.float32)
+    summary = runs["ranks"][0][f"{engine}-whole"]["summary"]
+    assert (summary["world_size"], summary["engine"], summary["global_batch"]) == (2, engine, 4)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_signal_to_one_rank_stops_every_rank_and_resume_equals_the_whole_run(runs, engine):
+    for rank in runs["ranks"]:  # rank 1 got no signal: it stopped because rank 0 did, after the same step
+        assert rank[f"{engine}-stopped"] == {"interrupted": True, "signal": signal.SIGTERM, "steps": 2}
+        assert rank[f"{engine}-resumed"]["interrupted"] is False
+    resumed, whole = runs["out"] / f"{engine}-resumed", runs["out"] / f"{engine}-whole"
+    assert [r["step"] for r in records(resumed, "train")] == [1, 2, 3, 4]
+    for name, ref in adapter(whole).items():
+        assert_close(name, adapter(resumed)[name], ref, torch.float32)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_adapter_of_a_distributed_run_is_a_plain_peft_folder(runs, engine):
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = runs["out"] / f"{engine}-whole"
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(runs["out"].parent / "model"))
+    model = PeftModel.from_pretrained(base, folder / "adapter")
+    loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
+    for name, tensor in adapter(folder).items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_a_failing_rank_ends_every_rank_with_its_message(runs):
+    proc = runs["proc"]
+    assert proc.returncode != 0
+    assert "injected failure on rank 1 at step 2" in proc.stderr
+    assert all(rank["fault"] == "started" for rank in runs["ranks"])  # no rank went on after the failure
+    assert runs["seconds"] < LAUNCH_TIMEOUT
+
+
+def test_launch_errors_are_one_line_before_anything_loads(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.check_launch("auto", "cpu") is None  # no launcher: one plain process, as always
+    with pytest.raises(LeantuneError, match="--distributed fsdp needs a launcher"):
+        distributed.check_launch("fsdp", "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(LeantuneError, match="LOCAL_RANK='x'"):
+        distributed.check_launch("ddp", "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.check_launch("ddp", "cpu") == distributed.World(rank=1, size=2, local_rank=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(LeantuneError, match="NCCL, which needs CUDA"):
+            distributed.check_launch("ddp", "cuda")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(LeantuneError, match="do not fit together"):
+        distributed.check_launch("ddp", "cpu")
+    with pytest.raises(LeantuneError, match="--distributed must be one of"):
+        distributed.check_launch("zero3", "cpu")
+
+
+def test_resuming_with_another_world_size_is_refused(runs):
+    folder = runs["out"] / "ddp-whole"
+    config = make_config(flag_values=dict(model=str(runs["out"].parent / "model" / "config.json"),
+                                          data=str(runs["out"].parent / "chat.jsonl"), output=str(folder),
+                                          seq_len=64, batch_size=2, grad_accum=1, max_steps=4, lr=3e-3,
+                                          warmup_steps=1, eval_every=2, eval_size=4, save_every=0, seed=0, lora_r=4,
+                                          device="cpu", resume=True))
+    with pytest.raises(LeantuneError, match="this run has 1 process"):
+        train(config, progress=False)
