@@ -294,3 +294,19 @@ def test_quantize_model_errors_leave_it_unchanged():
         leantune.quantize(model, "fp4")
     with pytest.raises(ValueError, match=r"quantize needs a Hugging Face causal LM with get_decoder\(\), got Linear"):
         leantune.quantize(torch.nn.Linear(64, 64), "nf4")
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.skipif(not ON_GPU, reason="bitsandbytes' CUDA kernels and the Triton kernel on the card")
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(14336, 4096), (4096, 4096), (72, 96)])
+def test_cuda_dequantize_bit_exact_with_bitsandbytes_cuda(shape, dtype, monkeypatch):
+    """A weight quantised by bitsandbytes on the GPU, dequantised by its CUDA kernel and by ours (Triton), bit for
+    bit, at Llama-3-8B projection sizes."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    w = (torch.randn(shape, device="cuda") * 0.02).to(dtype)
+    packed, state = bnb_quantize(w)
+    ours = dequantize_nf4(NF4Weight.from_bnb(packed, state), dtype=dtype)
+    theirs = bnb_functional.dequantize_4bit(packed, state)
+    assert ours.dtype == theirs.dtype == dtype and ours.shape == theirs.shape
+    assert torch.equal(ours, theirs), (ours != theirs).sum().item()

@@ -31,7 +31,7 @@ CHILD = "leantune.bench.step"  # the child of `bench e2e` and `bench max-context
 GRAPH_MAX_MS = 20.0
 # The cases of `bench ops` (the keys of op_cases.CASES, which imports torch): named here for the CLI's --help.
 OP_NAMES = ("rms_norm", "rope", "swiglu", "cross_entropy", "linear_cross_entropy", "linear_cross_entropy_low",
-            "linear_cross_entropy_512m", "lora_mlp", "lora_mlp_bf16", "lora_qkv", "lora_qkv_bf16")
+            "linear_cross_entropy_512m", "lora_mlp", "lora_mlp_bf16", "lora_qkv", "lora_qkv_bf16", "nf4_dequant")
 
 
 class BenchError(LeantuneError):

@@ -27,6 +27,7 @@ class Case:
     flops: float = 0.0
     impls: dict[str, Callable] = dataclasses.field(default_factory=dict)
     params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # weights and adapters: not activations
+    backward: bool = True  # False: a forward-only op (NF4 dequantisation), timed without a backward
 
 
 def _liger(name: str):
@@ -228,6 +229,33 @@ def case_lora_qkv(n=4096, h=4096, hq=32, hk=8, d=128, r=16, adapter_dtype=torch.
     return case
 
 
+def case_nf4_dequant(rows=14336, cols=4096) -> Case:
+    """NF4 -> bf16 dequantisation of one Llama-3-8B MLP weight into a reusable workspace (forward only); the peer is
+    bitsandbytes' CUDA kernel writing into its own workspace. Floor: 0.5 B of codes read and 2 B written per weight
+    (the absmax codes and nested scales add 1/64 + 4/16384 B)."""
+    from leantune.ops import NF4Weight, dequantize_nf4
+
+    weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
+    n = weight.numel()
+    case = Case("nf4_dequant", f"{rows}x{cols} -> bf16", [], None, bytes=n * (0.5 + 2 + 1 / 64), backward=False)
+    try:
+        import bitsandbytes.functional as bnb
+    except ImportError:
+        bnb = None
+    if bnb is not None:
+        packed, state = bnb.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+        nf4 = NF4Weight.from_bnb(packed, state)
+        theirs = torch.empty_like(weight)
+        case.impls["bitsandbytes"] = lambda: bnb.dequantize_4bit(packed, state, out=theirs)
+    else:
+        from leantune.ops import quantize_nf4
+
+        nf4 = quantize_nf4(weight)
+    ours = torch.empty_like(weight)
+    case.impls = {"leantune": lambda: dequantize_nf4(nf4, out=ours), **case.impls}
+    return case
+
+
 CASES = {
     "rms_norm": case_rms_norm,
     "rope": case_rope,
@@ -240,5 +268,6 @@ CASES = {
     "lora_mlp_bf16": lambda: case_lora_mlp(adapter_dtype=torch.bfloat16),
     "lora_qkv": case_lora_qkv,
     "lora_qkv_bf16": lambda: case_lora_qkv(adapter_dtype=torch.bfloat16),
+    "nf4_dequant": case_nf4_dequant,
 }
 

@@ -7,7 +7,7 @@ timings taken in turns over the implementations (``ROUNDS``: the host's speed dr
 (device-to-device copy, read + write bytes) and the bf16 matmul ceiling (8192^3) are measured in the same run, and each
 op is judged against its floor ``max(minimal bytes / copy rate, FLOPs / matmul rate)``. Extra peak memory is
 ``max_memory_allocated`` during one call minus what was allocated before it (inputs and gradient outputs), so parameter
-gradients count.
+gradients count. A forward-only op (``nf4_dequant``) is timed the same way without the backward.
 
 A second time, ``graph ms``, replays the same fwd+bwd captured once in a CUDA graph (also through ``do_bench``, with
 its L2 flush): the device time without the host. When the host issues kernels slower than the GPU runs them (small
@@ -40,8 +40,11 @@ from .report import ops_markdown
 
 
 # ---------------------------------------------------------------------------------------------------------- harness
-def _fwd_bwd(fn: Callable, leaves: list[torch.Tensor], grad_outputs) -> Callable[[], None]:
+def _fwd_bwd(fn: Callable, leaves: list[torch.Tensor], grad_outputs, backward: bool = True) -> Callable[[], None]:
     def call():
+        if not backward:
+            fn(*leaves)
+            return
         for t in leaves:
             t.grad = None
         out = fn(*leaves)
@@ -58,7 +61,8 @@ def harness_ms(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500
     """Median ms of fwd+bwd through ``do_bench`` (the timing harness), grads cleared after."""
     from triton.testing import do_bench
 
-    ms = do_bench(_fwd_bwd(fn, case.leaves, case.grad_outputs), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    call = _fwd_bwd(fn, case.leaves, case.grad_outputs, case.backward)
+    ms = do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     for t in case.leaves:
         t.grad = None
     return ms
@@ -66,7 +70,7 @@ def harness_ms(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500
 
 def time_and_peak(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) -> tuple[float, float]:
     """(median ms of fwd+bwd, extra peak GiB over what was allocated before the call)."""
-    call = _fwd_bwd(fn, case.leaves, case.grad_outputs)
+    call = _fwd_bwd(fn, case.leaves, case.grad_outputs, case.backward)
     call()  # compile / autotune outside the measurement
     for t in case.leaves:
         t.grad = None
@@ -97,6 +101,8 @@ def graph_ms(fn: Callable, case: Case, warmup_ms: int = 100, rep_ms: int = 500) 
     def call():  # autograd.grad, not .backward(): no AccumulateGrad, whose stream (the leaves') breaks capture
         out = fn(*leaves)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if not case.backward:
+            return
         if case.grad_outputs is None:
             torch.autograd.grad(outs[0], leaves, allow_unused=True)
         else:

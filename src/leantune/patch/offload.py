@@ -108,6 +108,13 @@ class HostBuffer:
     last_use: torch.cuda.Event | None = None
 
 
+def _empty_host_cache() -> None:
+    """Return torch's cached pinned blocks to the system (the call exists in torch >= 2.9; older ones keep them)."""
+    empty = getattr(getattr(torch.accelerator, "memory", None), "empty_host_cache", None)
+    if empty is not None:
+        empty()
+
+
 class HostPool:
     """Host buffers keyed by (shape, dtype), allocated once and handed out again after each saved input is freed.
 
@@ -159,7 +166,7 @@ class HostPool:
             if self.owned[key] == 0:
                 del self.owned[key]
         if pinned:  # torch caches freed pinned blocks; give them back so MemAvailable sees them
-            torch.accelerator.memory.empty_host_cache()
+            _empty_host_cache()
 
     def buffers(self) -> list[torch.Tensor]:
         """The idle buffers (tests compare their storage across steps)."""
@@ -175,7 +182,7 @@ class HostPool:
         self.free.clear()
         self.owned.clear()
         if had_pinned:
-            torch.accelerator.memory.empty_host_cache()
+            _empty_host_cache()
 
 
 # -------------------------------------------------------------------------------------------------- saved inputs
