@@ -11,7 +11,8 @@ What one run measures (one implementation x one model x seq x batch x gradient c
   non-reentrant with ``enable_input_require_grads``.
 - implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
   model is built; skipped with a note when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
-  ``get_peft_model``).
+  ``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory) and
+  ``leantune+offload+tiled`` (also the MLP over 4096-token tiles); the last two need checkpointing.
 - the optimizer state is created up front (one AdamW step with lr 0 on zero gradients), so every step, even the
   first, holds steady-state memory; then ``warmup`` steps, then ``steps`` timed steps (each CUDA-synchronised;
   the same token batch every step).
@@ -39,7 +40,8 @@ from pathlib import Path
 from .flops import frozen_weight_bytes, hardware_flops_per_token, matmul_params, model_flops_per_token
 from .harness import BenchError, GiB, environment, load_config, measure_ceilings, model_name
 
-IMPLS = ("hf+peft", "hf+peft+liger", "leantune")
+IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled")
+TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -105,10 +107,14 @@ def build(spec: RunSpec):
                                              lora_dropout=0.0, init_lora_weights=False, bias="none",
                                              task_type="CAUSAL_LM"))
     seeded_init(model, spec.seed + 1, trainable_only=True)
-    if spec.impl == "leantune":
+    if spec.impl.startswith("leantune"):
         import leantune
 
-        leantune.patch(model)
+        offload = "offload" in spec.impl
+        if offload and not spec.gc:
+            raise Skip("offloaded checkpoints need gradient checkpointing (--gc on)")
+        leantune.patch(model, offload_checkpoints=offload,
+                       tile_mlp=TILE_TOKENS if spec.impl.endswith("tiled") else None)
     model.train()  # HF checkpoints only in training mode
     return model, config
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The device-machine checks behind benchmarks/RESULTS.md, one part per argument, each bounded in time. From the repo
+# root on the device machine (inputs: `.venv/bin/python benchmarks/make_gpu_inputs.py` here, carry .gpu and .whl):
+#   bash benchmarks/gpu_checks.sh tests fsdp1 nf4 e2e-offload max-context-offload
+# Every part writes under $OUT and prints a short table last.
+set -uo pipefail
+source benchmarks/gpu_env.sh
+
+part_tests() {  # the GPU cases of the ops that moved or changed, offload's CUDA path, NF4 against bitsandbytes' CUDA
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/test_lora.py tests/test_lora_glu.py \
+    tests/test_linear_cross_entropy.py tests/test_cross_entropy.py tests/test_autograd_contract.py \
+    tests/test_offload.py tests/test_nf4.py tests/test_tiled_mlp.py > "$OUT/pytest.log" 2>&1
+  echo "pytest exit $?"; grep -E "passed|failed" "$OUT/pytest.log" | tail -3; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head
+}
+
+part_fsdp1() {  # FSDP2 at world size 1 vs the plain run: same losses, tokens/s and peak (Llama-3.2-1B shape)
+  local args="--model .gpu/llama32-1b/config.json --data .gpu/chitchat.json --max-steps 12 --seq-len 4096
+    --batch-size 1 --eval-every 0 --eval-size 4 --save-every 0 --max-examples 1500 --gradient-checkpointing on"
+  timeout 150 python3 -m leantune train $args --output /tmp/plain > "$OUT/plain.log" 2>&1; echo "plain exit $?"
+  timeout 150 torchrun --standalone --nproc_per_node 1 -m leantune train $args --distributed fsdp --output /tmp/fsdp1 \
+    > "$OUT/fsdp1.log" 2>&1; echo "fsdp1 exit $?"
+  cp /tmp/plain/metrics.jsonl "$OUT/plain-metrics.jsonl"; cp /tmp/fsdp1/metrics.jsonl "$OUT/fsdp1-metrics.jsonl"
+  python3 - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+rows = {k: [json.loads(l) for l in open(f"{out}/{k}-metrics.jsonl")] for k in ("plain", "fsdp1")}
+summ = {k: json.load(open(f"/tmp/{k}/summary.json")) for k in ("plain", "fsdp1")}
+p, f = ([r for r in rows[k] if r["type"] == "train"] for k in ("plain", "fsdp1"))
+worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(f, p))
+print("| run | first loss | last loss | worst rel loss diff | tokens/s (steps 3-12) | peak GiB |")
+for k, r in (("plain", p), ("fsdp1", f)):
+    tps = sum(x["tokens"] for x in r[2:]) / sum(x["tokens"] / x["tokens_per_s"] for x in r[2:])
+    print(f"| {k} | {r[0]['loss']:.5f} | {r[-1]['loss']:.5f} | {worst if k == 'fsdp1' else 0:.2e} | {tps:,.0f} | "
+          f"{summ[k]['peak_memory_gib']:.2f} |")
+EOF
+}
+
+part_nf4() {  # dequantisation against its floor and bitsandbytes' CUDA kernel
+  timeout 120 python3 -m leantune bench ops --ops nf4_dequant --out "$OUT/nf4" > "$OUT/nf4.log" 2>&1
+  echo "nf4 exit $?"; tail -8 "$OUT/nf4.log"
+}
+
+part_e2e_offload() {  # 8B, 4096 x 1, checkpointing on: leantune with and without offload (and tiling)
+  timeout 330 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 6 \
+    --impls leantune,leantune+offload,leantune+offload+tiled --budget-s 320 --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
+  echo "e2e exit $?"; tail -12 "$OUT/e2e.log"
+}
+
+part_max_context_offload() {  # one probe: does 393,216 tokens train with offload + tiling?
+  timeout 560 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 393216 --batch 1 --gc on --steps 1 \
+    --warmup 0 --impls leantune+offload+tiled --matmul-tflops 700 --budget-s 550 --out "$OUT/ctx" > "$OUT/ctx.log" 2>&1
+  echo "ctx exit $?"; tail -8 "$OUT/ctx.log"
+}
+
+for part in "$@"; do
+  echo "== $part ($(left) s left)"
+  "part_${part//-/_}"
+done
