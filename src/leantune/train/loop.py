@@ -228,8 +228,10 @@ def _prepare(config: TrainConfig) -> _Run:
     run = _Run(config, output, resume_from, device, dtype, kind, model_path, data_path, tokenizer, train_data,
                eval_data, data_info, total_steps, warmup)
 
-    # several CUDA processes load on the CPU: FSDP2 moves only each rank's shard to its device
-    model = load_model(kind, model_path, dtype, "cpu" if launch is not None else device, config.seed)
+    # several processes load stored weights on the CPU (FSDP2 moves only each rank's shard to its device); a random
+    # init (a bare config.json) is drawn on the device itself, so it equals the one-process run's draw
+    where = "cpu" if launch is not None and kind != "config" else device
+    model = load_model(kind, model_path, dtype, where, config.seed)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise LeantuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                             f"{model.get_input_embeddings().num_embeddings}")
