@@ -13,6 +13,18 @@ part_tests() {  # the GPU cases of the ops that moved or changed, offload's CUDA
   echo "pytest exit $?"; grep -E "passed|failed" "$OUT/pytest.log" | tail -3; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head
 }
 
+part_tests_changed() {  # the GPU cases this session added or whose kernels changed, most important first
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_nf4.py tests/test_offload.py -k cuda \
+    > "$OUT/pytest-new.log" 2>&1; echo "pytest (nf4, offload) exit $?"; tail -2 "$OUT/pytest-new.log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_cross_entropy.py tests/test_cross_entropy.py \
+    tests/test_autograd_contract.py -k "vocabulary or chunk_count or softcap or contract" > "$OUT/pytest-loss.log" 2>&1
+  echo "pytest (loss, contract) exit $?"; tail -2 "$OUT/pytest-loss.log"; grep -E "^FAILED|^ERROR" "$OUT"/pytest-*.log | head
+}
+
+part_nf4_sweep() {
+  timeout 90 python3 benchmarks/nf4_sweep.py > "$OUT/nf4_sweep.md" 2>&1; echo "sweep exit $?"; cat "$OUT/nf4_sweep.md"
+}
+
 part_fsdp1() {  # FSDP2 at world size 1 vs the plain run: same losses, tokens/s and peak (Llama-3.2-1B shape)
   local args="--model .gpu/llama32-1b/config.json --data .gpu/chitchat.json --max-steps 12 --seq-len 4096
     --batch-size 1 --eval-every 0 --eval-size 4 --save-every 0 --max-examples 1500 --gradient-checkpointing on"
