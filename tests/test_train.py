@@ -360,3 +360,34 @@ def test_a_chitchat_conversation_opened_by_an_empty_turn_starts_with_the_user(tm
     assert all(r["messages"][0]["role"] == "user" for r in embedded)
     documents, _ = build_documents(embedded[:: max(1, len(embedded) // 200)], tokenizer, 256)
     assert documents
+
+
+def test_offloaded_checkpoints_and_tiled_mlp_train_as_plain_checkpointing(tiny, tmp_path, monkeypatch):
+    """--offload-checkpoints (bit-identical) and --tile-mlp (tiles of 16 tokens: summation order only) give the
+    weights of plain checkpointing; the options are refused where they cannot apply."""
+    import functools
+    import sys
+
+    from leantune.patch.offload import enable_offloaded_checkpoints, offloader_of
+
+    patch_module = sys.modules["leantune.patch"]  # the package (leantune.patch is the function)
+    # these layer inputs are 32 KiB, under the 1 MiB default below which inputs stay put: offload them all
+    monkeypatch.setattr(patch_module, "enable_offloaded_checkpoints",
+                        functools.partial(enable_offloaded_checkpoints, min_bytes=0))
+    common = {"max_steps": 3, "eval_every": 0, "patch": "on", "gradient_checkpointing": "on"}
+    plain = train(tiny_config(tiny, tmp_path / "plain", **common), progress=False)
+    lean = train(tiny_config(tiny, tmp_path / "lean", offload_checkpoints=True, tile_mlp=16, **common),
+                 progress=False)
+    assert offloader_of(lean.model).packed > 0
+    ref = load_file(str(tmp_path / "plain" / "adapter" / "adapter_model.safetensors"))
+    ours = load_file(str(tmp_path / "lean" / "adapter" / "adapter_model.safetensors"))
+    assert ref.keys() == ours.keys() and ref
+    for name in ref:
+        close(ours[name], ref[name], name)
+    assert lean.summary["final_eval_loss"] == pytest.approx(plain.summary["final_eval_loss"], rel=1e-5)
+    with pytest.raises(LeantuneError, match="needs --gradient-checkpointing on"):
+        tiny_config(tiny, tmp_path / "x", offload_checkpoints=True)
+    with pytest.raises(LeantuneError, match="--tile-mlp must be >= 1"):
+        tiny_config(tiny, tmp_path / "x", tile_mlp=0)
+    with pytest.raises(LeantuneError, match="need --patch on"):
+        tiny_config(tiny, tmp_path / "x", tile_mlp=8, patch="off")

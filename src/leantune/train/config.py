@@ -66,6 +66,11 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "seed for init, data order and dropout"})
     patch: str = field(default="on", metadata={"help": "on|off: apply leantune.patch (the Triton/fused ops)"})
     device: str | None = field(default=None, metadata={"help": "cpu or cuda"})
+    offload_checkpoints: bool = field(default=False, metadata={"help": "keep each checkpointed layer's input in "
+                                      "pinned host memory between forward and backward (long context; needs "
+                                      "--gradient-checkpointing on)"})
+    tile_mlp: int | None = field(default=None, metadata={"help": "run the MLP over tiles of this many tokens, "
+                                 "recomputed tile by tile (long context)"})
     distributed: str = field(default="auto", metadata={"help": "auto|ddp|fsdp: the engine when launched by torchrun "
                              "(WORLD_SIZE set; --batch-size is per process); auto: FSDP2 when the frozen weights "
                              "take more than half of one device, else DDP"})
@@ -115,6 +120,13 @@ class TrainConfig:
             raise LeantuneError("--resume and --overwrite exclude each other")
         if self.device not in (None, "cpu", "cuda"):
             raise LeantuneError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.offload_checkpoints and self.gradient_checkpointing != "on":
+            raise LeantuneError("--offload-checkpoints keeps the inputs that gradient checkpointing saves: it needs "
+                                "--gradient-checkpointing on")
+        if self.tile_mlp is not None and self.tile_mlp < 1:
+            raise LeantuneError(f"--tile-mlp must be >= 1 (tokens per tile), got {self.tile_mlp}")
+        if (self.offload_checkpoints or self.tile_mlp is not None) and self.patch != "on":
+            raise LeantuneError("--offload-checkpoints and --tile-mlp are part of leantune.patch: they need --patch on")
         if self.distributed not in ("auto", "ddp", "fsdp"):
             raise LeantuneError(f"--distributed must be auto, ddp or fsdp, got {self.distributed!r}")
 
@@ -183,7 +195,8 @@ def coerce(name: str, value, label: str):
 # What --help shows for defaults that are None (resolved at run time).
 NONE_DEFAULTS = {"model": "the embedded SmolLM2-135M-Instruct", "data": "the embedded chitchat dataset",
                  "max_steps": "from --epochs", "warmup_steps": "5%% of the steps, at least 1",
-                 "max_examples": "all", "device": "cuda when available"}
+                 "max_examples": "all", "device": "cuda when available",
+                 "tile_mlp": "off"}
 
 
 def load_toml(path: str | Path) -> dict:

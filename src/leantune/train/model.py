@@ -214,7 +214,7 @@ def wrap_lora(model, config: TrainConfig):
         raise LeantuneError(f"cannot apply LoRA: {str(exc).splitlines()[0]}") from None
     if config.patch == "on":
         try:
-            model = patch(model)
+            model = patch(model, offload_checkpoints=config.offload_checkpoints, tile_mlp=config.tile_mlp)
         except ValueError as exc:  # a family without a patch table still trains, with HF's modules
             say(f"leantune: warning: not patched ({str(exc).splitlines()[0]}); training with HF's modules")
     return model
