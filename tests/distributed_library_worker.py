@@ -83,8 +83,28 @@ def direct(engine: str, backend: str, rank: int, world: int) -> dict:
     grads = lora_grads(model)
     errors = {name: ((grads[name] - ref).norm() / ref.norm()).item() for name, ref in ref_grads.items()}
     dtensor = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    gathers = count_all_gathers(lambda: wrapped(input_ids=ids[share], labels=labels[share],
+                                                num_items_in_batch=torch.tensor(total)))
     return {"loss": global_loss, "ref_loss": ref_loss.item(), "local_targets": local, "grad_errors": errors,
-            "missing_grads": sorted(set(ref_grads) - set(grads)), "dtensor": dtensor}
+            "missing_grads": sorted(set(ref_grads) - set(grads)), "dtensor": dtensor, "gathers": gathers}
+
+
+def count_all_gathers(forward) -> list[list[str]]:
+    """The parameter names of every FSDP2 all-gather during ``forward()`` (empty under DDP)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as groups
+
+    calls, real = [], groups.foreach_all_gather
+
+    def counting(fsdp_params, *args, **kwargs):
+        calls.append([str(p._param_fqn) for p in fsdp_params])
+        return real(fsdp_params, *args, **kwargs)
+
+    groups.foreach_all_gather = counting
+    try:
+        forward()
+    finally:
+        groups.foreach_all_gather = real
+    return calls
 
 
 def trainer(patched: bool) -> dict:

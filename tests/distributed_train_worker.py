@@ -1,6 +1,6 @@
 """One rank of tests/test_train_distributed.py, started once by torchrun (gloo, 2 CPU processes) for the whole module.
 
-Usage: torchrun --standalone --nproc_per_node 2 distributed_train_worker.py MODEL DATA OUT
+Usage: torchrun --standalone --nproc_per_node 2 distributed_train_worker.py MODEL DATA OUT [--launcher-stop]
 For each engine (DDP, FSDP2) it runs ``leantune.train.train`` three times: a whole run, a run stopped after step 2 by
 a SIGTERM that only rank 0 receives, and the ``--resume`` of that run. Then rank 1 fails at step 2 of a last run
 (an injected error): both processes must exit non-zero, rank 1 with its message. Each finished case is recorded in
@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed
@@ -29,9 +30,22 @@ def settings(model: str, data: str, output: str, engine: str, **extra) -> train_
     return train_config.make_config(flag_values=values)
 
 
+def stopped_by_the_launcher(model: str, data: str, out: str, rank: int) -> None:
+    """A slow run that the test ends with SIGTERM to torchrun itself (which forwards it to every rank)."""
+    result = train(settings(model, data, os.path.join(out, "launcher-stop"), "ddp", max_steps=200),
+                   progress=False, on_step=lambda step: time.sleep(0.2))
+    with open(os.path.join(out, f"launcher-rank{rank}.json"), "w") as f:
+        json.dump({"interrupted": result.interrupted, "signal": result.stop_signal,
+                   "steps": result.summary["steps"]}, f)
+    sys.exit(128 + result.stop_signal if result.interrupted else 0)
+
+
 def main() -> None:
     model, data, out = sys.argv[1:4]
     rank = int(os.environ["RANK"])
+    if sys.argv[4:] == ["--launcher-stop"]:
+        torch.set_num_threads(1)
+        return stopped_by_the_launcher(model, data, out, rank)
     # one process group for all runs (a gloo group cannot be rebuilt in the same processes); train() reuses it
     torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)

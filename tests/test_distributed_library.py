@@ -55,6 +55,20 @@ def test_ranks_match_one_process_with_unequal_targets(ranks, backend):
         assert worst <= 1e-5, (engine, backend, worst)
 
 
+def test_fsdp_gathers_lm_head_once_per_forward_and_each_layer_once(ranks):
+    """The fused loss reads the whole lm_head inside the root's forward: one all-gather of the root's parameters per
+    micro-batch forward (not one per loss chunk), one per decoder layer."""
+    engine, results = ranks
+    for r in results:
+        gathers = r["direct_torch"]["gathers"]
+        if engine == "ddp":
+            assert gathers == []
+            continue
+        with_lm_head = [names for names in gathers if any("lm_head" in n for n in names)]
+        assert len(with_lm_head) == 1, gathers
+        assert len(gathers) == 2 + 1  # two decoder layers and the root
+
+
 def test_accelerate_and_trainer_train_patched_model_with_unpatched_losses(ranks):
     engine, results = ranks
     main = results[0]

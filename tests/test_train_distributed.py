@@ -113,6 +113,36 @@ def test_a_failing_rank_ends_every_rank_with_its_message(runs):
     assert runs["seconds"] < LAUNCH_TIMEOUT
 
 
+def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(runs):
+    """SIGTERM to torchrun (a scheduler's preemption): it forwards the signal, every rank finishes its step, the
+    checkpoint is saved once, and each rank exits 143."""
+    out = runs["out"]
+    folder = out / "launcher-stop"
+    env = {k: v for k, v in os.environ.items() if k not in ("LEANTUNE_BACKEND", "WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(HERE / "distributed_train_worker.py"), str(out.parent / "model" / "config.json"),
+                             str(out.parent / "chat.jsonl"), str(out), "--launcher-stop"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = folder / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text().count('"type": "train"') >= 2:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    ranks = [json.loads((out / f"launcher-rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["interrupted"] and r["signal"] == signal.SIGTERM for r in ranks), (ranks, err[-3000:])
+    steps = {r["steps"] for r in ranks}
+    assert len(steps) == 1 and 2 <= steps.pop() < 200  # every rank stopped after the same step
+    saved = sorted((folder / "checkpoints").glob("step-*"))
+    assert [p.name for p in saved] == [f"step-{ranks[0]['steps']:06d}"]
+
+
 def test_launch_errors_are_one_line_before_anything_loads(monkeypatch):
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
