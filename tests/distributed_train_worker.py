@@ -73,6 +73,20 @@ def main() -> None:
         record[f"{engine}-resumed"] = {"interrupted": resumed.interrupted, "summary": resumed.summary}
         save()
 
+    # long-context options under FSDP2: offloaded checkpoints (every layer input, whatever its size) and the tiled
+    # MLP give the weights of the plain FSDP2 run
+    import functools
+
+    from leantune.patch import offload
+
+    patch_package = sys.modules["leantune.patch"]
+    patch_package.enable_offloaded_checkpoints = functools.partial(offload.enable_offloaded_checkpoints, min_bytes=0)
+    result = train(settings(model, data, os.path.join(out, "fsdp-offload-tiled"), "fsdp",
+                            gradient_checkpointing="on", offload_checkpoints=True, tile_mlp=16), progress=False)
+    record["fsdp-offload-tiled"] = {"interrupted": result.interrupted,
+                                    "packed": offload.offloader_of(result.model).packed}
+    save()
+
     def fail_rank1(step):
         if step == 2 and rank == 1:
             raise RuntimeError("injected failure on rank 1 at step 2")

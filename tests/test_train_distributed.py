@@ -105,6 +105,15 @@ def test_the_adapter_of_a_distributed_run_is_a_plain_peft_folder(runs, engine):
         assert torch.equal(loaded[name], tensor), name
 
 
+def test_offloaded_checkpoints_and_tiled_mlp_under_fsdp2_train_as_plain_fsdp2(runs):
+    for rank in runs["ranks"]:
+        case = rank["fsdp-offload-tiled"]
+        assert not case["interrupted"] and case["packed"] > 0  # the layer inputs went to the host
+    ours, ref = adapter(runs["out"] / "fsdp-offload-tiled"), adapter(runs["out"] / "fsdp-whole")
+    for name in ref:
+        assert_close(name, ours[name], ref[name], torch.float32)
+
+
 def test_a_failing_rank_ends_every_rank_with_its_message(runs):
     proc = runs["proc"]
     assert proc.returncode != 0
