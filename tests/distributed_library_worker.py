@@ -61,7 +61,7 @@ def lora_grads(model) -> dict:
 def direct(engine: str, backend: str, rank: int, world: int) -> dict:
     """Loss and LoRA gradients of the global batch: one plain process vs ``world`` ranks (global token count
     all-reduced, loss scaled by the world size as the engines average)."""
-    from leantune.train import distributed
+    from leantune import distributed
 
     os.environ["LEANTUNE_BACKEND"] = backend
     ids, labels = batch()

@@ -21,8 +21,8 @@ from reference import assert_close
 from safetensors.torch import load_file
 from test_train import write_chat_jsonl, write_tiny_model
 
+from leantune import distributed
 from leantune.errors import LeantuneError
-from leantune.train import distributed
 from leantune.train.config import make_config
 from leantune.train.loop import train
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .distributed import World, barrier, gather_objects
+from ..distributed import World, barrier, gather_objects
 
 CHECKPOINTS = "checkpoints"
 

@@ -44,12 +44,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import distributed
+from ..distributed import World
 from ..errors import LeantuneError
 from ..patch import is_patched
-from . import checkpoint, distributed, run_folder
+from . import checkpoint, run_folder
 from .config import TrainConfig
 from .data import PackedData, chitchat_path, load_dataset
-from .distributed import World
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
 from .model import load_model, load_tokenizer, resolve_model, wrap_lora
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts

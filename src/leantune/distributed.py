@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import LeantuneError
+from .errors import LeantuneError
 
 ENGINES = ("auto", "ddp", "fsdp")
 # How long a collective may wait for a peer before it fails: longer than any step or checkpoint save of a sane run,
