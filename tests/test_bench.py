@@ -3,6 +3,7 @@ markdown table, the bisection, the CLI's CPU error, and a dry run of the e2e chi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -762,3 +763,28 @@ def test_check_names_a_device_or_backend_it_cannot_use(capsys, monkeypatch):
     assert cli_main(["check"]) == 0
     out = capsys.readouterr().out
     assert all(f"\n{name} " in out for name in ("lora_linear", "lora_qkv", "lora_mlp")), out  # all nine ops
+
+
+# ------------------------------------------------------------------------------- several processes (gloo dry run)
+def test_child_under_torchrun_on_cpu_reports_the_world(tiny_config, tmp_path):
+    """`bench e2e --nproc 2 --distributed ddp|fsdp` launches each run under torchrun: both engines' runs (gloo, two
+    CPU processes, one launch each) write one result from rank 0 with the world's tokens/s, and agree on the
+    first-step loss (same weights; each rank its own tokens, the same in both launches)."""
+    from leantune.bench.harness import run_child
+
+    results = {}
+    for engine in ("ddp", "fsdp"):
+        spec = RunSpec("leantune", tiny_config, seq=24, batch=2, gc=engine == "fsdp", warmup=0, steps=2,
+                       device="cpu", nproc=2, distributed=engine)
+        out = tmp_path / f"{engine}.json"
+        r = run_child(["--one", json.dumps(dataclasses.asdict(spec))], out, tmp_path / f"{engine}.log", 300,
+                      nproc=2)
+        assert r.get("status") == "ok", (r, (tmp_path / f"{engine}.log").read_text()[-3000:])
+        assert (r["world_size"], r["engine"], r["nproc"]) == (2, engine, 2)
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["first_loss"]) and math.isfinite(r["grad_norm"])
+        assert spec.name.endswith(f"_{engine}2") and out.exists()
+        results[engine] = r
+    assert results["ddp"]["first_loss"] == pytest.approx(results["fsdp"]["first_loss"], rel=1e-5)
+    assert results["ddp"]["grad_norm"] == pytest.approx(results["fsdp"]["grad_norm"], rel=1e-4)
+    with pytest.raises(step.BenchError, match="several processes need"):
+        RunSpec("leantune", tiny_config, seq=24, batch=2, gc=False, nproc=2)

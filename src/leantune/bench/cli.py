@@ -125,10 +125,18 @@ def _bench_e2e(args) -> int:
 
     impls, gcs = _impls(args.impls), _gc_list(args.gc)
     _check_bench_args(args)
+    if args.nproc < 1 or (args.nproc > 1 and args.distributed == "none"):
+        raise LeantuneError(f"--nproc must be >= 1, and above 1 needs --distributed ddp or fsdp (got --nproc "
+                            f"{args.nproc} --distributed {args.distributed})")
     require_cuda()
+    import torch
+
+    if args.distributed != "none" and args.nproc > torch.cuda.device_count():
+        raise LeantuneError(f"--nproc {args.nproc}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     results = run_e2e(_comma(args.configs), impls, gcs, Path(args.out), seq=args.seq, batch=args.batch,
                       warmup=args.warmup, steps=args.steps, seed=args.seed, layers=args.layers,
-                      budget_s=args.budget_s, matmul_tflops=args.matmul_tflops)
+                      budget_s=args.budget_s, matmul_tflops=args.matmul_tflops, nproc=args.nproc,
+                      distributed=args.distributed)
     write_report(Path(args.out), compare_ratios=args.compare)
     return _none_ok([r.get("status") for r in results], args.out)
 
@@ -203,6 +211,10 @@ def add_commands(sub) -> None:
     e2e.add_argument("--warmup", type=int, default=2, help="untimed steps after the agreement step (default: 2)")
     e2e.add_argument("--steps", type=int, default=5, help="timed steps (default: 5)")
     e2e.add_argument("--seed", type=int, default=0, help="seed of weights, adapters and tokens (default: 0)")
+    e2e.add_argument("--nproc", type=int, default=1, help="GPUs per run, one process each, launched by torchrun "
+                     "(needs --distributed; seq x batch is per GPU) (default: 1)")
+    e2e.add_argument("--distributed", default="none", choices=("none", "ddp", "fsdp"),
+                     help="engine of a multi-process run (default: none, one plain process)")
     e2e.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default: the config's)")
     e2e.add_argument("--matmul-tflops", type=float, default=None, metavar="TF",
                      help="bf16 matmul ceiling to use instead of measuring it (default: measured once per call)")

@@ -28,6 +28,7 @@ def get_ceilings(out: Path, budget: Budget, matmul_tflops: float | None) -> dict
 def _attach(result: dict, ceilings: dict) -> dict:
     rate = ceilings.get("matmul_flop_per_s")
     result["matmul_flop_per_s"] = rate
+    rate = rate and rate * result.get("nproc", 1)  # tokens/s is the world's: MFU per GPU
     result["matmul_source"] = ceilings.get("source")
     result["mfu"] = utilization(result.get("tokens_per_s"), result.get("model_flops_per_token"), rate)
     result["hfu"] = utilization(result.get("tokens_per_s"), result.get("hardware_flops_per_token"), rate)
@@ -36,8 +37,11 @@ def _attach(result: dict, ceilings: dict) -> dict:
 
 def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *, seq: int | None = None,
             batch: int | None = None, warmup: int = 2, steps: int = 5, seed: int = 0, layers: int | None = None,
-            budget_s: float = 540.0, matmul_tflops: float | None = None, log=print) -> list[dict]:
-    """Every (config, gc, impl) run in its own child; JSON per run in ``out``; returns the results of this call."""
+            budget_s: float = 540.0, matmul_tflops: float | None = None, nproc: int = 1, distributed: str = "none",
+            log=print) -> list[dict]:
+    """Every (config, gc, impl) run in its own child; JSON per run in ``out``; returns the results of this call.
+    ``distributed`` "ddp" or "fsdp" launches each child under torchrun with ``nproc`` processes (one GPU each;
+    ``seq`` x ``batch`` per GPU; tokens/s global, MFU per GPU, peak of the busiest GPU)."""
     out.mkdir(parents=True, exist_ok=True)
     specs = []
     for config_path in configs:
@@ -46,7 +50,7 @@ def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *,
         for gc in gcs:
             for impl in impls:
                 specs.append(RunSpec(impl, config_path, seq or default_seq, batch or default_batch, gc, warmup,
-                                     steps, seed, layers=layers))
+                                     steps, seed, layers=layers, nproc=nproc, distributed=distributed))
     budget = Budget(budget_s)
     ceilings = get_ceilings(out, budget, matmul_tflops)
     log(f"matmul ceiling: {ceilings.get('matmul_flop_per_s', math.nan) / 1e12:.0f} TFLOP/s "
@@ -58,7 +62,8 @@ def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *,
             continue
         path = out / f"{spec.name}.json"
         result = run_child(["--one", json.dumps(dataclasses.asdict(spec))], path, out / f"{spec.name}.log",
-                           budget.left(), keep=False)  # stored below, with the parent's fields
+                           budget.left(), keep=False,  # stored below, with the parent's fields
+                           nproc=spec.nproc if spec.distributed != "none" else None)
         budget.record(result.get("wall_s", 0.0))
         result = _attach({**dataclasses.asdict(spec), "model": model_name(spec.config), "name": spec.name,
                           **result}, ceilings)

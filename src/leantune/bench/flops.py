@@ -53,11 +53,13 @@ def utilization(tokens_per_s: float, flops_per_token: float, matmul_flop_per_s: 
 
 
 def frozen_weight_bytes(model) -> int:
-    """Bytes of the parameters that do not require grad (the frozen base weights), tied storages counted once."""
+    """Bytes of the parameters that do not require grad (the frozen base weights), tied storages counted once;
+    under FSDP2 this rank's shards."""
     seen: dict[int, int] = {}
     for p in model.parameters():
         if not p.requires_grad:
-            seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+            local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 shard: this rank's bytes
+            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
     return sum(seen.values())
 
 

@@ -110,9 +110,10 @@ def child_env() -> dict:
 
 
 def run_child(args: list[str], result: Path, log: Path, timeout_s: float, *, module: str = CHILD,
-              keep: bool = True) -> dict:
+              keep: bool = True, nproc: int | None = None) -> dict:
     """Run ``python -m MODULE ARGS`` (children of ``CHILD`` get ``--result RESULT`` appended) with stdout+stderr
     into ``log``; the JSON it wrote to ``result``, or a status of timeout / crashed (with the log's tail).
+    ``nproc`` launches it under ``torchrun --standalone --nproc_per_node NPROC`` instead (rank 0 writes the JSON).
 
     The child writes beside ``result`` under a hidden temporary name (``RESULT`` in ``args`` is replaced by it),
     moved onto ``result`` (and a ``.md`` it wrote beside it) only when it succeeds: a failing rerun never deletes a
@@ -122,7 +123,8 @@ def run_child(args: list[str], result: Path, log: Path, timeout_s: float, *, mod
     scratch = (fresh, fresh.with_suffix(".md"))
     for path in scratch:  # a killed run's leftovers must not pass for this child's output
         path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", module, *[str(fresh) if a == str(result) else a for a in args]]
+    launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd = [sys.executable, *launcher, "-m", module, *[str(fresh) if a == str(result) else a for a in args]]
     if module == CHILD:
         cmd += ["--result", str(fresh)]
     t0 = time.perf_counter()

@@ -187,8 +187,10 @@ def _impl_rank(impl: str) -> int:
 
 
 def config_key(row: dict) -> tuple:
-    """What makes two rows the same workload: model, layer override, seq, batch, gradient checkpointing."""
-    return (row["model"], row.get("layers"), row["seq"], row["batch"], bool(row["gc"]))
+    """What makes two rows the same workload: model, layer override, seq, batch, gradient checkpointing, and the
+    processes (engine x count) it ran on."""
+    return (row["model"], row.get("layers"), row["seq"], row["batch"], bool(row["gc"]),
+            row.get("distributed", "none"), row.get("nproc", 1))
 
 
 def sort_rows(rows: list[dict]) -> list[dict]:
@@ -204,6 +206,12 @@ def rel_diff(value: float | None, reference: float | None) -> float:
     return abs(value - reference) / abs(reference) if reference else abs(value - reference)
 
 
+def _same_but_gc(a: dict, b: dict) -> bool:
+    """The same workload on the same processes, whatever the checkpointing setting (it does not change the loss)."""
+    ka, kb = config_key(a), config_key(b)
+    return ka[:4] == kb[:4] and ka[5:] == kb[5:]
+
+
 def flag_agreement(rows: list[dict], *, reference: str = BASELINE, loss_rtol: float = LOSS_RTOL,
                    grad_rtol: float = GRAD_RTOL) -> list[dict]:
     """Set ``row["agreement"]`` on every ok row: "reference", "ok", "no reference" or "FLAG: <what>" (a NaN
@@ -216,7 +224,7 @@ def flag_agreement(rows: list[dict], *, reference: str = BASELINE, loss_rtol: fl
         if row["impl"] == reference:
             row["agreement"] = "reference"
             continue
-        same = [r for r in ok if r["impl"] == reference and config_key(r)[:4] == config_key(row)[:4]]
+        same = [r for r in ok if r["impl"] == reference and _same_but_gc(r, row)]
         same.sort(key=lambda r: r["gc"] != row["gc"])  # prefer the same checkpointing setting
         if not same:
             row["agreement"] = "no reference"
@@ -312,7 +320,9 @@ def markdown(rows: list[dict], maxctx: list[dict] | None = None, *, baseline: st
                   "| step ms | first loss | LoRA grad norm | agreement |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {_workload(r)} | {r['seq']} x {r['batch']} | {'on' if r['gc'] else 'off'} | {r['impl']} |"
+        world = "" if r.get("distributed", "none") == "none" else f" x {r['nproc']} GPUs ({r['distributed']})"
+        head = (f"| {_workload(r)} | {r['seq']} x {r['batch']}{world} | {'on' if r['gc'] else 'off'} | "
+                f"{r['impl']} |")
         if r.get("status") != "ok":
             lines.append(f"{head} {r.get('status')}: {table_cell(r.get('error', ''), 80)} | | | | | | | | | |")
             continue
@@ -385,7 +395,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     keys = list(dict.fromkeys(config_key(r) for r in ok))
     impls = sorted({r["impl"] for r in ok}, key=_impl_rank)
     labels = [f"{m}{f' L{layers}' if layers else ''}\n{s}x{b} GC {'on' if gc else 'off'}"
-              for m, layers, s, b, gc in keys]
+              + ("" if engine == "none" else f"\n{n} GPUs {engine}") for m, layers, s, b, gc, engine, n in keys]
     paths = []
     for field, title, name in (("tokens_per_s", "tokens/s (higher is better)", "tokens_per_s.png"),
                                ("peak_gib", "peak GiB (lower is better)", "peak_gib.png")):

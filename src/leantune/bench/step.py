@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,26 +63,35 @@ class RunSpec:
     lora_r: int = 16
     lora_alpha: int = 32
     lr: float = 1e-4
+    nproc: int = 1  # processes (one GPU each) under torchrun when ``distributed`` is set
+    distributed: str = "none"  # "none" (one plain process), "ddp" or "fsdp"
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise BenchError(f"unknown implementation {self.impl!r}; expected one of {', '.join(IMPLS)}")
         if self.seq < 1 or self.batch < 1 or self.steps < 1 or self.warmup < 0:
             raise BenchError("seq, batch and steps must be >= 1 and warmup >= 0")
+        if self.distributed not in ("none", "ddp", "fsdp") or self.nproc < 1:
+            raise BenchError(f"distributed must be none, ddp or fsdp and nproc >= 1, got {self.distributed!r} x "
+                             f"{self.nproc}")
+        if self.nproc > 1 and self.distributed == "none":
+            raise BenchError("several processes need --distributed ddp or fsdp")
 
     @property
     def name(self) -> str:
         layers = f"_L{self.layers}" if self.layers else ""
+        world = "" if self.distributed == "none" else f"_{self.distributed}{self.nproc}"
         return (f"{model_name(self.config)}{layers}_{self.impl}_s{self.seq}_b{self.batch}_gc"
-                f"{'on' if self.gc else 'off'}").replace("+", "-")
+                f"{'on' if self.gc else 'off'}{world}").replace("+", "-")
 
 
 class Skip(Exception):
     """The implementation cannot run here (e.g. Liger not installed): a result with a note, not a failure."""
 
 
-def build(spec: RunSpec):
-    """(model, config): the spec's model on ``spec.device`` in bf16 with LoRA, patched per ``spec.impl``."""
+def build(spec: RunSpec, device: str | None = None):
+    """(model, config): the spec's model on ``device`` (default ``spec.device``) in bf16 with LoRA, patched per
+    ``spec.impl``."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -96,7 +106,7 @@ def build(spec: RunSpec):
             raise Skip(f"Liger's llama patch does not apply to model_type {config.model_type!r}")
         apply_liger_kernel_to_llama()  # module-level: classes swapped before the model is built
     torch.manual_seed(spec.seed)
-    with torch.device(spec.device):
+    with torch.device(device or spec.device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
     model.config.use_cache = False
@@ -141,7 +151,7 @@ def seeded_init(model, seed: int, *, trainable_only: bool, std: float | None = N
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
+    if device.startswith("cuda"):
         import torch
 
         torch.cuda.synchronize()
@@ -151,8 +161,9 @@ def lora_grad_norm(model) -> float:
     """Global L2 norm (float64) of the gradients of every trainable parameter."""
     import torch
 
-    squares = [p.grad.detach().double().pow(2).sum() for p in model.parameters() if p.requires_grad
-               and p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]  # FSDP2 shards (collective)
+    squares = [g.detach().double().pow(2).sum() for g in grads]
     return math.sqrt(float(torch.stack(squares).sum())) if squares else math.nan
 
 
@@ -163,18 +174,30 @@ def run_one(spec: RunSpec) -> dict:
     """
     import torch
 
+    from leantune import distributed
+
     cuda = spec.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise BenchError("this benchmark needs a CUDA GPU")
+    device, world = spec.device, distributed.World()
+    if spec.distributed != "none":  # under torchrun: rank r on cuda:LOCAL_RANK (gloo on the CPU for the tests)
+        world = distributed.check_launch(spec.distributed, spec.device)
+        if world is None or world.size != spec.nproc:
+            raise BenchError(f"--distributed {spec.distributed} runs under torchrun with {spec.nproc} processes")
+        device = distributed.init(world, spec.device)
     t0 = time.perf_counter()
-    model, config = build(spec)
-    g = torch.Generator(device=spec.device).manual_seed(spec.seed + 2)
-    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), generator=g, device=spec.device)
+    model, config = build(spec, device)
+    wrapped = model
+    if world.size > 1 or spec.distributed != "none":
+        world = distributed.choose_engine(spec.distributed, world, model, device)
+        wrapped = distributed.wrap(model, world, device)
+    g = torch.Generator(device=device).manual_seed(spec.seed + 2 + world.rank)  # each rank its own tokens
+    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), generator=g, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec.lr, fused=cuda)
-    _sync(spec.device)
+    optimizer = torch.optim.AdamW(params, lr=spec.lr, fused=cuda and world.engine != "fsdp")
+    _sync(device)
     build_s = time.perf_counter() - t0
-    frozen = frozen_weight_bytes(model)
+    frozen = frozen_weight_bytes(model)  # this rank's share under FSDP2
     # Optimizer state up front (one step with lr 0 on zero gradients: weights unchanged), so that every step, the
     # first included, holds steady-state memory and a one-step max-context probe is a fair test.
     for p in params:
@@ -184,29 +207,32 @@ def run_one(spec: RunSpec) -> dict:
     optimizer.step()
     optimizer.param_groups[0]["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
-    _sync(spec.device)
+    _sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
     step_s = []
     for i in range(spec.warmup + spec.steps):
         optimizer.zero_grad(set_to_none=True)
-        _sync(spec.device)
+        _sync(device)
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = wrapped(input_ids=ids, labels=ids).loss
         loss.backward()
-        _sync(spec.device)
+        _sync(device)
         elapsed = time.perf_counter() - t
         if i == 0:  # the agreement step (untimed part): same seed, weights, tokens in every implementation
-            first_loss, grad_norm = float(loss.detach()), lora_grad_norm(model)
+            first_loss = distributed.all_reduce_sum([float(loss.detach())], world, device)[0] / world.size
+            grad_norm = lora_grad_norm(model)
         t = time.perf_counter()
         optimizer.step()
-        _sync(spec.device)
+        _sync(device)
         if i >= spec.warmup:
             step_s.append(elapsed + time.perf_counter() - t)
-    last_loss = float(loss.detach())
-    tokens_per_s = spec.steps * spec.batch * spec.seq / sum(step_s)
+    last_loss = distributed.all_reduce_sum([float(loss.detach())], world, device)[0] / world.size
+    tokens_per_s = world.size * spec.steps * spec.batch * spec.seq / sum(step_s)  # global, rank 0's clock
     peak = torch.cuda.max_memory_allocated() if cuda else None
+    if peak is not None and world.size > 1:  # the busiest GPU's
+        peak = int(_max_over_ranks(peak, device))
     lora_params = sum(p.numel() for p in params)
     return {
         "status": "ok" if math.isfinite(first_loss) and math.isfinite(last_loss) else "nonfinite",
@@ -218,11 +244,21 @@ def run_one(spec: RunSpec) -> dict:
         "frozen_weight_gib": frozen / GiB,
         "peak_minus_frozen_gib": None if peak is None else (peak - frozen) / GiB,
         "lora_params": lora_params, "matmul_params": matmul_params(config),
+        "world_size": world.size, "engine": world.engine,
         "model_flops_per_token": model_flops_per_token(config, spec.seq),
         "hardware_flops_per_token": hardware_flops_per_token(config, spec.seq, spec.gc),
         "leantune_summary": _summary(model) if spec.impl == "leantune" else None,
         **environment(spec.device),
     }
+
+
+def _max_over_ranks(value: float, device: str) -> float:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
 
 
 def _summary(model):
@@ -271,7 +307,16 @@ def main(argv=None) -> int:
     except BenchError as exc:
         print(f"leantune: error: {exc}", file=sys.stderr)
         return 1
-    Path(args.result).write_text(json.dumps(result, indent=1))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 writes the run's result
+        Path(args.result).write_text(json.dumps(result, indent=1))
+    if "WORLD_SIZE" in os.environ:
+        if result.get("status") not in ("ok", "skipped"):
+            print(f"leantune: rank {os.environ.get('RANK')}: {result.get('status')}: {result.get('error')}",
+                  file=sys.stderr)
+            os._exit(1)  # a peer may wait in a collective: torchrun ends the others
+        from leantune import distributed
+
+        distributed.shutdown()
     return 0
 
 
