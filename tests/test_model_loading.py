@@ -117,3 +117,12 @@ def test_a_model_that_is_not_a_causal_lm_is_named_so(tiny, tmp_path, capsys, arc
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", model=folder))
     assert_error(code, err, f"{folder} is not a causal LM", f"model type {config.model_type!r}", architectures[0])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sequence_length_whose_packed_mask_is_large_warns(tiny, tmp_path, capsys):
+    """Rows of packed documents get transformers' dense [B, 1, S, S] mask: above 1 GiB the run says so up front
+    (here the tiny data then holds no full row, an error that comes after the warning)."""
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--seq-len", "40000", "--batch-size", "1"))
+    assert "packed rows of --seq-len 40000 get a dense attention mask of 1.5 GiB" in err
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out2", "--seq-len", "256"))
+    assert code == 0 and "dense attention mask" not in err

@@ -208,6 +208,12 @@ def _prepare(config: TrainConfig) -> _Run:
         speak(launch.main)
         device = distributed.init(launch, device)
     resume_from = distributed.on_main(lambda: run_folder.check_output(config))
+    mask_gib = config.batch_size * config.seq_len ** 2 / 2**30
+    if mask_gib > 1:  # packed rows restart their positions: transformers masks them with a dense [B, 1, S, S] mask
+        say(f"leantune: warning: packed rows of --seq-len {config.seq_len} get a dense attention mask of "
+            f"{mask_gib:.1f} GiB per micro-batch (transformers' block-diagonal mask for documents packed in a row), "
+            "and attention with a mask does not run the flash kernel: at this length the mask, not the model, "
+            "bounds memory")
 
     kind, model_path = resolve_model(config.model)
     tokenizer = load_tokenizer(kind, model_path)
