@@ -62,6 +62,7 @@ import torch
 
 from .. import _runtime
 from ..glu import ACTIVATIONS, glu_backward, glu_forward
+from ..nf4 import NF4Weight, dequantize_nf4
 from .glu_lowrank import glu_forward_lowrank
 from .passes import Meta, dropout_seeds, group_backward, group_forward
 
@@ -104,6 +105,49 @@ def _no_autocast(device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+# ---------------------------------------------------------------------------------------------- NF4 frozen weights
+# A frozen weight may come as an NF4Weight (QLoRA): the node dequantises it into a reusable workspace right before
+# the frozen GEMM in forward, and again before dX in backward; the 4-bit codes, never the dequantised weight, are
+# what the node keeps (docs/design.md, "NF4 frozen weights").
+_NF4_TENSORS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code")
+_workspaces: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(slot: int, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The buffer that weight ``slot`` of a node is dequantised into: allocated once per (slot, shape, dtype,
+    device) and reused by every later call (the nodes run one after another, in stream order)."""
+    key = (slot, tuple(shape), dtype, device)
+    if key not in _workspaces:
+        _workspaces[key] = _runtime.empty(shape, dtype=dtype, device=device)
+    return _workspaces[key]
+
+
+def _split_nf4(projs):
+    """(the NF4 weights' tensors, in order, for save_for_backward; their other fields per projection index)."""
+    tensors, fields = [], []
+    for j, proj in enumerate(projs):
+        if isinstance(proj.weight, NF4Weight):
+            tensors += [getattr(proj.weight, f) for f in _NF4_TENSORS]
+            fields.append((j, proj.weight.offset, proj.weight.shape, proj.weight.dtype, proj.weight.name))
+    return tensors, fields
+
+
+def _join_nf4(projs, tensors, fields):
+    """``projs`` with the NF4 weights rebuilt from what :func:`_split_nf4` gave."""
+    projs = list(projs)
+    for i, (j, offset, shape, dtype, name) in enumerate(fields):
+        parts = dict(zip(_NF4_TENSORS, tensors[i * len(_NF4_TENSORS):(i + 1) * len(_NF4_TENSORS)]))
+        projs[j] = projs[j]._replace(weight=NF4Weight(offset=offset, shape=shape, dtype=dtype, name=name, **parts))
+    return projs
+
+
+def _dequantized(projs, dtype: torch.dtype, first_slot: int = 0):
+    """``projs`` with every NF4 weight replaced by its dequantised copy in its workspace."""
+    return [proj._replace(weight=dequantize_nf4(proj.weight, out=_workspace(
+        first_slot + j, proj.weight.shape, dtype, proj.weight.device))) if isinstance(proj.weight, NF4Weight)
+        else proj for j, proj in enumerate(projs)]
+
+
 # ------------------------------------------------------------------------------------------------ autograd nodes
 class LoraGroupFunction(torch.autograd.Function):
     """Autograd node of :func:`lora_linear` and :func:`lora_qkv`: projections of one x (4 tensors each).
@@ -118,9 +162,11 @@ class LoraGroupFunction(torch.autograd.Function):
         projs, _ = _Proj.unflatten(tensors, count)
         n_lora = sum(proj.lora_A is not None for proj in projs)
         seeds = dropout_seeds(n_lora, x.device) if meta.p > 0 and n_lora else None
+        nf4_tensors, ctx.nf4 = _split_nf4(projs)
         with _no_autocast(x.device):
-            ys, xas = group_forward(x2d, projs, meta, seeds, 0)
-        ctx.save_for_backward(x2d, seeds, *tensors, *xas)
+            ys, xas = group_forward(x2d, _dequantized(projs, meta.compute_dtype), meta, seeds, 0)
+        plain = [None if isinstance(t, NF4Weight) else t for t in tensors]
+        ctx.save_for_backward(x2d, seeds, *plain, *xas, *nf4_tensors)
         ctx.meta, ctx.count, ctx.x_shape = meta, count, x.shape
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
@@ -128,10 +174,13 @@ class LoraGroupFunction(torch.autograd.Function):
     @_runtime.first_derivative_only
     def backward(ctx, *dys):
         x2d, seeds, *rest = ctx.saved_tensors
-        projs, xas = _Proj.unflatten(rest, ctx.count)
+        n_nf4 = len(ctx.nf4) * len(_NF4_TENSORS)
+        projs, xas = _Proj.unflatten(rest[:len(rest) - n_nf4], ctx.count)
+        projs = _join_nf4(projs, rest[len(rest) - n_nf4:], ctx.nf4)
         need_x, *flags = ctx.needs_input_grad[1:]  # after meta: x, then the projections' tensors
         needs, _ = _Proj.unflatten(flags, ctx.count)
         with _no_autocast(x2d.device):
+            projs = _dequantized(projs, ctx.meta.compute_dtype)
             dx, grads = group_backward(dys, x2d, xas, projs, ctx.meta, seeds, 0, need_x, needs)
         return (None, None if dx is None else dx.view(ctx.x_shape), *_Proj.flatten(grads))
 
@@ -150,17 +199,21 @@ class LoraMLPFunction(torch.autograd.Function):
         # Triton path with adapters on gate and up: their B terms are added inside the GLU pass (one pass over
         # gate/up instead of a low-rank add per projection and then the GLU)
         fuse = meta_gu.impl == "triton" and gate_p.lora_A is not None and up_p.lora_A is not None
+        nf4_tensors, ctx.nf4 = _split_nf4([gate_p, up_p, down_p])
         with _no_autocast(x.device):
-            (gate, up), (xa_g, xa_u) = group_forward(x2d, [gate_p, up_p], meta_gu, seeds, 0, add_lowrank=not fuse)
+            gate_w, up_w = _dequantized([gate_p, up_p], meta_gu.compute_dtype)
+            (gate, up), (xa_g, xa_u) = group_forward(x2d, [gate_w, up_w], meta_gu, seeds, 0, add_lowrank=not fuse)
             if fuse:
                 ldt = meta_gu.lora_dtype
                 h = glu_forward_lowrank(gate, up, xa_g, gate_p.lora_B.to(ldt), meta_gu.scalings[0],
                                         xa_u, up_p.lora_B.to(ldt), meta_gu.scalings[1], activation)
             else:
                 h = glu_forward(gate, up, activation)
-            (y,), (xa_d,) = group_forward(h, [down_p], meta_down, seeds, n_gu_lora)
+            (y,), (xa_d,) = group_forward(h, _dequantized([down_p], meta_down.compute_dtype, first_slot=2), meta_down,
+                                          seeds, n_gu_lora)
         del h  # recomputed in backward
-        ctx.save_for_backward(x2d, gate, up, seeds, *tensors, xa_g, xa_u, xa_d)
+        plain = [None if isinstance(t, NF4Weight) else t for t in tensors]
+        ctx.save_for_backward(x2d, gate, up, seeds, *plain, xa_g, xa_u, xa_d, *nf4_tensors)
         ctx.metas, ctx.activation, ctx.x_shape, ctx.n_gu_lora = (meta_gu, meta_down), activation, x.shape, n_gu_lora
         ctx.used = False
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -173,18 +226,22 @@ class LoraMLPFunction(torch.autograd.Function):
                                "(retain_graph=True is not supported)")
         ctx.used = True
         x2d, gate, up, seeds, *rest = ctx.saved_tensors
-        (gate_p, up_p, down_p), (xa_g, xa_u, xa_d) = _Proj.unflatten(rest, 3)
+        n_nf4 = len(ctx.nf4) * len(_NF4_TENSORS)
+        projs, (xa_g, xa_u, xa_d) = _Proj.unflatten(rest[:len(rest) - n_nf4], 3)
+        gate_p, up_p, down_p = _join_nf4(projs, rest[len(rest) - n_nf4:], ctx.nf4)
         meta_gu, meta_down = ctx.metas
         need_x, *flags = ctx.needs_input_grad[3:]  # after the metas and activation: x, then the projections' tensors
         (gate_needs, up_needs, down_needs), _ = _Proj.unflatten(flags, 3)
         with _no_autocast(x2d.device):
             h = glu_forward(gate, up, ctx.activation)
             # dh is always needed: it feeds gate/up
+            (down_p,) = _dequantized([down_p], meta_down.compute_dtype, first_slot=2)
             dh, (down_grads,) = group_backward([dy], h, [xa_d], [down_p], meta_down, seeds, ctx.n_gu_lora, True,
                                                [down_needs])
             del h
             d_gate, d_up = glu_backward(dh.to(gate.dtype), gate, up, ctx.activation, inplace=True)
             del dh
+            gate_p, up_p = _dequantized([gate_p, up_p], meta_gu.compute_dtype)
             dx, gu_grads = group_backward([d_gate, d_up], x2d, [xa_g, xa_u], [gate_p, up_p], meta_gu, seeds, 0,
                                           need_x, [gate_needs, up_needs])
         return (None, None, None, None if dx is None else dx.view(ctx.x_shape), *_Proj.flatten([*gu_grads, down_grads]))
@@ -200,8 +257,12 @@ def _check_projection(name, proj, in_features, device):
             raise ValueError(f"{name.rstrip('.') or 'the projection'} must be a LoraWeights(weight, lora_A, lora_B, "
                              f"scaling, bias), got {type(proj).__name__}")
     weight, lora_A, lora_B, scaling, bias = proj
-    _runtime.check_tensor(f"{name}weight", weight)
-    if weight.dim() != 2:
+    if isinstance(weight, NF4Weight):  # QLoRA: a 4-bit frozen weight, dequantised inside the node
+        if len(weight.shape) != 2:
+            raise ValueError(f"{name}weight (NF4) must be 2-D [out, in], got shape {weight.shape}")
+    else:
+        _runtime.check_tensor(f"{name}weight", weight)
+    if len(weight.shape) != 2:
         raise ValueError(f"{name}weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
     out_features = weight.shape[0]
     _runtime.check_shape(f"{name}weight", weight, (out_features, in_features), "[out, in] with in = x's last dim")
