@@ -70,7 +70,9 @@ from .passes import Meta, dropout_seeds, group_backward, group_forward
 class LoraWeights(NamedTuple):
     """One projection: frozen ``weight [out, in]``, adapters ``lora_A [r, in]``, ``lora_B [out, r]`` (PEFT layout),
     ``scaling`` (alpha/r, rsLoRA alpha/sqrt(r), ... whatever the caller uses) and ``bias [out]`` or None.
-    ``lora_A = lora_B = None`` is a plain frozen projection."""
+    ``lora_A = lora_B = None`` is a plain frozen projection. ``weight`` may be an :class:`~leantune.ops.NF4Weight`
+    (QLoRA): it is dequantised to its dtype (autocast's under autocast) into a reused workspace before the frozen
+    GEMM, in forward and again in backward, and only its 4-bit codes are kept for backward."""
 
     weight: torch.Tensor
     lora_A: torch.Tensor | None
