@@ -24,6 +24,40 @@ def _peft_lora_linear():
     return Linear
 
 
+@functools.lru_cache(maxsize=1)
+def _peft_lora_linear4bit():
+    """PEFT's LoRA layer over a bitsandbytes ``Linear4bit`` (QLoRA), or None without bitsandbytes."""
+    try:
+        from peft.tuners.lora.bnb import Linear4bit
+    except ImportError:
+        return None
+    return Linear4bit
+
+
+_NF4_CACHE = "_leantune_nf4"  # on a bitsandbytes Linear4bit: (its packed codes' storage, the NF4Weight read from it)
+
+
+def _nf4_base(base) -> tuple[ops.NF4Weight | None, str | None]:
+    """The NF4 weight of a bitsandbytes ``Linear4bit`` base as the fused ops take it (its dtype: the layer's compute
+    dtype), or the reason it cannot be: another quant type or blocksize, no double quantisation, a compute dtype
+    other than the weights' (bitsandbytes casts its output back to the input's dtype), hooks, a trainable bias."""
+    state = getattr(base.weight, "quant_state", None)
+    if state is None or has_hooks(base) or (base.bias is not None and base.bias.requires_grad):
+        return None, f"{type(base).__name__} base without a quant state, with hooks or with a trainable bias"
+    if base.compute_dtype is not None and base.compute_dtype != state.dtype:
+        return None, f"4-bit compute dtype {base.compute_dtype} differs from the weights' {state.dtype}"
+    key = base.weight.data.untyped_storage().data_ptr()
+    cached = base.__dict__.get(_NF4_CACHE)
+    if cached is not None and cached[0] == key:
+        return cached[1], None
+    try:
+        weight = ops.NF4Weight.from_bnb(base.weight.data, state, name=type(base).__name__)
+    except ValueError as exc:
+        return None, f"4-bit weight not in leantune's NF4 layout ({str(exc).splitlines()[0]})"
+    base.__dict__[_NF4_CACHE] = (key, weight)
+    return weight, None
+
+
 
 def has_hooks(module: nn.Module) -> bool:
     """Hooks or an instance-level forward (accelerate, PEFT's mixed-batch ``adapter_names``): bypassing is unsafe."""
@@ -44,10 +78,13 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
     gives ``LoraWeights(weight, None, None, 0.0, bias)``. For a PEFT ``lora.Linear`` this mirrors
     ``peft.tuners.lora.layer.Linear.forward``: one active adapter, not merged, adapters enabled, no variant (DoRA),
     no ``lora_bias``, a frozen ``nn.Linear`` base; scaling, dropout p and the base bias come from PEFT's module.
+    PEFT's ``lora.bnb.Linear4bit`` (a model loaded in 4-bit by transformers / bitsandbytes, QLoRA) is read the same
+    way, its base weight as an :class:`~leantune.ops.NF4Weight` (nf4, blocksize 64, double quantisation).
     """
     if _frozen_linear(module):
         return ops.LoraWeights(module.weight, None, None, 0.0, module.bias), 0.0, False, None
-    if not hasattr(module, "lora_A") or type(module) is not _peft_lora_linear():
+    quantized = _peft_lora_linear4bit() is not None and type(module) is _peft_lora_linear4bit()
+    if not hasattr(module, "lora_A") or (type(module) is not _peft_lora_linear() and not quantized):
         if type(module) is nn.Linear:
             return None, 0.0, False, "trainable or hooked nn.Linear"
         return None, 0.0, False, f"{type(module).__name__} is not a PEFT lora.Linear"
@@ -69,8 +106,14 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
     if has_hooks(module) or has_hooks(lora_A) or has_hooks(lora_B):
         return None, 0.0, False, "forward hooks"
     base = module.base_layer
-    if not _frozen_linear(base):
+    if quantized:  # QLoRA: the base's NF4 codes go to the fused ops, which dequantise them
+        weight, reason = _nf4_base(base)
+        if weight is None:
+            return None, 0.0, False, reason
+    elif not _frozen_linear(base):
         return None, 0.0, False, f"base layer {type(base).__name__} is not a frozen, unhooked nn.Linear"
+    else:
+        weight = base.weight
     dropout = module.lora_dropout[name]
     if isinstance(dropout, nn.Dropout):
         p, training = float(dropout.p), dropout.training
@@ -80,7 +123,7 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
         p, training = 0.0, False
     else:
         return None, 0.0, False, f"dropout {type(dropout).__name__}"
-    weights = ops.LoraWeights(base.weight, lora_A.weight, lora_B.weight, module.scaling[name], base.bias)
+    weights = ops.LoraWeights(weight, lora_A.weight, lora_B.weight, module.scaling[name], base.bias)
     return weights, p, training, None
 
 

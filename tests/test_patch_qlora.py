@@ -1,0 +1,91 @@
+"""leantune.patch on a model loaded in 4-bit by transformers / bitsandbytes (QLoRA: NF4, double quantisation) with
+PEFT LoRA: the fused LoRA ops run on the NF4 codes and give the loss and LoRA gradients of a float64 model built from
+the dequantised weights (fp32 tolerance), on both backends; a 4-bit layer the fused ops cannot reproduce keeps PEFT's
+forward and the summary says why.
+
+PEFT + bitsandbytes itself is no fp32 reference on the CPU: bitsandbytes' CPU 4-bit matmul of this version is off
+from the dequantised weight by about 2e-3 (a bf16-level rounding), so it is compared within a loose bound only."""
+
+import pytest
+import torch
+from reference import assert_close
+
+import leantune
+
+bnb = pytest.importorskip("bitsandbytes")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+VOCAB = 160
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    folder = tmp_path_factory.mktemp("qlora") / "tiny"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def qlora(folder, compute_dtype=torch.float32):
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, device_map="cpu",
+                                                              dtype=torch.float32)
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(model, lora)
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def dequantised_twin(folder, quantised):
+    """The same model in float64 with every 4-bit weight replaced by its dequantised value and the same adapters."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = peft.get_peft_model(model, lora)
+    dense = dict(model.named_modules())
+    with torch.no_grad():
+        for name, module in quantised.named_modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+                dense[name].weight.copy_(weight.double())
+        for name, p in quantised.named_parameters():
+            if p.requires_grad:
+                dict(model.named_parameters())[name].copy_(p.double())
+    return model
+
+
+def test_patched_qlora_model_matches_the_dequantised_model_in_float64(saved_model, backend):
+    ids = torch.randint(0, VOCAB, (2, 24))
+    model = qlora(saved_model)
+    twin = dequantised_twin(saved_model, model)  # before anything runs: bitsandbytes' CPU path may repack weights
+    ref_loss, ref_grads = loss_and_grads(twin, ids)
+    peft_loss, _ = loss_and_grads(qlora(saved_model), ids)
+    leantune.patch(model)
+    summary = model.base_model.model.leantune_summary
+    assert summary["counts"]["lora"] == 2 * 7 and summary["counts"]["lora_mlp"] == 2, summary
+    loss, grads = loss_and_grads(model, ids)
+    assert_close("loss", loss, ref_loss, torch.float32)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, ref in ref_grads.items():
+        assert_close(name, grads[name], ref, torch.float32)
+    assert abs(loss - peft_loss) < 1e-2 * abs(peft_loss)  # PEFT + bitsandbytes on the CPU: bf16-level
+
+
+def test_a_4bit_layer_computing_in_another_dtype_keeps_pefts_forward(saved_model, monkeypatch):
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = qlora(saved_model, compute_dtype=torch.bfloat16)
+    leantune.patch(model)
+    summary = model.base_model.model.leantune_summary
+    assert summary["counts"]["lora"] == 0
+    assert any("compute dtype torch.bfloat16 differs" in why for why in summary["unpatched"].values()), summary
+    ids = torch.randint(0, VOCAB, (1, 16))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
