@@ -89,3 +89,41 @@ def test_a_4bit_layer_computing_in_another_dtype_keeps_pefts_forward(saved_model
     assert any("compute dtype torch.bfloat16 differs" in why for why in summary["unpatched"].values()), summary
     ids = torch.randint(0, VOCAB, (1, 16))
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_leantune_quantize_after_peft_patches_and_matches_the_dequantised_model(saved_model, backend):
+    """leantune.quantize on a PEFT model (QLoRA without bitsandbytes at run time): base layers become NF4Linear, the
+    adapters stay; patched, the loss and LoRA gradients are those of the float64 model with the dequantised weights."""
+    from leantune.quantize import NF4Linear
+
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                       init_lora_weights=False))
+    done = leantune.quantize(model, "nf4")
+    assert done["layers"] == 2 * 7 and done["bytes_after"] < done["bytes_before"] / 3
+    layer = model.base_model.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj.base_layer, NF4Linear)
+    assert type(layer.self_attn.q_proj.lora_A.default) is torch.nn.Linear  # adapters untouched
+    twin = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float64)
+    twin = peft.get_peft_model(twin, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                     init_lora_weights=False))
+    dense = dict(twin.named_modules())
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, NF4Linear):
+                dense[name].weight.copy_(leantune.ops.dequantize_nf4(module.weight_nf4, dtype=torch.float32))
+        params = dict(twin.named_parameters())
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                params[name].copy_(p.double())
+    ids = torch.randint(0, VOCAB, (2, 24))
+    ref_loss, ref_grads = loss_and_grads(twin, ids)
+    peft_loss, _ = loss_and_grads(model, ids)  # PEFT's forward over NF4Linear: the same model, unfused
+    leantune.patch(model)
+    assert model.base_model.model.leantune_summary["counts"]["lora"] == 2 * 7
+    loss, grads = loss_and_grads(model, ids)
+    for name, value in (("loss", loss), ("PEFT loss", peft_loss)):
+        assert_close(name, value, ref_loss, torch.float32)
+    for name, ref in ref_grads.items():
+        assert_close(name, grads[name], ref, torch.float32)

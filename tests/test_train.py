@@ -391,3 +391,27 @@ def test_offloaded_checkpoints_and_tiled_mlp_train_as_plain_checkpointing(tiny, 
         tiny_config(tiny, tmp_path / "x", tile_mlp=0)
     with pytest.raises(LeantuneError, match="need --patch on"):
         tiny_config(tiny, tmp_path / "x", tile_mlp=8, patch="off")
+
+
+def test_qlora_run_trains_on_nf4_and_exports_the_dequantised_base_plus_adapter(tiny, tmp_path):
+    """--quantize nf4: the decoder's frozen linears train in NF4 (the fused ops dequantise them); export merges the
+    adapter into the dequantised base, so the exported model computes what the trained one does."""
+    from transformers import AutoModelForCausalLM
+
+    from leantune.cli import main
+    from leantune.quantize import NF4Linear
+
+    result = train(tiny_config(tiny, tmp_path / "q", max_steps=3, eval_every=0, patch="on", quantize="nf4"),
+                   progress=False)
+    nf4 = [m for m in result.model.modules() if isinstance(m, NF4Linear)]
+    assert len(nf4) == 2 * 7 and result.summary["final_eval_loss"] < result.summary["initial_eval_loss"]
+    assert main(["export", "--adapter", str(tmp_path / "q"), "--out", str(tmp_path / "merged")]) == 0
+    ids = torch.randint(0, 250, (2, 20))
+    with torch.no_grad():
+        trained = result.model.eval()(input_ids=ids, use_cache=False).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(input_ids=ids, use_cache=False).logits
+        plain = load_model("config", tiny["model"], torch.float32, "cpu", seed=0)(input_ids=ids, use_cache=False)
+    close(merged, trained, "merged QLoRA export")
+    assert (plain.logits - trained).abs().max() > 1e-4
+    with pytest.raises(LeantuneError, match="--quantize must be nf4"):
+        tiny_config(tiny, tmp_path / "x", quantize="fp4")

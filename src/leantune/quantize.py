@@ -58,9 +58,21 @@ def _decoder(model: nn.Module) -> nn.Module:
     return decoder
 
 
+def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """``(qualified name, module)`` of the ``nn.Linear`` layers :func:`quantize` puts in NF4: those of the decoder
+    blocks, not PEFT's adapters (``lora_A`` / ``lora_B``) or ``modules_to_save`` copies."""
+    decoder = _decoder(model)
+    prefix = next((n + "." for n, m in model.named_modules() if m is decoder and n), "")
+    return [(prefix + name, module) for name, module in decoder.named_modules() if type(module) is nn.Linear
+            and not any(part.startswith("lora_") or part == "modules_to_save" for part in name.split("."))]
+
+
 def quantize(model: nn.Module, quant_type: str = "nf4") -> dict[str, int]:
     """Replace, in place, every ``nn.Linear`` of the decoder blocks by an :class:`NF4Linear` (quantise with
-    :func:`~leantune.ops.quantize_nf4`). Embeddings, norms and ``lm_head`` are left as they are.
+    :func:`~leantune.ops.quantize_nf4`). Embeddings, norms and ``lm_head`` are left as they are. On a PEFT model
+    (QLoRA: call it after ``get_peft_model``) the LoRA layers' base layers are quantised and the adapters
+    (``lora_A`` / ``lora_B``, ``modules_to_save``) stay as they are; PEFT's forward and ``leantune.patch``'s fused
+    LoRA ops both run on the NF4 base.
 
     Returns:
         ``{"layers": number of linear layers quantised, "bytes_before": their weight bytes, "bytes_after": NF4
@@ -74,7 +86,7 @@ def quantize(model: nn.Module, quant_type: str = "nf4") -> dict[str, int]:
         raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {quant_type!r} (fp4 is not supported yet)")
     decoder = _decoder(model)
     prefix = next((n + "." for n, m in model.named_modules() if m is decoder and n), "")
-    targets = [(name, module) for name, module in decoder.named_modules() if type(module) is nn.Linear]
+    targets = [(name[len(prefix):], module) for name, module in quantized_linears(model)]
     replacements = []
     for name, linear in targets:  # quantise all first, so a failing layer leaves the model unchanged
         nf4 = quantize_nf4(linear.weight.detach(), name=prefix + name)

@@ -66,6 +66,8 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "seed for init, data order and dropout"})
     patch: str = field(default="on", metadata={"help": "on|off: apply leantune.patch (the Triton/fused ops)"})
     device: str | None = field(default=None, metadata={"help": "cpu or cuda"})
+    quantize: str | None = field(default=None, metadata={"help": "nf4: store the frozen decoder weights in 4-bit "
+                                 "NF4 (QLoRA; embeddings, norms and lm_head stay as loaded)"})
     offload_checkpoints: bool = field(default=False, metadata={"help": "keep each checkpointed layer's input in "
                                       "pinned host memory between forward and backward (long context; needs "
                                       "--gradient-checkpointing on)"})
@@ -120,6 +122,8 @@ class TrainConfig:
             raise LeantuneError("--resume and --overwrite exclude each other")
         if self.device not in (None, "cpu", "cuda"):
             raise LeantuneError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.quantize not in (None, "nf4"):
+            raise LeantuneError(f"--quantize must be nf4 (fp4 is not supported yet), got {self.quantize!r}")
         if self.offload_checkpoints and self.gradient_checkpointing != "on":
             raise LeantuneError("--offload-checkpoints keeps the inputs that gradient checkpointing saves: it needs "
                                 "--gradient-checkpointing on")
@@ -196,7 +200,7 @@ def coerce(name: str, value, label: str):
 NONE_DEFAULTS = {"model": "the embedded SmolLM2-135M-Instruct", "data": "the embedded chitchat dataset",
                  "max_steps": "from --epochs", "warmup_steps": "5%% of the steps, at least 1",
                  "max_examples": "all", "device": "cuda when available",
-                 "tile_mlp": "off"}
+                 "tile_mlp": "off", "quantize": "off"}
 
 
 def load_toml(path: str | Path) -> dict:

@@ -93,6 +93,18 @@ def _untie_embeddings(peft_model) -> None:
         config.tie_word_embeddings = False
 
 
+def _dequantised_base(model, trained_dtype: torch.dtype) -> None:
+    """Every weight ``leantune.quantize`` puts in NF4 replaced, in place, by its NF4 value (quantised from the dtype
+    the run trained in, dequantised in fp32): a QLoRA run's export is the dequantised base plus the adapter."""
+    from ..ops import dequantize_nf4, quantize_nf4
+    from ..quantize import quantized_linears
+
+    with torch.no_grad():
+        for name, linear in quantized_linears(model):
+            nf4 = quantize_nf4(linear.weight.to(trained_dtype), name=name)
+            linear.weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
+
+
 def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
     """Merge a trained adapter into its base model and save a standalone HF folder (model + tokenizer).
 
@@ -151,6 +163,8 @@ def _export(adapter: str, out: str, overwrite: bool) -> Path:
     tokenizer = (load_tokenizer("hf", tokenizer_dir) if tokenizer_dir.is_dir()
                  else load_tokenizer(kind, model_path))
     base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
+    if run["config"].get("quantize") == "nf4":  # the adapter learnt on the NF4 base: merge into that base
+        _dequantised_base(base, getattr(torch, run["dtype"].removeprefix("torch.")))
     if saved is None:
         peft_model = PeftModel.from_pretrained(base, adapter_dir)
     else:  # a checkpoint holds the adapter's tensors; its shape and targets are the run's settings

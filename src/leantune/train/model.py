@@ -212,6 +212,17 @@ def wrap_lora(model, config: TrainConfig):
         model = get_peft_model(model, lora)
     except ValueError as exc:
         raise LeantuneError(f"cannot apply LoRA: {str(exc).splitlines()[0]}") from None
+    if config.quantize is not None:  # after PEFT: the LoRA layers' bases become NF4, the adapters stay
+        from ..quantize import quantize
+
+        try:
+            done = quantize(model, config.quantize)
+        except ValueError as exc:
+            raise LeantuneError(f"--quantize {config.quantize}: {str(exc).splitlines()[0]}") from None
+        if torch.device(next(model.parameters()).device).type == "cuda":
+            torch.cuda.empty_cache()  # the 16-bit weights just replaced
+        say(f"leantune: {done['layers']} linear layers in NF4: {done['bytes_before'] / 2**30:.2f} GiB of frozen "
+            f"weights -> {done['bytes_after'] / 2**30:.2f} GiB")
     if config.patch == "on":
         try:
             model = patch(model, offload_checkpoints=config.offload_checkpoints, tile_mlp=config.tile_mlp)

@@ -37,7 +37,7 @@ REPLACED = ".replaced-"  # prefix of the folder that keeps a replaced run until 
 # the data rows each step takes, and the optimizer settings its saved state holds (clipping, eval and save
 # intervals may change; the step count is checked by check_resume_steps, once the data says what it is)
 RESUME_FIXED = ("model", "data", "seq_len", "batch_size", "grad_accum", "lora_r", "lora_alpha", "lora_dropout",
-                "target_modules", "seed", "eval_size", "max_examples",
+                "target_modules", "seed", "eval_size", "max_examples", "quantize",
                 "lr", "weight_decay", "warmup_steps", "min_lr_ratio")  # these four live in the optimizer state
 
 
