@@ -21,7 +21,7 @@ from ..errors import LeantuneError
 from .harness import GRAPH_MAX_MS, table_cell
 
 BASELINE = "hf+peft"
-IMPL_ORDER = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled")
+IMPL_ORDER = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "leantune+nf4")
 LOSS_RTOL, GRAD_RTOL = 1e-2, 3e-2
 
 

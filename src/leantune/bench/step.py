@@ -12,7 +12,8 @@ What one run measures (one implementation x one model x seq x batch x gradient c
 - implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
   model is built; skipped with a note when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
   ``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory) and
-  ``leantune+offload+tiled`` (also the MLP over 4096-token tiles); the last two need checkpointing.
+  ``leantune+offload+tiled`` (also the MLP over 4096-token tiles; these two need checkpointing), and
+  ``leantune+nf4`` (QLoRA: ``leantune.quantize`` after ``get_peft_model``).
 - the optimizer state is created up front (one AdamW step with lr 0 on zero gradients), so every step, even the
   first, holds steady-state memory; then ``warmup`` steps, then ``steps`` timed steps (each CUDA-synchronised;
   the same token batch every step).
@@ -41,7 +42,7 @@ from pathlib import Path
 from .flops import frozen_weight_bytes, hardware_flops_per_token, matmul_params, model_flops_per_token
 from .harness import BenchError, GiB, environment, load_config, measure_ceilings, model_name
 
-IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled")
+IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "leantune+nf4")
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -123,6 +124,10 @@ def build(spec: RunSpec, device: str | None = None):
         offload = "offload" in spec.impl
         if offload and not spec.gc:
             raise Skip("offloaded checkpoints need gradient checkpointing (--gc on)")
+        if spec.impl == "leantune+nf4":  # QLoRA: the decoder's frozen linears in NF4, then the fused ops on them
+            leantune.quantize(model, "nf4")
+            if torch.device(device or spec.device).type == "cuda":
+                torch.cuda.empty_cache()
         leantune.patch(model, offload_checkpoints=offload,
                        tile_mlp=TILE_TOKENS if spec.impl.endswith("tiled") else None)
     model.train()  # HF checkpoints only in training mode
