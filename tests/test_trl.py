@@ -3,9 +3,9 @@
 Every run trains a tiny random Llama (2 layers, hidden 64, byte tokenizer of test_train) with LoRA (all linear
 projections, dropout 0) in fp32 on the CPU for a few steps; ``bf16=False`` is explicit because TRL's configs default
 to bf16 autocast, also on the CPU. The optimiser is SGD: Adam's first steps are about lr * sign(g), so a gradient
-element near zero turns a 1e-7 difference into a 2 lr parameter difference, which no loss head can match. Per step, the logged loss and pre-clipping gradient norm of the patched run must be
-within fp32 tolerance (1e-5 relative) of the unpatched run, and leantune's loss-head counter must show that every
-``fused_lm_head`` call was leantune's.
+element near zero turns a 1e-7 difference into a 2 lr parameter difference, which no loss head can match. Per step,
+the logged loss and pre-clipping gradient norm of the patched run must be within fp32 tolerance (1e-5 relative) of the
+unpatched run, and leantune's loss-head counter must show that every ``fused_lm_head`` call was leantune's.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def _lora_model(folder, seed):
 
 
 def _common(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=4,
-                    optim="sgd", learning_rate=0.1, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+    settings = dict(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=4, optim="sgd",
+                    learning_rate=0.1, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
                     bf16=False, disable_tqdm=True)
     settings.update(overrides)
     return settings

@@ -1,5 +1,7 @@
 """TRL's SFTTrainer and DPOTrainer with leantune's loss head: ``patch_trainer(trainer)`` after building the trainer.
 
+Design: docs/design.md, "TRL's trainers" (and "Patch seams" for the wrappers and ``unpatch``).
+
 TRL's seam (read in trl 1.16, ``trl/trainer/utils.py``, ``add_fused_lm_head``): from 1.15 on, both trainers replace
 the transformers model's instance ``forward`` with a wrapper. Called with ``fused_lm_head=True`` (every training and
 evaluation loss of SFTTrainer and DPOTrainer, and DPO's reference pass), it runs the backbone and then TRL's own
@@ -49,7 +51,7 @@ from torch import nn
 from .. import ops
 from ..patch import patch
 from ..patch._model import hf_model
-from ..patch.forwards import LOSS_HEAD_ATTR, STATE_ATTR, causal_lm_forward
+from ..patch.forwards import STATE_ATTR, causal_lm_forward
 from ..patch.lora_status import has_hooks
 
 IGNORE_INDEX = -100  # TRL's label for "no target", fixed in its fused head

@@ -78,8 +78,12 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             the MLP's [tokens, intermediate] tensors bound the context.
 
     Returns:
-        ``model``. Its summary (counts per kind, and what was left unpatched and why) is logged at INFO and stored as
-        ``leantune_summary`` on the transformers model (reachable through PEFT wrappers). LoRA counts are as of the
+        ``model``. Its summary (counts per kind, ``loss_runs``: the loss that the model's forward runs, and what was
+        left unpatched and why) is logged at INFO and stored as ``leantune_summary`` on the transformers model
+        (reachable through PEFT wrappers). A wrapper forward put on the causal LM by someone else (TRL's fused LM
+        head) is kept: patched before it, leantune's forward inside runs where the wrapper calls it; patched after,
+        the loss is the wrapper's unless it holds leantune's forward or is leantune's own head
+        (:mod:`leantune.integrations.trl`). LoRA counts are as of the
         call: patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time
         (call ``patch`` again to refresh the summary; patching twice is harmless).
 
@@ -123,9 +127,11 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             counts["mlp"] += int(use_mlp)
         if kind in (attention_cls, mlp_cls) and lora:
             _count_lora(name, module, counts, left, mlp_fused=mlp and activation is not None)
+    wrapper = hf.__dict__.get("forward") if _foreign_forward(hf) else None
     loss_runs = "HF's loss_function on full logits (loss kind off)"
+    if wrapper is not None and not loss:
+        loss_runs = f"the instance forward {_name(wrapper)}'s own loss (loss kind off)"
     if loss:
-        wrapper = hf.__dict__.get("forward") if _foreign_forward(hf) else None
         if not hasattr(hf, "lm_head") or not hasattr(hf, hf.base_model_prefix):
             left["<causal lm>"] = f"{type(hf).__name__} has no lm_head/base model: HF's forward kept"
             loss_runs = "HF's loss_function on full logits (no lm_head/base model)"
@@ -165,7 +171,13 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
 
 
 def _name(fn) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    """Where a wrapper forward was written (``functools.wraps`` copies the wrapped forward's name; the code keeps its
+    own), e.g. ``trl.trainer.utils._fused_forward``."""
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        return f"{getattr(func, '__globals__', {}).get('__name__', '?')}.{code.co_name}"
+    return type(fn).__qualname__
 
 
 def _count_lora(name: str, module: nn.Module, counts, left, *, mlp_fused: bool) -> None:
@@ -202,7 +214,9 @@ def unpatch(model):
         model: the model given to :func:`patch` (a transformers causal LM or a PEFT wrapper of one).
 
     Returns:
-        ``model``, with HF's own forwards (and PEFT's) again; harmless on a model that was never patched.
+        ``model``, with HF's own forwards (and PEFT's) again; harmless on a model that was never patched. A wrapper
+        that still holds one of leantune's forwards (TRL's fused LM head) then reaches HF's forward through it, and a
+        later :func:`patch` revives it.
 
     Raises:
         ValueError: ``model`` is neither a transformers model nor a PEFT wrapper of one.

@@ -441,4 +441,5 @@ def holds_leantune(fn, module, depth: int = 4) -> bool:
 
 
 __all__ = ["FORWARDS", "LOSS_HEAD_ATTR", "STATE_ATTR", "BoundForward", "ModuleState", "acquire_rope", "bind",
-           "carries_fusable_lora", "holds_leantune", "is_leantune_forward", "lora_status", "release_rope", "rope_installed", "unbind"]
+           "carries_fusable_lora", "causal_lm_forward", "holds_leantune", "is_leantune_forward", "lora_status",
+           "release_rope", "rope_installed", "unbind"]
