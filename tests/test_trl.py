@@ -219,3 +219,16 @@ def test_trainer_without_fused_head_gets_logits_in_training(tiny_folder, tmp_pat
     assert out.logits is not None
     assert_close("logits", out.logits, ref.logits, torch.float32)
     assert_close("loss", out.loss, ref.loss, torch.float32)
+
+
+def test_trainer_that_may_differentiate_statistics_keeps_trl_head(tiny_folder, tmp_path, fresh_seed):
+    """leantune's statistics carry no gradient: a trainer outside SFT/DPO (GRPO's entropy bonus) keeps TRL's head."""
+    GRPOLike = type("GRPOLike", (), {})  # noqa: N806 - a trainer class that is neither SFTTrainer nor DPOTrainer
+    trainer = GRPOLike()
+    trainer.model = _sft_trainer(tiny_folder, tmp_path, fresh_seed).model  # carries TRL's fused head
+    patch_trainer(trainer)
+    hf = trainer.model.get_base_model()
+    assert "GRPOLike is not an SFTTrainer or DPOTrainer" in hf.leantune_summary["loss_runs"]
+    input_ids = torch.randint(0, 259, (2, 15))
+    out = hf.train()(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert loss_head_calls(hf) == 0 and torch.isfinite(out.loss)

@@ -30,10 +30,11 @@ differentiates them): leantune's fused op returns the loss rows alone, so they c
 over the labelled rows, [rows, vocab] logits one 32 MiB chunk at a time. That pass costs one more ``lm_head`` GEMM
 (N H V multiply-adds beside the op's 3 N H V); ``metrics=False`` skips it and reports zeros for them.
 
-TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a temperature or logit
-scale other than 1, ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks),
-MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call gives TRL's head back, a
-later ``leantune.patch`` takes it again). :func:`loss_head_calls` counts the calls served.
+TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
+SFTTrainer or DPOTrainer (GRPO differentiates the entropy), a temperature or logit scale other than 1,
+``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks, FSDP2's sharded
+weight), MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call gives TRL's head
+back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which. :func:`loss_head_calls` counts the calls served.
 
 TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
 model has none, :func:`patch_trainer` makes the patched forward form the logits in training too (the loss still
@@ -179,7 +180,7 @@ def _why_not_served(settings: dict) -> str | None:
     return None
 
 
-def _take_head(model, metrics: bool) -> str:
+def _take_head(model, metrics: bool, trainer) -> str:
     """Install :class:`FusedLMHead` on ``model``'s transformers model; returns what its loss head is now."""
     hf = hf_model(model)
     forward = hf.__dict__.get("forward")
@@ -189,7 +190,11 @@ def _take_head(model, metrics: bool) -> str:
     settings = _trl_head_settings(forward)
     if settings is None:  # TRL <= 1.14 (or a plain Trainer): outputs.logits may be read in training
         return "no fused head"
-    why = _why_not_served(settings)
+    from trl import DPOTrainer, SFTTrainer
+
+    # GRPO's entropy bonus differentiates the entropy, which leantune's head computes without gradient
+    why = _why_not_served(settings) if isinstance(trainer, (SFTTrainer, DPOTrainer)) else (
+        f"{type(trainer).__name__} is not an SFTTrainer or DPOTrainer (it may differentiate the statistics)")
     if why is not None:
         return f"TRL's fused head kept: {why}"
     hf.forward = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics)
@@ -215,7 +220,7 @@ def patch_trainer(trainer, *, metrics: bool = True, **patch_kwargs):
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:
             continue
-        head = _take_head(model, metrics)
+        head = _take_head(model, metrics, trainer)
         patch(model, **patch_kwargs)
         hf = hf_model(model)
         state = hf.__dict__.get(STATE_ATTR)
