@@ -34,7 +34,8 @@ TRL's head is kept (its calls pass through) where leantune's cannot give the sam
 SFTTrainer or DPOTrainer (GRPO differentiates the entropy), a temperature or logit scale other than 1,
 ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks, FSDP2's sharded
 weight), MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call gives TRL's head
-back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which. :func:`loss_head_calls` counts the calls served.
+back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which.
+:func:`loss_head_calls` counts the calls served.
 
 TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
 model has none, :func:`patch_trainer` makes the patched forward form the logits in training too (the loss still
