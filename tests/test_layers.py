@@ -16,7 +16,7 @@ LAYERS = {
     "errors": 0,
     "ops": 1,
     "patch": 2, "quantize": 2, "assets": 2,
-    "leantune": 3, "distributed": 3,
+    "leantune": 3, "distributed": 3, "integrations": 3,
     "train": 4, "bench": 4,
     "cli": 5,
     "__main__": 6,

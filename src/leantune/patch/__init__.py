@@ -30,7 +30,16 @@ from torch import nn
 
 from ._model import hf_model as _hf_model
 from .families import ACTIVATIONS, FAMILIES, Family, family_for
-from .forwards import STATE_ATTR, ModuleState, bind, is_leantune_forward, lora_status, unbind
+from .forwards import (
+    LOSS_HEAD_ATTR,
+    STATE_ATTR,
+    ModuleState,
+    bind,
+    holds_leantune,
+    is_leantune_forward,
+    lora_status,
+    unbind,
+)
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
 from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp
 
@@ -69,8 +78,12 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             the MLP's [tokens, intermediate] tensors bound the context.
 
     Returns:
-        ``model``. Its summary (counts per kind, and what was left unpatched and why) is logged at INFO and stored as
-        ``leantune_summary`` on the transformers model (reachable through PEFT wrappers). LoRA counts are as of the
+        ``model``. Its summary (counts per kind, ``loss_runs``: the loss that the model's forward runs, and what was
+        left unpatched and why) is logged at INFO and stored as ``leantune_summary`` on the transformers model
+        (reachable through PEFT wrappers). A wrapper forward put on the causal LM by someone else (TRL's fused LM
+        head) is kept: patched before it, leantune's forward inside runs where the wrapper calls it; patched after,
+        the loss is the wrapper's unless it holds leantune's forward or is leantune's own head
+        (:mod:`leantune.integrations.trl`). LoRA counts are as of the
         call: patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time
         (call ``patch`` again to refresh the summary; patching twice is harmless).
 
@@ -114,13 +127,27 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             counts["mlp"] += int(use_mlp)
         if kind in (attention_cls, mlp_cls) and lora:
             _count_lora(name, module, counts, left, mlp_fused=mlp and activation is not None)
+    wrapper = hf.__dict__.get("forward") if _foreign_forward(hf) else None
+    loss_runs = "HF's loss_function on full logits (loss kind off)"
+    if wrapper is not None and not loss:
+        loss_runs = f"the instance forward {_name(wrapper)}'s own loss (loss kind off)"
     if loss:
-        if _foreign_forward(hf):
-            left["<causal lm>"] = "has an instance-level forward: HF's loss kept"
-        elif not hasattr(hf, "lm_head") or not hasattr(hf, hf.base_model_prefix):
+        if not hasattr(hf, "lm_head") or not hasattr(hf, hf.base_model_prefix):
             left["<causal lm>"] = f"{type(hf).__name__} has no lm_head/base model: HF's forward kept"
+            loss_runs = "HF's loss_function on full logits (no lm_head/base model)"
+        elif wrapper is not None and not holds_leantune(wrapper, hf):
+            left["<causal lm>"] = "has an instance-level forward: HF's loss kept"
+            loss_runs = f"the instance forward {_name(wrapper)}'s own loss"
         else:
-            _bind(hf, ModuleState("causal_lm", family, loss=True))
+            state = ModuleState("causal_lm", family, loss=True)
+            if wrapper is None:
+                _bind(hf, state)
+                loss_runs = "ops.linear_cross_entropy (leantune's causal-LM forward)"
+            else:  # e.g. TRL's fused LM head around a forward patched earlier: the state revives the one inside
+                bind(hf, state)
+                loss_runs = getattr(wrapper, LOSS_HEAD_ATTR, None) or (
+                    f"the instance forward {_name(wrapper)}, around leantune's causal-LM forward: "
+                    "ops.linear_cross_entropy only where it calls that forward")
             counts["loss"] = 1
             if type(hf.lm_head) is not nn.Linear:
                 left["lm_head"] = f"{type(hf.lm_head).__name__}: logits formed, loss from ops.cross_entropy"
@@ -135,11 +162,22 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         "off": [k for k, on in zip(KINDS, (rms_norm, rope, mlp, loss, lora)) if not on],
         "offload_checkpoints": offload_checkpoints,
         "tile_mlp": tile_mlp,
+        "loss_runs": loss_runs,
         "unpatched": left,
     }
     hf.__dict__[SUMMARY_ATTR] = summary
     logger.info("leantune.patch(%s): %s", type(hf).__name__, _describe(summary))
     return model
+
+
+def _name(fn) -> str:
+    """Where a wrapper forward was written (``functools.wraps`` copies the wrapped forward's name; the code keeps its
+    own), e.g. ``trl.trainer.utils._fused_forward``."""
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        return f"{getattr(func, '__globals__', {}).get('__name__', '?')}.{code.co_name}"
+    return type(fn).__qualname__
 
 
 def _count_lora(name: str, module: nn.Module, counts, left, *, mlp_fused: bool) -> None:
@@ -159,7 +197,7 @@ def _count_lora(name: str, module: nn.Module, counts, left, *, mlp_fused: bool) 
 
 
 def _describe(summary) -> str:
-    parts = [f"{k}={v}" for k, v in summary["counts"].items()]
+    parts = [f"{k}={v}" for k, v in summary["counts"].items()] + [f"loss runs: {summary['loss_runs']}"]
     if summary["off"]:
         parts.append("off: " + ", ".join(summary["off"]))
     if summary["unpatched"]:
@@ -176,7 +214,9 @@ def unpatch(model):
         model: the model given to :func:`patch` (a transformers causal LM or a PEFT wrapper of one).
 
     Returns:
-        ``model``, with HF's own forwards (and PEFT's) again; harmless on a model that was never patched.
+        ``model``, with HF's own forwards (and PEFT's) again; harmless on a model that was never patched. A wrapper
+        that still holds one of leantune's forwards (TRL's fused LM head) then reaches HF's forward through it, and a
+        later :func:`patch` revives it.
 
     Raises:
         ValueError: ``model`` is neither a transformers model nor a PEFT wrapper of one.

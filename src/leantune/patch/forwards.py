@@ -45,6 +45,7 @@ class ModuleState:
     mlp: bool = False
     loss: bool = False
     activation: str | None = None  # "swiglu" | "geglu_tanh" | "geglu_erf"
+    training_logits: bool = False  # causal_lm: form logits in training too, for clients that read them
 
 
 def _call_original(module, *args, **kwargs):
@@ -314,7 +315,9 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     softcap = getattr(self.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
     logits = head_logits = None
-    if not (self.training if skip_logits is None else skip_logits):  # evaluation may read them (metrics)
+    if skip_logits is None:  # evaluation may read them (metrics), and so may clients that asked in training
+        skip_logits = self.training and not self._leantune.training_logits
+    if not skip_logits:
         logits = head_logits = self.lm_head(hidden_states)
         if softcap is not None:  # HF's expression and rounding order
             logits = torch.tanh(logits / softcap) * softcap
@@ -357,7 +360,10 @@ class BoundForward:
         self.__func__, self.__self__ = func, module
 
     def __call__(self, *args, **kwargs):
-        return self.__func__(self.__self__, *args, **kwargs)
+        module = self.__self__
+        if STATE_ATTR not in module.__dict__:  # unpatched while a wrapper (e.g. TRL's fused LM head) still holds it
+            return _call_original(module, *args, **kwargs)
+        return self.__func__(module, *args, **kwargs)
 
     def __reduce__(self):
         return bind, (self.__self__, self.__self__.__dict__[STATE_ATTR])
@@ -402,5 +408,38 @@ def is_leantune_forward(fn) -> bool:
     return isinstance(fn, BoundForward)
 
 
-__all__ = ["FORWARDS", "STATE_ATTR", "BoundForward", "ModuleState", "acquire_rope", "bind", "carries_fusable_lora",
-           "is_leantune_forward", "lora_status", "release_rope", "rope_installed", "unbind"]
+LOSS_HEAD_ATTR = "leantune_loss"  # on a wrapper's forward that serves the loss with leantune's op: what runs (str)
+
+
+def holds_leantune(fn, module, depth: int = 4) -> bool:
+    """Whether the instance forward ``fn`` of ``module`` is a wrapper that leads to leantune: a forward marked with
+    ``leantune_loss`` (an integration's loss head), or one that holds :class:`BoundForward` of ``module`` in its
+    bound function, ``__wrapped__`` or closure (TRL's ``add_fused_lm_head`` keeps the forward it replaced in a
+    closure), up to ``depth`` steps away."""
+    stack, seen = [(fn, 0)], set()
+    while stack:
+        f, steps = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if isinstance(f, BoundForward):
+            if f.__self__ is module:
+                return True
+            continue
+        if isinstance(getattr(f, LOSS_HEAD_ATTR, None), str):
+            return True
+        if steps >= depth:
+            continue
+        inner = [getattr(f, "__func__", None), getattr(f, "__wrapped__", None)]
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                inner.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        stack.extend((g, steps + 1) for g in inner if callable(g))
+    return False
+
+
+__all__ = ["FORWARDS", "LOSS_HEAD_ATTR", "STATE_ATTR", "BoundForward", "ModuleState", "acquire_rope", "bind",
+           "carries_fusable_lora", "causal_lm_forward", "holds_leantune", "is_leantune_forward", "lora_status",
+           "release_rope", "rope_installed", "unbind"]

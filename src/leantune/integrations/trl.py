@@ -1,0 +1,244 @@
+"""TRL's SFTTrainer and DPOTrainer with leantune's loss head: ``patch_trainer(trainer)`` after building the trainer.
+
+Design: docs/design.md, "TRL's trainers" (and "Patch seams" for the wrappers and ``unpatch``).
+
+TRL's seam (read in trl 1.16, ``trl/trainer/utils.py``, ``add_fused_lm_head``): from 1.15 on, both trainers replace
+the transformers model's instance ``forward`` with a wrapper. Called with ``fused_lm_head=True`` (every training and
+evaluation loss of SFTTrainer and DPOTrainer, and DPO's reference pass), it runs the backbone and then TRL's own
+chunked log-prob function on ``lm_head``, returning a ``FusedCausalLMOutput``: per next-token label (``-100``
+ignored, zero there) ``log_probs`` with gradient, and the statistics the trainer asked for (``entropy``, ``is_top1``,
+``mean_logits``, ``log_sum_sq_probs``), plus ``label_mask`` and ``loss``. Any other call goes to the forward it
+replaced. So leantune's patched causal-LM forward is never called in training, and the loss is TRL's.
+
+:func:`patch_trainer` puts :class:`FusedLMHead` in front of TRL's wrapper (on ``trainer.model`` and a separate
+``trainer.ref_model``) and patches the model (:func:`leantune.patch`). While the model is patched with the loss kind
+on, ``fused_lm_head=True`` calls run the backbone (leantune's layers) and then
+
+    log_probs[t] = -loss_row[t] of ops.linear_cross_entropy(hidden[mask], lm_head.weight, labels[mask],
+                                                             lm_head.bias, softcap=..., reduction="none")
+
+which is log softmax(z)[label] for z = softcap * tanh((h W^T + b) / softcap) (no softcap: z = h W^T + b), without
+[tokens, vocab] logits kept for backward. TRL's trainers then reduce it as they do for their own head:
+SFT ``loss_type="nll"``: sum(-log_probs) / num_items_in_batch (the label count when not given); ``loss_type="dft"``:
+the same with each term weighted by exp(log_probs) detached, a per-token weight applied to these log-probs, so it
+runs on leantune's head too; DPO: per-sequence sums of the chosen/rejected rows' log_probs. Packing, padding-free
+rows (``position_ids`` restarting per document), completion-only masks and gradient accumulation reach this head
+only as labels, positions and ``num_items_in_batch``, which it takes as TRL's head does.
+
+The statistics (entropy, top-1 agreement, mean logit, log sum p^2) are for logging only (TRL detaches or never
+differentiates them): leantune's fused op returns the loss rows alone, so they come from a separate no-grad pass
+over the labelled rows, [rows, vocab] logits one 32 MiB chunk at a time. That pass costs one more ``lm_head`` GEMM
+(N H V multiply-adds beside the op's 3 N H V); ``metrics=False`` skips it and reports zeros for them.
+
+TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
+SFTTrainer or DPOTrainer (GRPO differentiates the entropy), a temperature or logit scale other than 1,
+``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks, FSDP2's sharded
+weight), MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call gives TRL's head
+back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which.
+:func:`loss_head_calls` counts the calls served.
+
+TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
+model has none, :func:`patch_trainer` makes the patched forward form the logits in training too (the loss still
+from the fused op); without this function, ``leantune.patch(model, loss=False)`` is the choice for such clients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..patch import patch
+from ..patch._model import hf_model
+from ..patch.forwards import STATE_ATTR, causal_lm_forward
+from ..patch.lora_status import has_hooks
+
+IGNORE_INDEX = -100  # TRL's label for "no target", fixed in its fused head
+STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_STATS_CHUNK_BYTES = 32 * 2**20
+
+
+class FusedLMHead:
+    """The instance ``forward`` of a transformers causal LM under a TRL trainer: ``fused_lm_head=True`` calls served by
+    ``ops.linear_cross_entropy`` while the model is patched (see the module docstring), everything else as before.
+
+    Attributes:
+        model: the transformers causal LM.
+        previous: the forward it stands in front of (TRL's fused-head wrapper).
+        outputs: the per-token fields TRL asked its head for (``log_probs`` always).
+        metrics: whether the statistics are computed (else zeros).
+        calls: how many ``fused_lm_head=True`` calls leantune's head served.
+    """
+
+    leantune_loss = "ops.linear_cross_entropy per token (TRL's fused_lm_head calls, leantune.integrations.trl)"
+
+    def __init__(self, model: nn.Module, previous, outputs: tuple[str, ...], metrics: bool = True):
+        self.model, self.previous, self.outputs, self.metrics = model, previous, tuple(outputs), metrics
+        self.calls = 0
+
+    @property
+    def __signature__(self):  # transformers' generate checks its keyword arguments against the forward's
+        return inspect.signature(self.previous)
+
+    def __repr__(self):
+        return f"<leantune FusedLMHead of {type(self.model).__name__}, {self.calls} calls>"
+
+    def _serves(self) -> bool:
+        state = self.model.__dict__.get(STATE_ATTR)
+        head = self.model.get_output_embeddings()
+        return (state is not None and state.kind == "causal_lm" and state.loss and type(head) is nn.Linear
+                and not has_hooks(head) and type(head.weight.data) is torch.Tensor)  # not FSDP2's DTensor
+
+    def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
+        if not self._serves() or kwargs.get("output_router_logits"):
+            return self.previous(*args, fused_lm_head=fused_lm_head, **kwargs)
+        if not fused_lm_head:
+            return causal_lm_forward(self.model, *args, **kwargs)
+        return self._fused(*args, **kwargs)
+
+    def _fused(self, *args, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        model = self.model
+        kwargs["use_cache"] = False
+        backbone = getattr(model, model.base_model_prefix)(*args, **kwargs)
+        hidden = backbone.last_hidden_state
+        if shift_labels is None:  # TRL's convention: position t scores label t + 1, so S - 1 positions
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        head = model.get_output_embeddings()
+        hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
+        mask = labels != IGNORE_INDEX
+        rows, targets = hidden[mask], labels[mask]
+        family = model.__dict__[STATE_ATTR].family
+        softcap = getattr(model.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
+        nll = ops.linear_cross_entropy(rows, head.weight, targets, head.bias, softcap=softcap, reduction="none",
+                                       ignore_index=IGNORE_INDEX)
+        self.calls += 1
+        # masked_scatter keeps an all-ignored micro-batch connected to the graph (a zero with a gradient), as TRL's
+        log_probs = nll.new_zeros(mask.shape).masked_scatter(mask, -nll)
+        stats = dict.fromkeys(STATS)
+        wanted = [name for name in STATS if name in self.outputs]
+        if wanted:
+            found = _row_stats(rows, head.weight, head.bias, targets, softcap, wanted) if self.metrics else {
+                name: torch.zeros(rows.shape[0], dtype=torch.bool if name == "is_top1" else torch.float32,
+                                  device=rows.device) for name in wanted}
+            for name, values in found.items():
+                stats[name] = values.new_zeros(mask.shape).masked_scatter(mask, values)
+        divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, label_mask=mask, **stats)
+
+
+@torch.no_grad()
+def _row_stats(rows, weight, bias, targets, softcap, wanted) -> dict[str, torch.Tensor]:
+    """TRL's logging statistics of the rows' next-token distributions, in fp32, chunk by chunk: entropy
+    -sum p log p, ``log_sum_sq_probs`` log sum p^2, ``mean_logits`` mean z, ``is_top1`` argmax z == target (the
+    first maximum, as TRL's kernel breaks ties). Shapes: rows [N, H], targets [N] -> each [N]."""
+    n_rows, n_vocab = rows.shape[0], weight.shape[0]
+    out = {name: torch.empty(n_rows, dtype=torch.bool if name == "is_top1" else torch.float32, device=rows.device)
+           for name in wanted}
+    step = max(1, _STATS_CHUNK_BYTES // (4 * n_vocab))
+    for start in range(0, n_rows, step):
+        end = min(start + step, n_rows)
+        z = nn.functional.linear(rows[start:end], weight, bias).float()
+        if softcap is not None:
+            z = torch.tanh(z / softcap) * softcap
+        log_p = torch.log_softmax(z, dim=-1)
+        if "entropy" in out:
+            out["entropy"][start:end] = -(log_p.exp() * log_p).sum(-1)
+        if "log_sum_sq_probs" in out:
+            out["log_sum_sq_probs"][start:end] = torch.logsumexp(2 * log_p, dim=-1)
+        if "mean_logits" in out:
+            out["mean_logits"][start:end] = z.mean(-1)
+        if "is_top1" in out:
+            out["is_top1"][start:end] = z.argmax(-1) == targets[start:end]
+    return out
+
+
+def _trl_head_settings(forward) -> dict | None:
+    """The settings TRL's ``add_fused_lm_head`` closed over in ``forward`` (its wrapper), or None when ``forward`` is
+    not that wrapper."""
+    func = getattr(forward, "__func__", None)
+    code = getattr(func, "__code__", None)
+    # functools.wraps gave the wrapper the model forward's name and module: its code object still has TRL's
+    if code is None or code.co_name != "_fused_forward" or not func.__globals__.get("__name__", "").startswith("trl."):
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
+    return cells if "original_forward" in cells else None
+
+
+def _why_not_served(settings: dict) -> str | None:
+    if settings.get("temperature", 1.0) != 1.0:
+        return f"temperature {settings['temperature']} (leantune's head scores at temperature 1)"
+    if settings.get("logit_scale", 1.0) != 1.0:
+        return f"logit scale {settings['logit_scale']} (leantune's head has none)"
+    if settings.get("cast_lm_head_to_fp32"):
+        return "cast_lm_head_to_fp32 (leantune's head runs in the model's dtype)"
+    return None
+
+
+def _take_head(model, metrics: bool, trainer) -> str:
+    """Install :class:`FusedLMHead` on ``model``'s transformers model; returns what its loss head is now."""
+    hf = hf_model(model)
+    forward = hf.__dict__.get("forward")
+    if isinstance(forward, FusedLMHead):
+        forward.metrics = metrics
+        return "leantune"
+    settings = _trl_head_settings(forward)
+    if settings is None:  # TRL <= 1.14 (or a plain Trainer): outputs.logits may be read in training
+        return "no fused head"
+    from trl import DPOTrainer, SFTTrainer
+
+    # GRPO's entropy bonus differentiates the entropy, which leantune's head computes without gradient
+    why = _why_not_served(settings) if isinstance(trainer, (SFTTrainer, DPOTrainer)) else (
+        f"{type(trainer).__name__} is not an SFTTrainer or DPOTrainer (it may differentiate the statistics)")
+    if why is not None:
+        return f"TRL's fused head kept: {why}"
+    hf.forward = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics)
+    return "leantune"
+
+
+def patch_trainer(trainer, *, metrics: bool = True, **patch_kwargs):
+    """Make a built TRL trainer (SFTTrainer, DPOTrainer) train with leantune's ops and loss head; returns ``trainer``.
+
+    Args:
+        trainer: a ``trl`` trainer after construction (its model may already be patched, or not).
+        metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit) in a no-grad pass (module
+            docstring); False reports zeros for them and skips the pass.
+        **patch_kwargs: :func:`leantune.patch`'s switches (``rope``, ``mlp``, ``lora``, ``loss``, ...).
+
+    Returns:
+        ``trainer``; ``trainer.model`` (and a separate ``trainer.ref_model``) patched. Where TRL's fused head is
+        kept, the patch summary's ``loss_runs`` says why (module docstring).
+
+    Raises:
+        ValueError: as :func:`leantune.patch` (unsupported family, not a transformers model).
+    """
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is None:
+            continue
+        head = _take_head(model, metrics, trainer)
+        patch(model, **patch_kwargs)
+        hf = hf_model(model)
+        state = hf.__dict__.get(STATE_ATTR)
+        if head == "no fused head" and state is not None and state.kind == "causal_lm":
+            # a client that reads outputs.logits in training: form them (the loss still from the fused op)
+            hf.__dict__[STATE_ATTR] = dataclasses.replace(state, training_logits=True)
+            hf.leantune_summary["loss_runs"] += "; logits formed in training too (no fused head: TRL <= 1.14)"
+        elif head.startswith("TRL's"):
+            hf.leantune_summary["loss_runs"] = head
+    return trainer
+
+
+def loss_head_calls(model) -> int:
+    """How many ``fused_lm_head=True`` calls leantune's head served on ``model`` (or the transformers model inside
+    a PEFT wrapper); 0 when :func:`patch_trainer` never took its head."""
+    forward = hf_model(model).__dict__.get("forward")
+    return forward.calls if isinstance(forward, FusedLMHead) else 0
+
+
+__all__ = ["FusedLMHead", "loss_head_calls", "patch_trainer"]

@@ -1,0 +1,234 @@
+"""TRL's SFTTrainer and DPOTrainer with leantune: patched (``patch_trainer``) against TRL's own loss head, step by step.
+
+Every run trains a tiny random Llama (2 layers, hidden 64, byte tokenizer of test_train) with LoRA (all linear
+projections, dropout 0) in fp32 on the CPU for a few steps; ``bf16=False`` is explicit because TRL's configs default
+to bf16 autocast, also on the CPU. The optimiser is SGD: Adam's first steps are about lr * sign(g), so a gradient
+element near zero turns a 1e-7 difference into a 2 lr parameter difference, which no loss head can match. Per step,
+the logged loss and pre-clipping gradient norm of the patched run must be within fp32 tolerance (1e-5 relative) of the
+unpatched run, and leantune's loss-head counter must show that every ``fused_lm_head`` call was leantune's.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import warnings
+
+import pytest
+import torch
+from reference import assert_close
+from test_train import WORDS, write_tiny_model
+
+import leantune
+from leantune.integrations.trl import loss_head_calls, patch_trainer
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("trl") / "model").parent
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    datasets.disable_progress_bars()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's deprecation and padding-free notices
+        yield
+
+
+def _phrase(rng, lo=2, hi=6):
+    return " ".join(rng.choices(WORDS, k=rng.randint(lo, hi)))
+
+
+def _sft_rows(n=24):
+    rng = random.Random(0)
+    return [{"prompt": _phrase(rng), "completion": " " + _phrase(rng)} for _ in range(n)]
+
+
+def _dpo_rows(n=16):
+    rng = random.Random(1)
+    return [{"prompt": _phrase(rng), "chosen": " " + _phrase(rng), "rejected": " " + _phrase(rng)} for _ in range(n)]
+
+
+def _lora_model(folder, seed):
+    """A fresh model, config and tokenizer each time: a trainer edits the tokenizer and config it is given."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder))
+    # init_lora_weights=False: B is random too, so the adapters change the forward from the first step
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0,
+                                             init_lora_weights=False))
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def _common(tmp_path, **overrides):
+    settings = dict(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=4, optim="sgd",
+                    learning_rate=0.1, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                    bf16=False, disable_tqdm=True)
+    settings.update(overrides)
+    return settings
+
+
+def _sft_trainer(folder, tmp_path, seed, model=None, **overrides):
+    built, tok = _lora_model(folder, seed)
+    overrides.setdefault("max_length", 64)
+    args = trl.SFTConfig(**_common(tmp_path, **overrides))
+    return trl.SFTTrainer(model=built if model is None else model, args=args,
+                          train_dataset=datasets.Dataset.from_list(_sft_rows()), processing_class=tok)
+
+
+def _dpo_trainer(folder, tmp_path, seed, model=None, **overrides):
+    built, tok = _lora_model(folder, seed)
+    args = trl.DPOConfig(**_common(tmp_path, max_length=64, per_device_train_batch_size=2, **overrides))
+    return trl.DPOTrainer(model=built if model is None else model, args=args,
+                          train_dataset=datasets.Dataset.from_list(_dpo_rows()), processing_class=tok)
+
+
+def _train(trainer, seed):
+    torch.manual_seed(seed)  # the sampler's draw
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    assert len(logs) == STEPS
+    return logs
+
+
+def _compare(ref_logs, logs, keys):
+    for step, (ref, out) in enumerate(zip(ref_logs, logs)):
+        for key in keys:
+            assert_close(f"step {step} {key}", torch.tensor(float(out[key])), torch.tensor(float(ref[key])),
+                         torch.float32)
+
+
+SFT_CASES = {
+    "plain": {},
+    "packing": {"packing": True},
+    "padding_free": {"padding_free": True, "max_length": None},
+    "grad_accum_2": {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
+    "checkpointing": {"gradient_checkpointing": True},
+    "dft": {"loss_type": "dft"},
+}
+
+
+@pytest.mark.parametrize("case", list(SFT_CASES))
+def test_sft_trainer_matches_trl_head_and_runs_leantune_loss(tiny_folder, tmp_path, fresh_seed, case):
+    overrides = SFT_CASES[case]
+    build = lambda seed: _sft_trainer(tiny_folder, tmp_path, seed, **overrides)  # noqa: E731
+    ref_logs = _train(build(fresh_seed), fresh_seed)
+    trainer = patch_trainer(build(fresh_seed))
+    hf = trainer.model.get_base_model()
+    assert "TRL's fused_lm_head calls" in hf.leantune_summary["loss_runs"]
+    logs = _train(trainer, fresh_seed)
+    _compare(ref_logs, logs, ("loss", "grad_norm", "entropy", "mean_token_accuracy"))
+    micro_batches = STEPS * overrides.get("gradient_accumulation_steps", 1)
+    assert loss_head_calls(trainer.model) == micro_batches
+
+
+def test_dpo_trainer_matches_trl_head_and_runs_leantune_loss(tiny_folder, tmp_path, fresh_seed):
+    ref_logs = _train(_dpo_trainer(tiny_folder, tmp_path, fresh_seed), fresh_seed)
+    trainer = patch_trainer(_dpo_trainer(tiny_folder, tmp_path, fresh_seed))
+    logs = _train(trainer, fresh_seed)
+    # the rewards are beta (logp - ref logp), a difference of near-equal sums: compared through their terms
+    _compare(ref_logs, logs, ("loss", "grad_norm", "logps/chosen", "logps/rejected", "entropy", "logits/chosen",
+                              "logits/rejected"))
+    # each step: the policy pass and the reference pass (the same model with the adapter disabled)
+    assert loss_head_calls(trainer.model) == 2 * STEPS
+
+
+def _labelled_loss(model, input_ids):
+    model.train()
+    return model(input_ids=input_ids, labels=input_ids).loss
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_unpatch_after_trainer_wraps_the_forward_then_patch_again(tiny_folder, tmp_path, fresh_seed, kind):
+    build = _sft_trainer if kind == "sft" else _dpo_trainer
+    reference_model, _ = _lora_model(tiny_folder, fresh_seed)
+    model, _ = _lora_model(tiny_folder, fresh_seed)
+    leantune.patch(model)
+    trainer = build(tiny_folder, tmp_path, fresh_seed, model=model)  # TRL wraps the patched forward
+    hf = model.get_base_model()
+    input_ids = torch.randint(0, hf.config.vocab_size, (2, 21))
+    expected = _labelled_loss(reference_model, input_ids)
+
+    leantune.unpatch(trainer.model)  # TRL's wrapper still holds leantune's forward: it must now be HF's
+    assert not leantune.is_patched(trainer.model)
+    assert_close("after unpatch", _labelled_loss(model, input_ids), expected, torch.float32)
+    fused = hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert torch.isfinite(fused.loss)
+
+    leantune.patch(trainer.model)
+    assert leantune.is_patched(trainer.model)
+    assert "around leantune's causal-LM forward" in hf.leantune_summary["loss_runs"]
+    out = hf(input_ids=input_ids, labels=input_ids)
+    assert out.logits is None  # leantune's forward again: no logits in training
+    assert_close("patched again", out.loss, expected, torch.float32)
+
+
+def test_unpatch_gives_trl_head_back_and_patch_takes_it_again(tiny_folder, tmp_path, fresh_seed):
+    trainer = patch_trainer(_sft_trainer(tiny_folder, tmp_path, fresh_seed))
+    hf = trainer.model.get_base_model()
+    input_ids = torch.randint(0, hf.config.vocab_size, (2, 17))
+    hf.train()
+    served = hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert loss_head_calls(hf) == 1
+    leantune.unpatch(trainer.model)
+    trl_head = hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert loss_head_calls(hf) == 1  # TRL's own head ran
+    assert_close("log_probs", served.log_probs, trl_head.log_probs, torch.float32)
+    assert "TRL" not in str(hf.__dict__.get("leantune_summary"))
+    leantune.patch(trainer.model)
+    assert "TRL's fused_lm_head calls" in hf.leantune_summary["loss_runs"]
+    hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert loss_head_calls(hf) == 2
+
+
+def test_fused_head_statistics_match_trl_head(tiny_folder, tmp_path, fresh_seed):
+    """Entropy, log sum p^2, mean logit and top-1 agreement from leantune's no-grad pass equal TRL's kernel's."""
+    trainer = _dpo_trainer(tiny_folder, tmp_path, fresh_seed, use_weighting=True)
+    reference = copy.deepcopy(trainer.model)  # TRL's head (the deep copy rebinds its wrapper to the copy)
+    patch_trainer(trainer)
+    input_ids = torch.randint(0, 259, (3, 30))
+    labels = input_ids.clone()
+    labels[:, :7] = -100
+    outs = [m.get_base_model()(input_ids=input_ids, labels=labels, fused_lm_head=True)
+            for m in (reference, trainer.model)]
+    assert loss_head_calls(trainer.model) == 1 and loss_head_calls(reference) == 0
+    for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
+        assert_close(name, getattr(outs[1], name), getattr(outs[0], name), torch.float32)
+    assert torch.equal(outs[1].is_top1, outs[0].is_top1) and torch.equal(outs[1].label_mask, outs[0].label_mask)
+    assert_close("loss", outs[1].loss, outs[0].loss, torch.float32)
+
+
+def test_trainer_without_fused_head_gets_logits_in_training(tiny_folder, tmp_path, fresh_seed):
+    """TRL <= 1.14 read outputs.logits in training: a trainer whose model has no fused head gets them."""
+    trainer = _sft_trainer(tiny_folder, tmp_path, fresh_seed)
+    hf = trainer.model.get_base_model()
+    del hf.forward  # the model as TRL <= 1.14 leaves it: no fused LM head
+    reference = copy.deepcopy(trainer.model)
+    patch_trainer(trainer)
+    assert "logits formed in training" in hf.leantune_summary["loss_runs"]
+    input_ids = torch.randint(0, 259, (2, 19))
+    out, ref = (m.train()(input_ids=input_ids, labels=input_ids) for m in (trainer.model, reference))
+    assert out.logits is not None
+    assert_close("logits", out.logits, ref.logits, torch.float32)
+    assert_close("loss", out.loss, ref.loss, torch.float32)
+
+
+def test_trainer_that_may_differentiate_statistics_keeps_trl_head(tiny_folder, tmp_path, fresh_seed):
+    """leantune's statistics carry no gradient: a trainer outside SFT/DPO (GRPO's entropy bonus) keeps TRL's head."""
+    GRPOLike = type("GRPOLike", (), {})  # noqa: N806 - a trainer class that is neither SFTTrainer nor DPOTrainer
+    trainer = GRPOLike()
+    trainer.model = _sft_trainer(tiny_folder, tmp_path, fresh_seed).model  # carries TRL's fused head
+    patch_trainer(trainer)
+    hf = trainer.model.get_base_model()
+    assert "GRPOLike is not an SFTTrainer or DPOTrainer" in hf.leantune_summary["loss_runs"]
+    input_ids = torch.randint(0, 259, (2, 15))
+    out = hf.train()(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert loss_head_calls(hf) == 0 and torch.isfinite(out.loss)
