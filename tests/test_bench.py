@@ -381,7 +381,7 @@ def test_child_process_protocol(tiny_config, tmp_path):
     assert crashed["status"] == "crashed" and "exit 1" in crashed["error"] and "No module named" in crashed["error"]
 
 
-@pytest.mark.parametrize("command", ["ops", "e2e", "max-context", "report"])
+@pytest.mark.parametrize("command", ["ops", "e2e", "max-context", "cpu", "report"])
 def test_bench_help_shows_every_default(command, capsys):
     from leantune.cli import build_parser
 

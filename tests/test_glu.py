@@ -327,3 +327,31 @@ def test_int64_offsets_beyond_2_31_elements():
     h = ops.geglu(base[:, :width], base[:, width:])
     assert base.numel() > 2**31
     assert_close("h", h[-3:], geglu_ref(base[-3:, :width], base[-3:, width:]), torch.bfloat16)
+
+
+def test_torch_swiglu_backward_in_place_forms_two_temporaries(monkeypatch):
+    """CPU rule (docs/design.md, "Backends"): the fp32 SwiGLU backward on the torch path writes d_gate/d_up into the
+    caller's buffers through torch's fused silu kernels; besides them only dh * up and silu(gate) are formed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    gate, up = (torch.randn(37, 150) for _ in range(2))
+    dh = torch.randn(37, 150)
+    expected = grads64(lambda g, u: swiglu_ref(g, u), [gate.requires_grad_(), up.requires_grad_()], dh)[1]
+    gate_buf, up_buf = gate.detach().clone(), up.detach().clone()
+    storages = set()
+
+    class RecordStorages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() == gate.numel():
+                    storages.add(t.untyped_storage().data_ptr())
+            return out
+
+    with RecordStorages():
+        d_gate, d_up = glu.glu_backward(dh, gate_buf, up_buf, "swiglu", inplace=True)
+    assert d_gate.data_ptr() == gate_buf.data_ptr() and d_up.data_ptr() == up_buf.data_ptr()
+    assert len(storages - {gate_buf.untyped_storage().data_ptr(), up_buf.untyped_storage().data_ptr()}) <= 2
+    assert_close("d_gate", d_gate, expected[0], torch.float32)
+    assert_close("d_up", d_up, expected[1], torch.float32)

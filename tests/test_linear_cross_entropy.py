@@ -349,3 +349,40 @@ def test_bf16_weight_gradient_at_llama3_vocabulary():
     err, eager_err = _dweight_errors(h, w, labels, chunk_bytes=256 * vocab * 2)
     assert err <= tolerance(torch.bfloat16, eager_err), f"dweight error {err:.3g}, eager {eager_err:.3g}"
     assert err <= 2 * eager_err, f"dweight error {err:.3g} against eager bf16's {eager_err:.3g}"
+
+
+def _fresh_storages_of_size(fn, numel, inputs):
+    """The number of distinct storages of at least ``numel`` elements, other than those of ``inputs`` (views such
+    as weight.t()), that the ops inside ``fn`` return."""
+    storages = set()
+
+    class RecordStorages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() >= numel:
+                    storages.add(t.untyped_storage().data_ptr())
+            return out
+
+    with RecordStorages():
+        fn()
+    return len(storages - {t.untyped_storage().data_ptr() for t in inputs})
+
+
+def test_torch_path_forms_the_gradient_inside_its_logits_chunk(monkeypatch):
+    """CPU rule (docs/design.md, "Backends"): the fused loss's torch path turns each logits chunk into its softmax and
+    gradient in place, so no other tensor of a chunk's size is ever formed; values as the float64 reference."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    rows, vocab, hidden = 40, 300, 24
+    h, w, b, labels = _inputs(torch.float32, rows=rows, hidden=hidden, vocab=vocab, grads=(True, False, False))
+    chunk = _chunk_bytes(2, rows, vocab, torch.float32, "fast")
+    chunk_rows = chunk // (4 * vocab)
+
+    def step():
+        ops.linear_cross_entropy(h, w, labels, b, memory="fast", chunk_bytes=chunk, label_smoothing=0.1,
+                                 z_loss=1e-3).backward()
+
+    assert _fresh_storages_of_size(step, chunk_rows * vocab, [h, w, b]) == 1  # the chunk buffer alone
+    ref = grads64(lambda a: linear_cross_entropy_ref(a, w, labels, b, label_smoothing=0.1, z_loss=1e-3), [h],
+                  torch.tensor(1.0))[1][0]
+    assert_close("dhidden", h.grad, ref, torch.float32)

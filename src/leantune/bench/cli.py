@@ -9,6 +9,7 @@ line).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -158,6 +159,27 @@ def _bench_max_context(args) -> int:
                      for r in results for d in r["probe_details"]], args.out)
 
 
+def _bench_cpu(args) -> int:
+    for name, low in (("batch", 1), ("seq", 1), ("steps", 1), ("warmup", 0), ("threads", 1)):
+        if getattr(args, name) < low:
+            raise LeantuneError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise LeantuneError(f"--model {args.model}: expected a Hugging Face model folder holding config.json")
+    if args.json is not None and Path(args.json).is_dir():
+        raise LeantuneError(f"--json {args.json} is a directory; expected a file path")
+    from ..assets import smollm2_path
+    from .cpu import format_result, run_cpu_bench
+
+    model = args.model if args.model is not None else smollm2_path()
+    result = run_cpu_bench(model, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
+                           threads=args.threads, seed=args.seed)
+    print(format_result(result))
+    if args.json is not None:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def _bench_report(args) -> int:
     from .report import write_report
 
@@ -176,15 +198,16 @@ def _common(p: argparse.ArgumentParser, budget: bool = True, writes: str = "JSON
 
 
 def add_commands(sub) -> None:
-    """Register ``check`` and ``bench ops|e2e|max-context|report`` on ``sub`` (the ``leantune`` parser's
+    """Register ``check`` and ``bench ops|e2e|max-context|cpu|report`` on ``sub`` (the ``leantune`` parser's
     subparsers); each sets ``func`` to its handler, which returns the exit status."""
     check = sub.add_parser("check", help="run every op once against a float64 reference and print the errors")
     check.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     check.set_defaults(func=_check)
 
-    bench = sub.add_parser("bench", help="GPU benchmarks: ops, e2e, max-context (CUDA only); report (anywhere)",
-                           description="Benchmarks of leantune vs HF+PEFT (+Liger) on a CUDA GPU. Every "
-                                       "configuration runs in its own process; results accumulate as JSON in --out.")
+    bench = sub.add_parser("bench", help="benchmarks: ops, e2e, max-context (CUDA); cpu (CPU); report (anywhere)",
+                           description="Benchmarks of leantune vs HF+PEFT (+Liger): ops, e2e and max-context on a "
+                                       "CUDA GPU, cpu on the CPU. Every configuration runs in its own process; "
+                                       "GPU results accumulate as JSON in --out.")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
     ops = bsub.add_parser("ops", help="every op fwd+bwd, leantune vs eager / torch.compile / Liger / CCE",
@@ -233,6 +256,22 @@ def add_commands(sub) -> None:
     mc.add_argument("--compare", action="store_true", help="print ratios vs hf+peft (default: False)")
     _common(mc)
     mc.set_defaults(func=_bench_max_context)
+
+    cpu = bsub.add_parser("cpu", help="a LoRA step on the CPU, HF+PEFT vs leantune-patched: time and peak RSS",
+                          description="One fp32 LoRA training step (r16 on every linear layer, AdamW) of HF+PEFT and "
+                                      "of the leantune-patched model, each side in its own process, timed in "
+                                      "alternating steps; prints the medians, the ratios, each side's peak RSS and "
+                                      "the agreement of loss and LoRA gradients. CPU only.")
+    cpu.add_argument("--model", default=None, metavar="DIR",
+                     help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    cpu.add_argument("--batch", type=int, default=4, help="sequences per step (default: 4)")
+    cpu.add_argument("--seq", type=int, default=256, help="tokens per sequence (default: 256)")
+    cpu.add_argument("--steps", type=int, default=5, help="timed steps per side (default: 5)")
+    cpu.add_argument("--warmup", type=int, default=1, help="untimed steps after the agreement step (default: 1)")
+    cpu.add_argument("--threads", type=int, default=1, help="torch intra-op threads per side (default: 1)")
+    cpu.add_argument("--seed", type=int, default=0, help="seed of adapters and tokens (default: 0)")
+    cpu.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON here (default: none)")
+    cpu.set_defaults(func=_bench_cpu)
 
     report = bsub.add_parser("report", help="rebuild results.md and the PNGs from the JSON in --out (any machine)")
     report.add_argument("--compare", action="store_true", help="print ratios vs hf+peft (default: False)")

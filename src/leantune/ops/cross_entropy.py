@@ -217,52 +217,88 @@ def _softcap_torch(x, softcap):
     return softcap * t, torch.where(u.abs() < _SERIES_BELOW.value, 1.0 - t * t, 4.0 * e / ((1.0 + e) * (1.0 + e)))
 
 
-def _gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab):
-    """fp32 gradient of a row tile, the same terms as ``_write_gradient``."""
+def _gradient_from_softmax_(p, labels, lse, scale, opts, dz_dx, col_offset, n_vocab, norm=None):
+    """Turn ``p`` (fp32 ``[n, w]``, written in place) into the gradient tile: p holds softmax(z) (times the per-row
+    ``norm`` when given: exp(z - max) with norm = 1 / sum exp(z - max)); the terms of ``_write_gradient``, each row
+    scaled before the subtractions. One pass per term over the tile, no temporaries of its size."""
     valid = labels != opts.ignore_index
-    z, dz_dx = _softcap_torch(logits.float(), opts.softcap)
-    p = torch.exp(z - lse[:, None])
+    row_scale = scale.float().expand(labels.shape)
+    coef = row_scale if norm is None else row_scale * norm
     if opts.z_loss > 0.0:
-        p = p * (1.0 + 2.0 * opts.z_loss * lse[:, None])
+        coef = coef * (1.0 + 2.0 * opts.z_loss * lse)
+    p.mul_(coef[:, None])
     target_weight = 1.0
     if opts.label_smoothing > 0.0:
-        p = p - opts.label_smoothing / n_vocab
+        p.sub_((opts.label_smoothing / n_vocab) * row_scale[:, None])
         target_weight = 1.0 - opts.label_smoothing
     local = labels - col_offset
-    hit = valid & (local >= 0) & (local < logits.shape[1])
-    rows = torch.nonzero(hit).squeeze(1)
-    p[rows, local[rows]] -= target_weight
+    rows = torch.nonzero(valid & (local >= 0) & (local < p.shape[1])).squeeze(1)
+    p[rows, local[rows]] -= target_weight * row_scale[rows]
     if dz_dx is not None:
-        p = p * dz_dx
+        p.mul_(dz_dx)
     # an ignored row's gradient is exactly 0 whatever its logits (exp(z - lse) may be inf or NaN there)
-    return torch.where(valid[:, None], p * scale.float().expand(labels.shape)[:, None], 0.0)
+    ignored = torch.nonzero(~valid).squeeze(1)
+    if ignored.numel():
+        p.index_fill_(0, ignored, 0.0)
+    return p
+
+
+def _gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab, out):
+    """fp32 gradient of a row tile, the same terms as ``_write_gradient``, formed in ``out`` when it is fp32 (it may
+    alias ``logits``: every pass is elementwise), else in a new buffer the caller copies from."""
+    z, dz_dx = _softcap_torch(logits.float(), opts.softcap)
+    if z is not logits:  # a fresh fp32 copy (upcast or softcapped): ours to overwrite
+        p = z.sub_(lse[:, None])
+    elif out.dtype == torch.float32:
+        p = torch.sub(z, lse[:, None], out=out)
+    else:
+        p = z - lse[:, None]
+    return _gradient_from_softmax_(p.exp_(), labels, lse, scale, opts, dz_dx, col_offset, n_vocab)
 
 
 def _forward_torch(logits, labels, opts, loss, lse, grad, grad_scale):
+    """Loss and lse of each row; with ``grad`` also the gradient. Passes over the ``[n, V]`` tile: max, exp(z - max)
+    in place (in the gradient buffer when ``grad`` is the logits tile itself, as in the fused loss), its sum, and
+    then each gradient term in place: on the CPU each separate op is a trip through memory, and a fresh buffer of
+    this size costs page faults on top."""
     if logits.shape[0] == 0:
         return
     valid = labels != opts.ignore_index
-    z, _ = _softcap_torch(logits.float(), opts.softcap)
+    z, dz_dx = _softcap_torch(logits.float(), opts.softcap)
     # max + log sum exp(z - max), as the Triton kernel and F.cross_entropy form it: a +inf logit gives NaN (inf - inf),
     # where torch.logsumexp would return inf and a finite-looking loss of inf
     row_max = z.amax(-1, keepdim=True)
-    row_lse = (row_max + torch.exp(z - row_max).sum(-1, keepdim=True).log()).squeeze(-1)
     target = torch.where(valid, labels, 0)
-    row_loss = row_lse - z.gather(1, target[:, None]).squeeze(1)
+    z_target = z.gather(1, target[:, None]).squeeze(1)
+    z_mean = z.mean(-1) if opts.label_smoothing > 0.0 else None
+    if z is not logits or grad is logits:  # z may be overwritten: a fresh fp32 copy, or the tile to hold the gradient
+        e = z.sub_(row_max)
+    elif grad is not None and grad.dtype == torch.float32:
+        e = torch.sub(z, row_max, out=grad)
+    else:
+        e = z - row_max
+    sum_e = e.exp_().sum(-1)
+    row_lse = row_max.squeeze(-1) + sum_e.log()
+    row_loss = row_lse - z_target
     if opts.label_smoothing > 0.0:
         eps = opts.label_smoothing
-        row_loss = (1.0 - eps) * row_loss + eps * (row_lse - z.mean(-1))
+        row_loss = (1.0 - eps) * row_loss + eps * (row_lse - z_mean)
     if opts.z_loss > 0.0:
         row_loss = row_loss + opts.z_loss * row_lse * row_lse
     loss.copy_(torch.where(valid, row_loss, 0.0))
     lse.copy_(row_lse)
-    if grad is not None:
-        grad.copy_(_gradient_torch(logits, labels, row_lse, grad_scale, opts, 0, logits.shape[1]))
+    if grad is not None:  # softmax = exp(z - max) / sum exp(z - max) = exp(z - lse)
+        e = _gradient_from_softmax_(e, labels, row_lse, grad_scale, opts, dz_dx, 0, logits.shape[1],
+                                    norm=sum_e.reciprocal())
+        if e is not grad:
+            grad.copy_(e)
 
 
 def _backward_torch(logits, labels, lse, scale, opts, grad, col_offset, n_vocab):
     if logits.shape[0] and logits.shape[1]:
-        grad.copy_(_gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab))
+        p = _gradient_torch(logits, labels, lse, scale, opts, col_offset, n_vocab, grad)
+        if p is not grad:
+            grad.copy_(p)
 
 
 def loss_rows(impl, logits, labels, opts, loss, lse, grad=None, grad_scale=None):
