@@ -274,7 +274,9 @@ def test_quantize_model_loss_matches_float64_of_dequantised_weights(monkeypatch)
     reference.assert_close("NF4 model loss", loss, loss64, torch.float32)
     reference.assert_close("embedding gradient through NF4 linears", quantised.model.embed_tokens.weight.grad,
                            reference64.model.embed_tokens.weight.grad, torch.float32)
-    assert 0 < abs(loss.item() - loss_fp32.item()) < 0.05 * loss_fp32.item()
+    # NF4 moves a random tiny model's loss by a few percent (up to 6.6% over 40 seeds): a sanity bound only, the
+    # exactness is the float64 comparison above and the bit-exact tests against bitsandbytes
+    assert 0 < abs(loss.item() - loss_fp32.item()) < 0.2 * loss_fp32.item()
 
 
 def test_quantize_model_errors_leave_it_unchanged():
