@@ -154,13 +154,15 @@ def test_patched_matches_hf(family, op_calls, monkeypatch):
     input_ids, labels = batch()
     check_parity(model, input_ids, labels, op_calls, family)
 
-    # generate (no labels: HF's forward with the patched modules; greedy tokens as HF's)
+    # generate (no labels: HF's forward with the patched modules; greedy tokens as HF's). min_new_tokens keeps a
+    # random draw that greedily picks the config's EOS from stopping early: every step is compared.
     model.eval()
     prompt = input_ids[:1, :5]
-    ref_tokens = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    settings = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref_tokens = model.generate(prompt, **settings)
     leantune.patch(model)
-    tokens = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert tokens.shape == (1, 9)
+    tokens = model.generate(prompt, **settings)
+    assert ref_tokens.shape == tokens.shape == (1, 9)
     assert torch.equal(tokens, ref_tokens)
     leantune.unpatch(model)
 
