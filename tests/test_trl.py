@@ -18,6 +18,7 @@ import pytest
 import torch
 from reference import assert_close
 from test_train import WORDS, write_tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import leantune
 from leantune.integrations.trl import loss_head_calls, patch_trainer
@@ -190,20 +191,37 @@ def test_unpatch_gives_trl_head_back_and_patch_takes_it_again(tiny_folder, tmp_p
 
 
 def test_fused_head_statistics_match_trl_head(tiny_folder, tmp_path, fresh_seed):
-    """Entropy, log sum p^2, mean logit and top-1 agreement from leantune's no-grad pass equal TRL's kernel's."""
+    """Entropy, log sum p^2, mean logit and top-1 agreement from leantune's loss op equal TRL's kernel's, with one
+    lm_head product in the forward (the op's one logits chunk: no second pass for the statistics)."""
     trainer = _dpo_trainer(tiny_folder, tmp_path, fresh_seed, use_weighting=True)
     reference = copy.deepcopy(trainer.model)  # TRL's head (the deep copy rebinds its wrapper to the copy)
     patch_trainer(trainer)
     input_ids = torch.randint(0, 259, (3, 30))
     labels = input_ids.clone()
     labels[:, :7] = -100
-    outs = [m.get_base_model()(input_ids=input_ids, labels=labels, fused_lm_head=True)
-            for m in (reference, trainer.model)]
+    head_shape = tuple(trainer.model.get_base_model().get_output_embeddings().weight.shape)
+    with _HeadProducts(head_shape) as products:
+        ours = trainer.model.get_base_model()(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    assert products.count == 1
+    outs = [reference.get_base_model()(input_ids=input_ids, labels=labels, fused_lm_head=True), ours]
     assert loss_head_calls(trainer.model) == 1 and loss_head_calls(reference) == 0
     for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
         assert_close(name, getattr(outs[1], name), getattr(outs[0], name), torch.float32)
     assert torch.equal(outs[1].is_top1, outs[0].is_top1) and torch.equal(outs[1].label_mask, outs[0].label_mask)
     assert_close("loss", outs[1].loss, outs[0].loss, torch.float32)
+
+
+class _HeadProducts(TorchDispatchMode):
+    """Counts matrix products with an operand of the lm_head weight's shape [V, H] (or its transpose)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shapes, self.count = {shape, shape[::-1]}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.linear):
+            self.count += any(isinstance(a, torch.Tensor) and tuple(a.shape) in self.shapes for a in args)
+        return func(*args, **(kwargs or {}))
 
 
 def test_trainer_without_fused_head_gets_logits_in_training(tiny_folder, tmp_path, fresh_seed):

@@ -26,9 +26,8 @@ rows (``position_ids`` restarting per document), completion-only masks and gradi
 only as labels, positions and ``num_items_in_batch``, which it takes as TRL's head does.
 
 The statistics (entropy, top-1 agreement, mean logit, log sum p^2) are for logging only (TRL detaches or never
-differentiates them): leantune's fused op returns the loss rows alone, so they come from a separate no-grad pass
-over the labelled rows, [rows, vocab] logits one 32 MiB chunk at a time. That pass costs one more ``lm_head`` GEMM
-(N H V multiply-adds beside the op's 3 N H V); ``metrics=False`` skips it and reports zeros for them.
+differentiates them): the same op call returns them (``statistics=``), read from each logits chunk right after its
+loss, one more pass over the chunk and no extra matmul. ``metrics=False`` skips that pass and reports zeros.
 
 TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
 SFTTrainer or DPOTrainer (GRPO differentiates the entropy), a temperature or logit scale other than 1,
@@ -58,7 +57,6 @@ from ..patch.lora_status import has_hooks
 
 IGNORE_INDEX = -100  # TRL's label for "no target", fixed in its fused head
 STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_STATS_CHUNK_BYTES = 32 * 2**20
 
 
 class FusedLMHead:
@@ -116,47 +114,20 @@ class FusedLMHead:
         rows, targets = hidden[mask], labels[mask]
         family = model.__dict__[STATE_ATTR].family
         softcap = getattr(model.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
+        wanted = tuple(name for name in STATS if name in self.outputs) if self.metrics else ()
         nll = ops.linear_cross_entropy(rows, head.weight, targets, head.bias, softcap=softcap, reduction="none",
-                                       ignore_index=IGNORE_INDEX)
+                                       ignore_index=IGNORE_INDEX, statistics=wanted)
+        nll, found = nll if wanted else (nll, {})
         self.calls += 1
         # masked_scatter keeps an all-ignored micro-batch connected to the graph (a zero with a gradient), as TRL's
         log_probs = nll.new_zeros(mask.shape).masked_scatter(mask, -nll)
         stats = dict.fromkeys(STATS)
-        wanted = [name for name in STATS if name in self.outputs]
-        if wanted:
-            found = _row_stats(rows, head.weight, head.bias, targets, softcap, wanted) if self.metrics else {
-                name: torch.zeros(rows.shape[0], dtype=torch.bool if name == "is_top1" else torch.float32,
-                                  device=rows.device) for name in wanted}
-            for name, values in found.items():
-                stats[name] = values.new_zeros(mask.shape).masked_scatter(mask, values)
+        for name in (name for name in STATS if name in self.outputs):
+            stats[name] = (found[name].new_zeros(mask.shape).masked_scatter(mask, found[name]) if name in found else
+                           torch.zeros(mask.shape, dtype=torch.bool if name == "is_top1" else torch.float32,
+                                       device=mask.device))
         divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, label_mask=mask, **stats)
-
-
-@torch.no_grad()
-def _row_stats(rows, weight, bias, targets, softcap, wanted) -> dict[str, torch.Tensor]:
-    """TRL's logging statistics of the rows' next-token distributions, in fp32, chunk by chunk: entropy
-    -sum p log p, ``log_sum_sq_probs`` log sum p^2, ``mean_logits`` mean z, ``is_top1`` argmax z == target (the
-    first maximum, as TRL's kernel breaks ties). Shapes: rows [N, H], targets [N] -> each [N]."""
-    n_rows, n_vocab = rows.shape[0], weight.shape[0]
-    out = {name: torch.empty(n_rows, dtype=torch.bool if name == "is_top1" else torch.float32, device=rows.device)
-           for name in wanted}
-    step = max(1, _STATS_CHUNK_BYTES // (4 * n_vocab))
-    for start in range(0, n_rows, step):
-        end = min(start + step, n_rows)
-        z = nn.functional.linear(rows[start:end], weight, bias).float()
-        if softcap is not None:
-            z = torch.tanh(z / softcap) * softcap
-        log_p = torch.log_softmax(z, dim=-1)
-        if "entropy" in out:
-            out["entropy"][start:end] = -(log_p.exp() * log_p).sum(-1)
-        if "log_sum_sq_probs" in out:
-            out["log_sum_sq_probs"][start:end] = torch.logsumexp(2 * log_p, dim=-1)
-        if "mean_logits" in out:
-            out["mean_logits"][start:end] = z.mean(-1)
-        if "is_top1" in out:
-            out["is_top1"][start:end] = z.argmax(-1) == targets[start:end]
-    return out
 
 
 def _trl_head_settings(forward) -> dict | None:
@@ -207,8 +178,8 @@ def patch_trainer(trainer, *, metrics: bool = True, **patch_kwargs):
 
     Args:
         trainer: a ``trl`` trainer after construction (its model may already be patched, or not).
-        metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit) in a no-grad pass (module
-            docstring); False reports zeros for them and skips the pass.
+        metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit) inside the loss op's pass
+            (module docstring); False reports zeros for them.
         **patch_kwargs: :func:`leantune.patch`'s switches (``rope``, ``mlp``, ``lora``, ``loss``, ...).
 
     Returns:

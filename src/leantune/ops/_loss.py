@@ -17,6 +17,8 @@ import torch
 from . import _runtime
 
 REDUCTIONS = ("mean", "sum", "none")
+# per-row statistics of softmax(z) a loss op can return beside the loss (cross_entropy's row_statistics)
+STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 class Options(NamedTuple):
@@ -95,6 +97,16 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
         raise ValueError(f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found "
                          f"{low if low < 0 else high}")
     return Options(int(ignore_index), label_smoothing, softcap, z_loss), n_valid
+
+
+def check_statistics(statistics) -> tuple[str, ...]:
+    """The requested statistic names as a tuple (ValueError for a string, a non-sequence or an unknown name)."""
+    if isinstance(statistics, str) or not isinstance(statistics, (tuple, list)):
+        raise ValueError(f"statistics must be a tuple of names from {STATISTICS}, got {statistics!r}")
+    unknown = [name for name in statistics if name not in STATISTICS]
+    if unknown:
+        raise ValueError(f"statistics must name only {STATISTICS}, got {unknown[0]!r}")
+    return tuple(dict.fromkeys(statistics))
 
 
 def mean_divisor(n_valid: int, reduction, num_items, device):

@@ -34,6 +34,11 @@ the caller's tensor is never overwritten and no [N, V] buffer exists between for
 moves in all, the roofline's minimum for a gradient that must not alias the input. Inside the fused
 linear_cross_entropy, which owns its logits chunks, :func:`loss_rows` writes the gradient in place in the same launch.
 
+Statistics (logging only, no gradient; :func:`row_statistics`, read from a logits tile and its lse in one more pass,
+no matmul): with log p_j = z_j - lse, entropy -sum_j p_j log p_j (each term >= 0: no cancellation for a confident
+row), ``log_sum_sq_probs`` log sum_j p_j^2 = log sum_j exp(2 (z_j - lse)), ``mean_logits`` sum_j z_j / V and
+``is_top1`` argmax_j z_j == y (the first maximum on ties, as torch.argmax).
+
 Labels outside [0, V) other than ignore_index raise ValueError before the launch (an out-of-range label would
 otherwise read out of bounds in the kernel): their range and the valid count are reduced on the device and read back
 in one host sync.
@@ -163,6 +168,44 @@ def _cross_entropy_backward_kernel(
         _write_gradient(LOGITS + row * stride_logits, GRAD + row * stride_grad, start, cols, n_cols, col_offset,
                         label, valid, lse, scale, n_vocab, label_smoothing, softcap, z_loss,
                         HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
+
+
+@triton.jit
+def _row_statistics_kernel(
+    LOGITS, LABELS, LSE, ENTROPY, LOG_SUM_SQ, MEAN, TOP1,
+    stride_logits, n_cols, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Per row, from its lse: entropy, log sum p^2, mean z and argmax z == label (module docstring); one pass."""
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = LOGITS + row * stride_logits
+    lse = tl.load(LSE + row)
+    cols = tl.arange(0, BLOCK)
+    entropy = tl.zeros((), tl.float32)
+    sum_sq = tl.zeros((), tl.float32)
+    z_sum = tl.zeros((), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_col = tl.zeros((), tl.int64)
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < n_cols
+        x = tl.load(logits_row + offs, mask=mask, other=0.0).to(tl.float32)
+        z, _ = _softcap(x, softcap, HAS_SOFTCAP)
+        log_p = z - lse
+        p = tl.exp(log_p)
+        entropy -= tl.sum(tl.where(mask, p * tl.where(p > 0.0, log_p, 0.0), 0.0), axis=0)  # p = 0: the limit 0
+        sum_sq += tl.sum(tl.where(mask, p * p, 0.0), axis=0)
+        z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        z = tl.where(mask, z, float("-inf"))
+        block_best = tl.max(z, axis=0)
+        block_col = start + tl.argmax(z, axis=0, tie_break_left=True).to(tl.int64)
+        better = block_best > best  # strictly: an equal maximum later in the row keeps the first
+        best_col = tl.where(better, block_col, best_col)
+        best = tl.where(better, block_best, best)
+    tl.store(ENTROPY + row, entropy)
+    tl.store(LOG_SUM_SQ + row, tl.log(sum_sq))
+    tl.store(MEAN + row, z_sum / n_cols)
+    tl.store(TOP1 + row, (best_col == tl.load(LABELS + row)).to(tl.int8))
 
 
 # ----------------------------------------------------------------------------------------------------- launchers
@@ -301,6 +344,27 @@ def _backward_torch(logits, labels, lse, scale, opts, grad, col_offset, n_vocab)
             grad.copy_(p)
 
 
+def _statistics_triton(logits, labels, lse, softcap, out):
+    n_rows, n_cols = logits.shape
+    block = vocab_block(logits.device, n_cols)
+    _row_statistics_kernel[(n_rows,)](
+        logits, labels, lse, out["entropy"], out["log_sum_sq_probs"], out["mean_logits"],
+        out["is_top1"].view(torch.int8),
+        logits.stride(0), n_cols, softcap or 1.0,
+        HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=_runtime.num_warps_for(block),
+    )
+
+
+def _statistics_torch(logits, labels, lse, softcap, out):
+    z, _ = _softcap_torch(logits.float(), softcap)
+    out["mean_logits"].copy_(z.mean(-1))
+    out["is_top1"].copy_(z.argmax(-1) == labels)  # torch.argmax returns the first maximum
+    log_p = z - lse[:, None]
+    p = log_p.exp()
+    out["log_sum_sq_probs"].copy_(p.square().sum(-1).log())
+    out["entropy"].copy_(-torch.where(p > 0.0, p * log_p, 0.0).sum(-1))
+
+
 def loss_rows(impl, logits, labels, opts, loss, lse, grad=None, grad_scale=None):
     """Write per-row loss and lse (fp32 [n]) of ``logits [n, V]``; with ``grad``, also the gradient times
     ``grad_scale`` (0-dim fp32) into ``grad [n, V]``, which may be ``logits`` itself (in place, same launch)."""
@@ -313,6 +377,14 @@ def gradient_rows(impl, logits, labels, lse, scale, opts, grad, col_offset=0, n_
     n_vocab = logits.shape[1] if n_vocab is None else n_vocab
     (_backward_triton if impl == "triton" else _backward_torch)(
         logits, labels, lse, scale, opts, grad, col_offset, n_vocab)
+
+
+def row_statistics(impl, logits, labels, lse, softcap, out):
+    """Write the statistics of each row of ``logits [n, V]`` (module docstring) into ``out``: fp32 ``[n]`` tensors
+    "entropy", "log_sum_sq_probs", "mean_logits" and a bool ``[n]`` "is_top1"; ``lse`` is the rows' fp32 lse from
+    :func:`loss_rows` (of the softcapped logits). No gradient; the logits are only read."""
+    if logits.shape[0]:
+        (_statistics_triton if impl == "triton" else _statistics_torch)(logits, labels, lse, softcap, out)
 
 
 # ------------------------------------------------------------------------------------------------ autograd + API

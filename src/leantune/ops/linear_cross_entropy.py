@@ -17,12 +17,17 @@ memory="fast" (default): everything happens in the forward, token chunk by token
     not grow with the chunk count (docs/design.md, "Numerics"). Saved: dhidden [N, H], dweight [V, H], dbias [V]
     (only those that are wanted). Backward multiplies them by the scalar grad_output in place (skipped when it is
     1), so the node supports one backward (a second, with retain_graph, raises). 2 N H V multiply-adds in all.
-    reduction="none" has one grad_output per row, which dweight needs before its matmul; it runs the "low" path.
+    reduction="none" has one grad_output per row, which dweight needs before its matmul; it runs the "low" path,
+    and so do requested ``statistics`` (they read the logits, which this path overwrites with their gradient).
 memory="low": the forward computes only loss and lse per token chunk; saved: hidden, weight, bias, labels, lse
     [N] fp32. Backward recomputes the logits (3 N H V multiply-adds in all). With a weight/bias gradient it walks
     vocab tiles of all N rows (columns = chunk_bytes / (N * itemsize)): each dweight/dbias slice is written once
     with the full fp32 reduction over N inside cuBLAS, and dhidden accumulates over tiles in the compute dtype. With
     only dhidden wanted (frozen lm_head, LoRA) it walks token chunks and writes each dhidden row block once.
+
+``statistics`` (entropy, log sum p^2, mean logit, top-1 agreement; cross_entropy's :func:`row_statistics`) are read
+from each forward chunk after its loss: one more pass over the chunk, no matmul (a separate no-grad pass would
+cost another N H V multiply-adds), fp32 [N] each, without gradient.
 
 Extra peak (beyond inputs and the returned gradients): one chunk buffer (at most 128 MiB fast, 32 MiB low) plus
 O(N) fp32 rows; with a trainable 16-bit weight over several chunks, memory="fast" also holds the fp32 dweight sum
@@ -37,8 +42,8 @@ import numbers
 import torch
 
 from . import _runtime
-from ._loss import check_options, mean_divisor, reduce, row_scale
-from .cross_entropy import gradient_rows, loss_rows
+from ._loss import STATISTICS, check_options, check_statistics, mean_divisor, reduce, row_scale
+from .cross_entropy import gradient_rows, loss_rows, row_statistics
 
 MEMORY_MODES = ("fast", "low")
 DEFAULT_CHUNK_BYTES = {"fast": 128 * 2**20, "low": 32 * 2**20}
@@ -85,8 +90,9 @@ def _add_product(out, a, b, first):
         out.addmm_(a, b)
 
 
-def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad_scale, wants):
-    """Loss and lse per row over token chunks; with ``grad_scale`` also dhidden/dweight/dbias (see module doc)."""
+def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad_scale, wants, stats=None):
+    """Loss and lse per row over token chunks; with ``grad_scale`` also dhidden/dweight/dbias (see module doc);
+    without it, ``stats`` (name -> [N] output, or None) are filled from each chunk."""
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
     want_h, want_w, want_b = wants
@@ -110,6 +116,9 @@ def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad
         logits = _logits_into(buffer[: end - start], hidden_c, weight, bias)
         grad = logits if grad_scale is not None else None
         loss_rows(impl, logits, labels[start:end], opts, loss[start:end], lse[start:end], grad, grad_scale)
+        if stats:
+            row_statistics(impl, logits, labels[start:end], lse[start:end], opts.softcap,
+                           {name: out[start:end] for name, out in stats.items()})
         if want_h:
             torch.mm(logits, weight, out=dhidden[start:end])
         if want_w:
@@ -168,34 +177,40 @@ def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, ch
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd node of :func:`linear_cross_entropy`.
 
-    fast: saves dhidden, dweight, dbias (those wanted) and the divisor. low (and "none"): saves hidden, weight,
-    bias, labels, lse [N] fp32 and the divisor. Never an [N, V] tensor.
+    fast: saves dhidden, dweight, dbias (those wanted) and the divisor. low (and "none", and with statistics):
+    saves hidden, weight, bias, labels, lse [N] fp32 and the divisor. Never an [N, V] tensor. Returns the loss and
+    then the requested statistics (not differentiable).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, divisor, memory, chunk_bytes, wants,
-                compute_dtype):
+                compute_dtype, statistics):
         impl = _runtime.backend(hidden.device)
         ctx.impl, ctx.opts, ctx.reduction, ctx.chunk_bytes, ctx.wants = impl, opts, reduction, chunk_bytes, wants
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
             b = None if bias is None else bias.to(compute_dtype)
-            fast = memory == "fast" and reduction != "none" and any(wants)
+            fast = memory == "fast" and reduction != "none" and any(wants) and not statistics
             ctx.fast = fast
+            stats = {name: _runtime.empty((hidden.shape[0],), dtype=torch.bool if name == "is_top1" else torch.float32,
+                                          device=hidden.device) for name in STATISTICS} if statistics else None
             if fast:
                 grad_scale = (1.0 / divisor) if reduction == "mean" else torch.ones(
                     (), dtype=torch.float32, device=hidden.device)
                 loss, _, dh, dw, db = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, grad_scale, wants)
                 ctx.save_for_backward(dh, dw, db)
             else:
-                loss, lse, *_ = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, None, (False,) * 3)
+                loss, lse, *_ = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, None, (False,) * 3,
+                                                 stats)
                 ctx.save_for_backward(h, w, b, labels, lse, divisor)
-        return reduce(loss, reduction, divisor)
+        picked = [stats[name] for name in statistics] if statistics else []
+        ctx.mark_non_differentiable(*picked)
+        return (reduce(loss, reduction, divisor), *picked)
 
     @staticmethod
     @_runtime.first_derivative_only
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *_statistics):
         if ctx.fast:
             if getattr(ctx, "consumed", False):
                 raise RuntimeError("linear_cross_entropy(memory='fast') supports one backward per forward (its "
@@ -213,12 +228,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grads = _recompute_backward(ctx.impl, h, w, b, labels, lse, scale, ctx.opts, ctx.chunk_bytes,
                                             ctx.wants)
         out = [None if g is None or dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes)]
-        return (*out, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ignore_index=-100,
                          label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean", num_items=None,
-                         chunk_bytes=None):
+                         chunk_bytes=None, statistics=()):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without an [N, V] tensor; grads for all three.
 
     Args:
@@ -232,15 +247,20 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         chunk_bytes: byte budget of the logits work buffer (default 128 MiB for "fast", 32 MiB for "low"); it fixes
             the token-chunk rows (chunk_bytes / (V * itemsize)) or vocab-tile columns (chunk_bytes / (N * itemsize)),
             rounded down to a multiple of 128 from 256 up (:func:`chunk_length`).
+        statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``: per-row statistics of
+            softmax(z) for logging (entropy -sum p log p, log sum p^2, mean z, argmax z == label; formulas in
+            :mod:`leantune.ops.cross_entropy`), read from the forward's logits chunks (the "low" path runs).
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. Gradients for hidden, and for weight/bias when they require
-        grad, in their own dtypes.
+        grad, in their own dtypes. With ``statistics``: ``(loss, {name: [N] tensor})``, fp32 (``is_top1`` bool),
+        without gradient.
 
     Raises:
         ValueError: non-float or mismatched dtypes (outside autocast), wrong shapes (hidden not 2-D, weight not
             ``[V, H]``, bias not ``[V]``, labels not ``[N]`` int64), tensors on different devices, an unknown
-            ``memory``, ``chunk_bytes`` not a positive int, and every error of :func:`cross_entropy`.
+            ``memory``, ``chunk_bytes`` not a positive int, ``statistics`` not a tuple of known names, and every
+            error of :func:`cross_entropy`.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("hidden", hidden)
@@ -259,6 +279,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         chunk_bytes = DEFAULT_CHUNK_BYTES[memory]
     elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    statistics = check_statistics(statistics)
     _runtime.check_same_device(hidden=hidden, weight=weight, bias=bias,
                                labels=labels if isinstance(labels, torch.Tensor) else None)
     compute_dtype = _runtime.autocast_dtype(hidden.device)
@@ -279,5 +300,6 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     labels = labels.contiguous()
     divisor = mean_divisor(n_valid, reduction, num_items, labels.device)
-    return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, opts, reduction, divisor, memory,
-                                            int(chunk_bytes), wants, compute_dtype)
+    loss, *stats = LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, opts, reduction, divisor, memory,
+                                                    int(chunk_bytes), wants, compute_dtype, statistics)
+    return (loss, dict(zip(statistics, stats))) if statistics else loss
