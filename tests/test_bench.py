@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from leantune.bench import e2e, harness, max_context, report, step
+from leantune.bench import build, e2e, harness, max_context, report, step
 from leantune.bench.flops import (
     attention_flops_per_token,
     default_shape,
@@ -81,7 +81,7 @@ def test_frozen_weight_bytes_tiny_peft_model(tied):
 
     config = LlamaConfig(**TINY, tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=step.TARGETS, init_lora_weights=False))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=build.TARGETS, init_lora_weights=False))
     h, i, kv, v = 64, 96, 32, 97
     layer = h * h + 2 * h * kv + h * h + 3 * h * i + 2 * h  # projections + two norms
     elements = v * h + 2 * layer + h + (0 if tied else v * h)  # embedding, layers, final norm, lm_head
@@ -94,7 +94,7 @@ def test_seeded_init_depends_on_seed_and_names_only():
     def draw(torch_seed, seed):
         torch.manual_seed(torch_seed)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.bfloat16)
-        step.seeded_init(model, seed, trainable_only=False, std=0.02)
+        build.seeded_init(model, seed, trainable_only=False, std=0.02)
         return model.state_dict()
 
     a, b, c = draw(1, 7), draw(2, 7), draw(1, 8)
@@ -201,8 +201,9 @@ def test_compare_ratios():
               {"model": "m", "layers": None, "impl": "leantune", "best": 163840},
               {"model": "m", "layers": None, "impl": "hf+peft+liger", "best": None}]
     mx = report.compare_max_context(maxctx)
-    assert mx[("m", None, "leantune")] == pytest.approx(163840 / 49152) and mx[("m", None, "hf+peft")] == 1.0
-    assert math.isnan(mx[("m", None, "hf+peft+liger")])
+    assert mx[("m", None, None, "leantune")] == pytest.approx(163840 / 49152)
+    assert mx[("m", None, None, "hf+peft")] == 1.0
+    assert math.isnan(mx[("m", None, None, "hf+peft+liger")])
     text = report.format_compare(rows, maxctx)
     assert "tokens/s x1.50, peak GiB x0.75" in text and "max context m leantune: x3.33" in text
 
@@ -266,7 +267,9 @@ def test_cli_needs_cuda(argv, monkeypatch, capsys, tmp_path, tiny_config):
                                             "/nonexistent/dir: does not exist"),
                                            (["max-context", "--config", "x", "--step", "0"], "--step must be positive"),
                                            (["max-context", "--config", "x", "--lo", "300000", "--hi", "200000"],
-                                            "no multiple of 4096 in [300000, 200000] (--step, --lo, --hi")])
+                                            "no multiple of 4096 in [300000, 200000] (--step, --lo, --hi"),
+                                           (["max-context", "--config", "x", "--memory-cap-gib", "0"],
+                                            "--memory-cap-gib must be a positive number of GiB, got 0.0")])
 def test_cli_option_errors(argv, message, capsys):
     code = cli_main(["bench", *argv])
     err = capsys.readouterr().err
@@ -473,6 +476,19 @@ def test_max_context_merge_rejects_contradicting_probes():
         report.merge_max_context([_maxctx("x", [(262144, True)]), _maxctx("x", [(245760, False)])])
     with pytest.raises(report.ReportError, match="262144 fits but 245760 does not"):  # within one file too
         report.merge_max_context([_maxctx("x", [(262144, True), (245760, False)])])
+
+
+def test_a_memory_cap_is_its_own_search_and_workload():
+    """A capped search (a smaller card) pools only with searches under the same cap, and says so in the tables."""
+    capped = {**_maxctx("x", [(262144, False)]), "memory_cap_gib": 80.0}
+    merged = report.merge_max_context([_maxctx("x", [(393216, True)]), capped])  # no contradiction: two searches
+    assert sorted((r.get("memory_cap_gib"), r["best"], r["first_fail"]) for r in merged
+                  if r.get("memory_cap_gib")) == [(80.0, None, 262144)]
+    assert "(80 GiB cap)" in report.markdown([], merged)
+    spec = RunSpec("leantune+nf4", "cfg", seq=8, batch=1, gc=True, memory_cap_gib=80)
+    assert spec.name.endswith("_cap80")
+    with pytest.raises(harness.BenchError, match="memory_cap_gib must be a positive number"):
+        RunSpec("leantune", "cfg", seq=8, batch=1, gc=True, memory_cap_gib=-1)
 
 
 def test_max_context_bracket_ends_close_the_search():
@@ -788,3 +804,52 @@ def test_child_under_torchrun_on_cpu_reports_the_world(tiny_config, tmp_path):
     assert results["ddp"]["grad_norm"] == pytest.approx(results["fsdp"]["grad_norm"], rel=1e-4)
     with pytest.raises(step.BenchError, match="several processes need"):
         RunSpec("leantune", tiny_config, seq=24, batch=2, gc=False, nproc=2)
+
+
+def test_qlora_builds_layer_by_layer_match_the_whole_model_quantised(tiny_config):
+    """leantune+nf4's layer-by-layer build holds exactly what building the bf16 model whole and calling
+    leantune.quantize gives (same codes, same adapters, same loss); hf+peft+bnb quantises the same weights with
+    bitsandbytes to the same codes, and its first step agrees with leantune+nf4's."""
+    import gc
+
+    from torch import nn
+
+    import leantune
+    from leantune.quantize import NF4Linear
+
+    spec = RunSpec("leantune+nf4", tiny_config, seq=24, batch=2, gc=False, warmup=0, steps=1, device="cpu")
+    layerwise, config = build.build(spec)
+    gc.collect()  # no bf16 projection outlives its quantisation (the bf16 model never exists whole)
+    kept = set(layerwise.modules())
+    assert not [m for m in gc.get_objects() if type(m) is nn.Linear and m not in kept
+                and m.weight.dtype == torch.bfloat16 and m.weight.shape[1] == config.hidden_size]
+    whole, _ = build.build(dataclasses.replace(spec, impl="hf+peft"))
+    leantune.quantize(whole, "nf4")
+    leantune.patch(whole)
+    ours, theirs = layerwise.state_dict(), whole.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    nf4 = [m for m in layerwise.modules() if isinstance(m, NF4Linear)]
+    whole_nf4 = [m for m in whole.modules() if isinstance(m, NF4Linear)]
+    assert len(nf4) == len(whole_nf4) == 7 * config.num_hidden_layers
+    for a, b in zip(nf4, whole_nf4):  # NF4Linear's buffers are not in the state dict
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("codes", "absmax_codes", "nested_absmax"))
+    # every parameter and buffer materialised (the rotary frequencies too) and tied as built whole
+    assert not any(t.is_meta for t in (*layerwise.parameters(), *layerwise.buffers()))
+    hf = layerwise.get_base_model()
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(layerwise(input_ids=ids, labels=ids).loss, whole(input_ids=ids, labels=ids).loss)
+
+    bnb = pytest.importorskip("bitsandbytes")
+    hf_bnb, _ = build.build(dataclasses.replace(spec, impl="hf+peft+bnb"))
+    linears = [m for m in hf_bnb.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linears) == 7 * config.num_hidden_layers
+    for theirs_q, ours_q in zip(linears, nf4):  # the same NF4 codes, bit for bit
+        assert torch.equal(theirs_q.weight.data.view(-1), ours_q.codes.view(-1))
+    rows = [step.run_one_safe(dataclasses.replace(spec, impl=impl)) for impl in ("hf+peft+bnb", "leantune+nf4")]
+    assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("error") for r in rows]
+    report.flag_agreement(rows)
+    assert [r["agreement"] for r in rows] == ["reference", "ok"]

@@ -82,6 +82,9 @@ def _check_bench_args(args) -> None:
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise LeantuneError(f"--{name} must be >= {low}, got {value}")
+    cap = getattr(args, "memory_cap_gib", None)
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        raise LeantuneError(f"--memory-cap-gib must be a positive number of GiB, got {cap}")
     tflops = getattr(args, "matmul_tflops", None)
     if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
         raise LeantuneError(f"--matmul-tflops must be a positive number, got {tflops}")
@@ -137,7 +140,7 @@ def _bench_e2e(args) -> int:
     results = run_e2e(_comma(args.configs), impls, gcs, Path(args.out), seq=args.seq, batch=args.batch,
                       warmup=args.warmup, steps=args.steps, seed=args.seed, layers=args.layers,
                       budget_s=args.budget_s, matmul_tflops=args.matmul_tflops, nproc=args.nproc,
-                      distributed=args.distributed)
+                      distributed=args.distributed, memory_cap_gib=args.memory_cap_gib)
     write_report(Path(args.out), compare_ratios=args.compare)
     return _none_ok([r.get("status") for r in results], args.out)
 
@@ -152,7 +155,8 @@ def _bench_max_context(args) -> int:
     _check_bench_args(args)
     require_cuda()
     results = run_max_context(args.config, impls, Path(args.out), lo=args.lo, hi=args.hi, step=args.step,
-                              seed=args.seed, layers=args.layers, budget_s=args.budget_s)
+                              seed=args.seed, layers=args.layers, budget_s=args.budget_s,
+                              memory_cap_gib=args.memory_cap_gib)
     write_report(Path(args.out), compare_ratios=args.compare)
     # a probe that ran out of memory is an answer; only crashes and timeouts everywhere mean nothing was measured
     return _none_ok(["ok" if d.get("status") in ("ok", "nonfinite", "oom") else d.get("status")
@@ -241,6 +245,8 @@ def add_commands(sub) -> None:
     e2e.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default: the config's)")
     e2e.add_argument("--matmul-tflops", type=float, default=None, metavar="TF",
                      help="bf16 matmul ceiling to use instead of measuring it (default: measured once per call)")
+    e2e.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
+                     help="cap each process's CUDA memory at this many GiB (a smaller card) (default: none)")
     e2e.add_argument("--compare", action="store_true", help="print ratios vs hf+peft (default: False)")
     _common(e2e)
     e2e.set_defaults(func=_bench_e2e)
@@ -253,6 +259,8 @@ def add_commands(sub) -> None:
     mc.add_argument("--step", type=int, default=4096, help="lengths are multiples of this (default: 4096)")
     mc.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     mc.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default: the config's)")
+    mc.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
+                    help="cap each probe's CUDA memory at this many GiB (a smaller card) (default: none)")
     mc.add_argument("--compare", action="store_true", help="print ratios vs hf+peft (default: False)")
     _common(mc)
     mc.set_defaults(func=_bench_max_context)

@@ -38,6 +38,7 @@ def _attach(result: dict, ceilings: dict) -> dict:
 def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *, seq: int | None = None,
             batch: int | None = None, warmup: int = 2, steps: int = 5, seed: int = 0, layers: int | None = None,
             budget_s: float = 540.0, matmul_tflops: float | None = None, nproc: int = 1, distributed: str = "none",
+            memory_cap_gib: float | None = None,
             log=print) -> list[dict]:
     """Every (config, gc, impl) run in its own child; JSON per run in ``out``; returns the results of this call.
     ``distributed`` "ddp" or "fsdp" launches each child under torchrun with ``nproc`` processes (one GPU each;
@@ -50,7 +51,8 @@ def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *,
         for gc in gcs:
             for impl in impls:
                 specs.append(RunSpec(impl, config_path, seq or default_seq, batch or default_batch, gc, warmup,
-                                     steps, seed, layers=layers, nproc=nproc, distributed=distributed))
+                                     steps, seed, layers=layers, nproc=nproc, distributed=distributed,
+                                     memory_cap_gib=memory_cap_gib))
     budget = Budget(budget_s)
     ceilings = get_ceilings(out, budget, matmul_tflops)
     log(f"matmul ceiling: {ceilings.get('matmul_flop_per_s', math.nan) / 1e12:.0f} TFLOP/s "

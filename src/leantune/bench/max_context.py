@@ -50,8 +50,10 @@ def bisect_max_fitting(fits: Callable[[int], bool | None], lo: int, hi: int, ste
 
 
 def run_max_context(config_path: str, impls: list[str], out: Path, *, lo: int, hi: int, step: int,
-                    seed: int = 0, layers: int | None = None, budget_s: float = 540.0, log=print) -> list[dict]:
-    """Bisection per implementation (batch 1, gradient checkpointing on); each probe one child with 1 step."""
+                    seed: int = 0, layers: int | None = None, budget_s: float = 540.0,
+                    memory_cap_gib: float | None = None, log=print) -> list[dict]:
+    """Bisection per implementation (batch 1, gradient checkpointing on); each probe one child with 1 step, under
+    ``memory_cap_gib`` when given (``torch.cuda.set_per_process_memory_fraction``: a smaller card's limit)."""
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(budget_s)
     results = []
@@ -59,7 +61,8 @@ def run_max_context(config_path: str, impls: list[str], out: Path, *, lo: int, h
         probes_detail: list[dict] = []
 
         def fits(seq: int, impl=impl, details=probes_detail) -> bool | None:
-            spec = RunSpec(impl, config_path, seq, 1, True, warmup=0, steps=1, seed=seed, layers=layers)
+            spec = RunSpec(impl, config_path, seq, 1, True, warmup=0, steps=1, seed=seed, layers=layers,
+                           memory_cap_gib=memory_cap_gib)
             r = run_child(["--one", json.dumps(dataclasses.asdict(spec))], out / "probe.json",
                           out / f"probe_{spec.name}.log", budget.left(), keep=False)  # kept in probe_details
             budget.record(r.get("wall_s", 0.0))
@@ -74,13 +77,15 @@ def run_max_context(config_path: str, impls: list[str], out: Path, *, lo: int, h
 
         found = bisect_max_fitting(fits, lo, hi, step, stop=lambda: not budget.can_start())
         result = {"kind": "max_context", "impl": impl, "config": config_path, "model": model_name(config_path),
-                  "layers": layers, "lo": lo, "hi": hi, "step": step, **found, "probe_details": probes_detail,
+                  "layers": layers, "memory_cap_gib": memory_cap_gib, "lo": lo, "hi": hi, "step": step, **found,
+                  "probe_details": probes_detail,
                   # from the probes that ran (the parent never touches the GPU: its context would cost memory)
                   "date": time.strftime("%Y-%m-%d %H:%M"),
                   "gpu": next((d["gpu"] for d in probes_detail if d.get("gpu")), None),
                   "versions": next((d["versions"] for d in probes_detail if d.get("versions")), None)}
         # one file per invocation (`bench report` pools the probes of all): a rerun never overwrites earlier probes
-        name = (f"maxctx_{model_name(config_path)}{f'_L{layers}' if layers else ''}_{impl}_"
+        cap = "" if memory_cap_gib is None else f"_cap{memory_cap_gib:g}"
+        name = (f"maxctx_{model_name(config_path)}{f'_L{layers}' if layers else ''}{cap}_{impl}_"
                 f"{time.strftime('%Y%m%d-%H%M%S')}").replace("+", "-")
         (out / f"{name}.json").write_text(json.dumps(result, indent=1))
         results.append(result)

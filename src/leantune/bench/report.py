@@ -21,7 +21,9 @@ from ..errors import LeantuneError
 from .harness import GRAPH_MAX_MS, table_cell
 
 BASELINE = "hf+peft"
-IMPL_ORDER = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "leantune+nf4")
+QLORA_BASELINE = "hf+peft+bnb"  # QLoRA rows agree with and compare to this one (quantised weights differ from bf16)
+IMPL_ORDER = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "hf+peft+bnb",
+              "leantune+nf4")
 LOSS_RTOL, GRAD_RTOL = 1e-2, 3e-2
 
 
@@ -152,17 +154,18 @@ def load_op_results(out: Path) -> list[tuple[Path, dict]]:
 
 
 def merge_max_context(results: list[dict]) -> list[dict]:
-    """One result per (model, layers, impl), recomputed from the probes of every invocation (each device call is
-    time-bounded, so one bisection may span several): best = the longest length that fit, first_fail = the shortest
-    that ran out of memory (probes that neither fit nor failed, e.g. timeouts, decide nothing). complete when the
-    two are at most one step apart (the smallest step among the runs), or when every probed length in [lo, hi] fit
-    up to hi, or the first failed at lo (the bracket's ends, rounded to the step). Raises ReportError when probes
-    contradict each other (a length fits that is longer than one that failed), naming the files."""
+    """One result per (model, layers, memory cap, impl), recomputed from the probes of every invocation (each
+    device call is time-bounded, so one bisection may span several): best = the longest length that fit,
+    first_fail = the shortest that ran out of memory (probes that neither fit nor failed, e.g. timeouts, decide
+    nothing). complete when the two are at most one step apart (the smallest step among the runs), or when every
+    probed length in [lo, hi] fit up to hi, or the first failed at lo (the bracket's ends, rounded to the step).
+    Raises ReportError when probes contradict each other (a length fits that is longer than one that failed),
+    naming the files."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["model"], r.get("layers"), r["impl"]), []).append(r)
+        groups.setdefault((*_context_key(r), r["impl"]), []).append(r)
     merged = []
-    for (model, _layers, impl), group in groups.items():
+    for (model, _layers, _cap, impl), group in groups.items():
         probes = sorted({(s, ok) for r in group for s, ok in r["probes"]}, key=lambda p: p[0])
         fit = [s for s, ok in probes if ok is True]
         fail = [s for s, ok in probes if ok is False]
@@ -190,7 +193,12 @@ def config_key(row: dict) -> tuple:
     """What makes two rows the same workload: model, layer override, seq, batch, gradient checkpointing, and the
     processes (engine x count) it ran on."""
     return (row["model"], row.get("layers"), row["seq"], row["batch"], bool(row["gc"]),
-            row.get("distributed", "none"), row.get("nproc", 1))
+            row.get("distributed", "none"), row.get("nproc", 1), row.get("memory_cap_gib"))
+
+
+def _context_key(row: dict) -> tuple:
+    """What makes two max-context searches the same: model, layer override, and the memory cap they ran under."""
+    return row["model"], row.get("layers"), row.get("memory_cap_gib")
 
 
 def sort_rows(rows: list[dict]) -> list[dict]:
@@ -215,16 +223,18 @@ def _same_but_gc(a: dict, b: dict) -> bool:
 def flag_agreement(rows: list[dict], *, reference: str = BASELINE, loss_rtol: float = LOSS_RTOL,
                    grad_rtol: float = GRAD_RTOL) -> list[dict]:
     """Set ``row["agreement"]`` on every ok row: "reference", "ok", "no reference" or "FLAG: <what>" (a NaN
-    difference, e.g. a non-finite loss, is flagged). Returns ``rows`` (modified in place)."""
+    difference, e.g. a non-finite loss, is flagged). NF4 rows are checked against ``hf+peft+bnb`` (the same
+    quantised weights), the others against ``reference``. Returns ``rows`` (modified in place)."""
     ok = [r for r in rows if r.get("status") == "ok"]
     for row in rows:
         if row.get("status") != "ok":
             row["agreement"] = None
             continue
-        if row["impl"] == reference:
+        if row["impl"] in (reference, QLORA_BASELINE):
             row["agreement"] = "reference"
             continue
-        same = [r for r in ok if r["impl"] == reference and _same_but_gc(r, row)]
+        ref_impl = QLORA_BASELINE if row["impl"].endswith("nf4") else reference
+        same = [r for r in ok if r["impl"] == ref_impl and _same_but_gc(r, row)]
         same.sort(key=lambda r: r["gc"] != row["gc"])  # prefer the same checkpointing setting
         if not same:
             row["agreement"] = "no reference"
@@ -267,9 +277,9 @@ def compare(rows: list[dict], *, baseline: str = BASELINE) -> list[dict]:
 
 def compare_max_context(maxctx: list[dict], *, baseline: str = BASELINE) -> dict[tuple, float]:
     """{(model, layers, impl): best / baseline's best} for every implementation with a baseline of the same model."""
-    base = {(r["model"], r.get("layers")): r.get("best") for r in maxctx if r["impl"] == baseline}
-    return {(r["model"], r.get("layers"), r["impl"]): ratio(r.get("best"), base.get((r["model"], r.get("layers"))))
-            for r in maxctx if (r["model"], r.get("layers")) in base}
+    base = {_context_key(r): r.get("best") for r in maxctx if r["impl"] == baseline}
+    return {(*_context_key(r), r["impl"]): ratio(r.get("best"), base.get(_context_key(r)))
+            for r in maxctx if _context_key(r) in base}
 
 
 def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASELINE) -> str:
@@ -277,7 +287,11 @@ def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASE
     for c in compare(rows, baseline=baseline):
         lines.append(f"  {c['name']}: tokens/s x{_num(c['tokens_per_s'], '.2f')}, peak GiB "
                      f"x{_num(c['peak_gib'], '.2f')}, peak - frozen x{_num(c['peak_minus_frozen_gib'], '.2f')}")
-    for (model, layers, impl), x in compare_max_context(maxctx, baseline=baseline).items():
+    for c in compare(rows, baseline=QLORA_BASELINE):
+        if c["impl"].endswith("nf4"):
+            lines.append(f"  {c['name']} vs {QLORA_BASELINE}: tokens/s x{_num(c['tokens_per_s'], '.2f')}, peak GiB "
+                         f"x{_num(c['peak_gib'], '.2f')}")
+    for (model, layers, _cap, impl), x in compare_max_context(maxctx, baseline=baseline).items():
         if impl != baseline:
             lines.append(f"  max context {model}{f' L{layers}' if layers else ''} {impl}: x{_num(x, '.2f')}")
     if len(lines) == 1:
@@ -296,7 +310,8 @@ def _pct(fraction) -> str:
 
 def _workload(r: dict) -> str:
     layers = f" ({r['layers']} layers)" if r.get("layers") else ""
-    return f"{r['model']}{layers}"
+    cap = f" ({r['memory_cap_gib']:g} GiB cap)" if r.get("memory_cap_gib") else ""
+    return f"{r['model']}{layers}{cap}"
 
 
 def markdown(rows: list[dict], maxctx: list[dict] | None = None, *, baseline: str = BASELINE) -> str:
@@ -344,7 +359,7 @@ def markdown(rows: list[dict], maxctx: list[dict] | None = None, *, baseline: st
             if r.get("best") is not None and r.get("first_fail") is None and r.get("complete"):
                 best += f" (= --hi {r['hi']}: all fit)"
             lines.append(f"| {_workload(r)} | {r['impl']} | {best} | {_num(r.get('first_fail'), 'd')} | "
-                         f"{_num(mx.get((r['model'], r.get('layers'), r['impl'])), '.2f')} | {probes} |")
+                         f"{_num(mx.get((*_context_key(r), r['impl'])), '.2f')} | {probes} |")
     return "\n".join(lines) + "\n"
 
 
@@ -395,7 +410,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     keys = list(dict.fromkeys(config_key(r) for r in ok))
     impls = sorted({r["impl"] for r in ok}, key=_impl_rank)
     labels = [f"{m}{f' L{layers}' if layers else ''}\n{s}x{b} GC {'on' if gc else 'off'}"
-              + ("" if engine == "none" else f"\n{n} GPUs {engine}") for m, layers, s, b, gc, engine, n in keys]
+              + ("" if engine == "none" else f"\n{n} GPUs {engine}") + (f"\n{cap:g} GiB cap" if cap else "")
+              for m, layers, s, b, gc, engine, n, cap in keys]
     paths = []
     for field, title, name in (("tokens_per_s", "tokens/s (higher is better)", "tokens_per_s.png"),
                                ("peak_gib", "peak GiB (lower is better)", "peak_gib.png")):

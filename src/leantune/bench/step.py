@@ -4,16 +4,10 @@
 run (``harness.run_child``), so that monkey patches (Liger's are module-level) never leak between implementations.
 What one run measures (one implementation x one model x seq x batch x gradient checkpointing):
 
-- model: a config folder (or config.json), random init directly on the device in bf16, then every matrix re-drawn
-  from (seed, parameter name) (``seeded_init``: identical weights whatever classes Liger swapped in); PEFT LoRA
-  r=16, alpha=32 on all 7 projections, ``init_lora_weights=False`` (non-zero B, so every gradient is non-trivial),
-  adapters in fp32 (PEFT's default); sdpa attention; fused AdamW on the LoRA parameters; gradient checkpointing
-  non-reentrant with ``enable_input_require_grads``.
-- implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
-  model is built; skipped with a note when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
-  ``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory) and
-  ``leantune+offload+tiled`` (also the MLP over 4096-token tiles; these two need checkpointing), and
-  ``leantune+nf4`` (QLoRA: ``leantune.quantize`` after ``get_peft_model``).
+- model: a config folder (or config.json), bf16 weights drawn from (seed, parameter name), PEFT LoRA r=16 on all 7
+  projections, set up as the implementation runs it (``build``: hf+peft, hf+peft+liger, leantune,
+  leantune+offload, leantune+offload+tiled, and QLoRA's leantune+nf4 and hf+peft+bnb); fused AdamW on the LoRA
+  parameters.
 - the optimizer state is created up front (one AdamW step with lr 0 on zero gradients), so every step, even the
   first, holds steady-state memory; then ``warmup`` steps, then ``steps`` timed steps (each CUDA-synchronised;
   the same token batch every step).
@@ -39,12 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+from .build import IMPLS, Skip, build
 from .flops import frozen_weight_bytes, hardware_flops_per_token, matmul_params, model_flops_per_token
-from .harness import BenchError, GiB, environment, load_config, measure_ceilings, model_name
-
-IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "leantune+nf4")
-TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from .harness import BenchError, GiB, environment, measure_ceilings, model_name
 
 
 @dataclasses.dataclass
@@ -66,6 +57,7 @@ class RunSpec:
     lr: float = 1e-4
     nproc: int = 1  # processes (one GPU each) under torchrun when ``distributed`` is set
     distributed: str = "none"  # "none" (one plain process), "ddp" or "fsdp"
+    memory_cap_gib: float | None = None  # torch.cuda.set_per_process_memory_fraction to this many GiB (a smaller card)
 
     def __post_init__(self):
         if self.impl not in IMPLS:
@@ -77,82 +69,16 @@ class RunSpec:
                              f"{self.nproc}")
         if self.nproc > 1 and self.distributed == "none":
             raise BenchError("several processes need --distributed ddp or fsdp")
+        if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
+            raise BenchError(f"memory_cap_gib must be a positive number of GiB, got {self.memory_cap_gib}")
 
     @property
     def name(self) -> str:
         layers = f"_L{self.layers}" if self.layers else ""
         world = "" if self.distributed == "none" else f"_{self.distributed}{self.nproc}"
+        cap = "" if self.memory_cap_gib is None else f"_cap{self.memory_cap_gib:g}"
         return (f"{model_name(self.config)}{layers}_{self.impl}_s{self.seq}_b{self.batch}_gc"
-                f"{'on' if self.gc else 'off'}{world}").replace("+", "-")
-
-
-class Skip(Exception):
-    """The implementation cannot run here (e.g. Liger not installed): a result with a note, not a failure."""
-
-
-def build(spec: RunSpec, device: str | None = None):
-    """(model, config): the spec's model on ``device`` (default ``spec.device``) in bf16 with LoRA, patched per
-    ``spec.impl``."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    config = load_config(spec.config, spec.layers)
-    if spec.impl == "hf+peft+liger":
-        try:
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
-        except ImportError as exc:
-            raise Skip(f"liger_kernel not importable ({exc})") from None
-        if config.model_type != "llama":
-            raise Skip(f"Liger's llama patch does not apply to model_type {config.model_type!r}")
-        apply_liger_kernel_to_llama()  # module-level: classes swapped before the model is built
-    torch.manual_seed(spec.seed)
-    with torch.device(device or spec.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
-    model.config.use_cache = False
-    if spec.gc:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model = get_peft_model(model, LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, target_modules=TARGETS,
-                                             lora_dropout=0.0, init_lora_weights=False, bias="none",
-                                             task_type="CAUSAL_LM"))
-    seeded_init(model, spec.seed + 1, trainable_only=True)
-    if spec.impl.startswith("leantune"):
-        import leantune
-
-        offload = "offload" in spec.impl
-        if offload and not spec.gc:
-            raise Skip("offloaded checkpoints need gradient checkpointing (--gc on)")
-        if spec.impl == "leantune+nf4":  # QLoRA: the decoder's frozen linears in NF4, then the fused ops on them
-            leantune.quantize(model, "nf4")
-            if torch.device(device or spec.device).type == "cuda":
-                torch.cuda.empty_cache()
-        leantune.patch(model, offload_checkpoints=offload,
-                       tile_mlp=TILE_TOKENS if spec.impl.endswith("tiled") else None)
-    model.train()  # HF checkpoints only in training mode
-    return model, config
-
-
-def seeded_init(model, seed: int, *, trainable_only: bool, std: float | None = None) -> None:
-    """Re-draw every matrix from a generator seeded by (seed, parameter name), so the weights depend on neither the
-    module classes (Liger swaps some) nor the order they were built in. ``std`` given: normal(0, std) (base
-    weights; 1-D parameters, the norms, keep their init); else uniform(+-1/sqrt(fan_in)), nn.Linear's default
-    (LoRA A [r, in] and B [out, r], non-zero as with ``init_lora_weights=False``)."""
-    import zlib
-
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # tied weights appear once
-            if p.dim() < 2 or (trainable_only and not p.requires_grad):
-                continue
-            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if std is not None:
-                p.normal_(0.0, std, generator=g)
-            else:
-                bound = p.shape[1] ** -0.5
-                p.uniform_(-bound, bound, generator=g)
+                f"{'on' if self.gc else 'off'}{world}{cap}").replace("+", "-")
 
 
 def _sync(device: str) -> None:
@@ -190,6 +116,11 @@ def run_one(spec: RunSpec) -> dict:
         if world is None or world.size != spec.nproc:
             raise BenchError(f"--distributed {spec.distributed} runs under torchrun with {spec.nproc} processes")
         device = distributed.init(world, spec.device)
+    if cuda and spec.memory_cap_gib is not None:  # what a smaller card would allow this process
+        total = torch.cuda.get_device_properties(device).total_memory
+        if spec.memory_cap_gib * GiB > total:
+            raise BenchError(f"memory cap {spec.memory_cap_gib:g} GiB exceeds the card's {total / GiB:.1f} GiB")
+        torch.cuda.set_per_process_memory_fraction(spec.memory_cap_gib * GiB / total, device)
     t0 = time.perf_counter()
     model, config = build(spec, device)
     wrapped = model

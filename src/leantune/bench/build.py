@@ -1,0 +1,206 @@
+"""The model of one benchmark run: a config's model in bf16 with PEFT LoRA, set up as one implementation runs it.
+
+Every implementation gets the same weights: the model is built from its config, then every matrix is re-drawn from
+(seed, parameter name) (:func:`seeded_init`), so the weights depend neither on the module classes (Liger swaps some)
+nor on the order they were built in. LoRA: r=16, alpha=32 on all 7 projections, ``init_lora_weights=False``
+(non-zero B, so every gradient is non-trivial), adapters in fp32 (PEFT's default), sdpa attention, gradient
+checkpointing non-reentrant with ``enable_input_require_grads``.
+
+Implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
+model is built; skipped when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
+``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory),
+``leantune+offload+tiled`` (also the MLP over 4096-token tiles; both need checkpointing), and the two QLoRA ones:
+``leantune+nf4`` (the decoder's frozen linears in leantune's NF4, then ``leantune.patch``) and ``hf+peft+bnb``
+(bitsandbytes ``Linear4bit``, nf4, blocksize 64, double quantisation, bf16 compute: what
+``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+bnb_4bit_compute_dtype=torch.bfloat16)`` loads, with PEFT's ``lora.bnb.Linear4bit`` on top; embeddings, norms and
+``lm_head`` stay bf16 as in ``leantune+nf4``, so the two differ only in their kernels (neither gets
+``prepare_model_for_kbit_training``'s fp32 upcasts).
+
+The QLoRA models are built one decoder layer at a time (:func:`_build_quantized`): the model on the meta device,
+then each layer materialised, drawn from the same (seed, name) as the bf16 model's, and quantised before the next,
+so the bf16 model never exists whole (a 70B one would not fit on the card). Both quantise the same bf16 weights to
+the same NF4 codes (leantune's quantiser is bit-exact with bitsandbytes'), so their first losses must agree.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from .harness import load_config
+
+IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "leantune+nf4",
+         "hf+peft+bnb")
+QUANTIZED = ("leantune+nf4", "hf+peft+bnb")
+TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class Skip(Exception):
+    """The implementation cannot run here (e.g. Liger not installed): a result with a note, not a failure."""
+
+
+def build(spec, device: str | None = None):
+    """(model, config): ``spec``'s model (a ``step.RunSpec``) on ``device`` (default ``spec.device``) in bf16 with
+    LoRA, set up per ``spec.impl`` (module docstring), in training mode."""
+    import torch
+
+    config = load_config(spec.config, spec.layers)
+    device = torch.device(device or spec.device)
+    if spec.impl in QUANTIZED:
+        model = _build_quantized(spec, config, device)
+    else:
+        model = _build_bf16(spec, config, device)
+    if spec.impl.startswith("leantune"):
+        import leantune
+
+        offload = "offload" in spec.impl
+        if offload and not spec.gc:
+            raise Skip("offloaded checkpoints need gradient checkpointing (--gc on)")
+        leantune.patch(model, offload_checkpoints=offload,
+                       tile_mlp=TILE_TOKENS if spec.impl.endswith("tiled") else None)
+    model.train()  # HF checkpoints only in training mode
+    return model, config
+
+
+def _lora_config(spec):
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, target_modules=TARGETS, lora_dropout=0.0,
+                      init_lora_weights=False, bias="none", task_type="CAUSAL_LM")
+
+
+def _checkpointing(model, spec) -> None:
+    model.config.use_cache = False
+    if spec.gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+
+def _build_bf16(spec, config, device):
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if spec.impl == "hf+peft+liger":
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError as exc:
+            raise Skip(f"liger_kernel not importable ({exc})") from None
+        if config.model_type != "llama":
+            raise Skip(f"Liger's llama patch does not apply to model_type {config.model_type!r}")
+        apply_liger_kernel_to_llama()  # module-level: classes swapped before the model is built
+    torch.manual_seed(spec.seed)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
+    _checkpointing(model, spec)
+    model = get_peft_model(model, _lora_config(spec))
+    seeded_init(model, spec.seed + 1, trainable_only=True)
+    return model
+
+
+def _build_quantized(spec, config, device):
+    """The QLoRA model, one decoder layer at a time (module docstring)."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if spec.impl == "hf+peft+bnb":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise Skip(f"bitsandbytes not importable ({exc})") from None
+    torch.manual_seed(spec.seed)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = model
+    names = {module: name for name, module in model.named_modules()}  # the bf16 model's names seed the draws
+    std = getattr(config, "initializer_range", 0.02)
+    layers = list(model.get_decoder().layers)
+    if spec.impl == "leantune+nf4":  # PEFT wraps nn.Linear bases; leantune's NF4 replaces them under the wrappers
+        model = get_peft_model(model, _lora_config(spec))
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    outside = [m for m in hf.modules() if id(m) not in inside]
+    for layer in layers:
+        _materialize(list(layer.modules()), hf, names, device, spec.seed, std)
+        _quantize_layer(layer, spec.impl, names)  # drops the bf16 linears (from ``names`` too): freed here
+    _materialize(outside, hf, names, device, spec.seed, std)
+    if getattr(config, "tie_word_embeddings", False):
+        hf.tie_weights()
+    _checkpointing(hf, spec)
+    if spec.impl == "hf+peft+bnb":  # PEFT puts lora.bnb.Linear4bit over bitsandbytes' layers
+        model = get_peft_model(model, _lora_config(spec))
+    seeded_init(model, spec.seed + 1, trainable_only=True)
+    return model
+
+
+def _materialize(modules, hf, names, device, seed, std) -> None:
+    """Give ``modules``' meta parameters and buffers storage on ``device``: HF's own init (norms 1, rotary
+    frequencies), then every frozen matrix drawn from (seed, its name in the bf16 model) as :func:`seeded_init`."""
+    import torch
+
+    for module in modules:
+        if not any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+            continue
+        module.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            hf._init_weights(module)
+            for key, p in module.named_parameters(recurse=False):
+                if p.dim() >= 2 and module in names:
+                    _draw_(p, f"{names[module]}.{key}" if names[module] else key, seed, std)
+
+
+def _quantize_layer(layer, impl: str, names) -> None:
+    """Replace the layer's frozen projections by 4-bit ones: leantune's ``NF4Linear`` under PEFT's wrappers, or
+    bitsandbytes' ``Linear4bit`` (quantised as it moves to the device)."""
+    from torch import nn
+
+    for parent in list(layer.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child_name not in (*TARGETS, "base_layer"):
+                continue
+            if impl == "leantune+nf4":
+                from ..ops import quantize_nf4
+                from ..quantize import NF4Linear
+
+                new = NF4Linear(quantize_nf4(child.weight.detach(), name=names.get(child, child_name)), child.bias)
+            else:
+                import bitsandbytes as bnb
+
+                weight = bnb.nn.Params4bit(child.weight.detach(), requires_grad=False, compress_statistics=True,
+                                           quant_type="nf4", blocksize=64)
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                        compute_dtype=child.weight.dtype, compress_statistics=True,
+                                        quant_type="nf4", device="meta")
+                new.weight = weight
+                if child.bias is not None:
+                    new.bias = child.bias
+                new = new.to(child.weight.device)  # Params4bit quantises on this move
+            setattr(parent, child_name, new)
+            names.pop(child, None)
+
+
+def seeded_init(model, seed: int, *, trainable_only: bool, std: float | None = None) -> None:
+    """Re-draw every matrix from a generator seeded by (seed, parameter name), so the weights depend on neither the
+    module classes (Liger swaps some) nor the order they were built in. ``std`` given: normal(0, std) (base
+    weights; 1-D parameters, the norms, keep their init); else uniform(+-1/sqrt(fan_in)), nn.Linear's default
+    (LoRA A [r, in] and B [out, r], non-zero as with ``init_lora_weights=False``)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights appear once
+            if p.dim() < 2 or (trainable_only and not p.requires_grad):
+                continue
+            _draw_(p, name, seed, std)
+
+
+def _draw_(p, name: str, seed: int, std: float | None) -> None:
+    import torch
+
+    g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if std is not None:
+        p.normal_(0.0, std, generator=g)
+    else:
+        bound = p.shape[1] ** -0.5
+        p.uniform_(-bound, bound, generator=g)
