@@ -2,6 +2,7 @@
 # The device-machine checks behind benchmarks/RESULTS.md, one part per argument, each bounded in time. From the repo
 # root on the device machine (inputs: `.venv/bin/python benchmarks/make_gpu_inputs.py` here, carry .gpu and .whl):
 #   bash benchmarks/gpu_checks.sh tests fsdp1 nf4 e2e-offload max-context-offload
+# QLoRA (each about one 10-minute call or less): qlora qlora-70b, then qlora-cap, cap-262k; TRL: trl
 # Every part writes under $OUT and prints a short table last.
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -62,6 +63,33 @@ part_max_context_offload() {  # one probe: does 393,216 tokens train with offloa
   timeout 560 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 393216 --batch 1 --gc on --steps 1 \
     --warmup 0 --impls leantune+offload+tiled --matmul-tflops 700 --budget-s 550 --out "$OUT/ctx" > "$OUT/ctx.log" 2>&1
   echo "ctx exit $?"; tail -8 "$OUT/ctx.log"
+}
+
+part_qlora() {  # 8B, 4096 x 1, checkpointing on: leantune QLoRA vs HF+PEFT+bitsandbytes vs leantune bf16, one run
+  timeout 430 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 5 \
+    --impls hf+peft+bnb,leantune+nf4,leantune --matmul-tflops 700 --budget-s 420 --compare --out "$OUT/qlora" \
+    > "$OUT/qlora.log" 2>&1
+  echo "qlora exit $?"; tail -14 "$OUT/qlora.log"
+}
+
+part_qlora_70b() {  # Llama-3-70B shape, QLoRA on one card, 4096 x 1 (built layer by layer: the bf16 model never whole)
+  timeout 400 python3 -m leantune bench e2e --configs .gpu/llama3-70b --seq 4096 --batch 1 --gc on --steps 3 \
+    --warmup 1 --impls leantune+nf4 --matmul-tflops 700 --budget-s 390 --out "$OUT/qlora70b" > "$OUT/qlora70b.log" 2>&1
+  echo "qlora-70b exit $?"; tail -8 "$OUT/qlora70b.log"
+}
+
+part_qlora_cap() {  # one probe: 8B QLoRA with offload + tiling at 344,064 tokens (>= Unsloth's 342,733) in 80 GiB
+  timeout 560 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 344064 --batch 1 --gc on --steps 1 \
+    --warmup 0 --impls leantune+nf4+offload+tiled --memory-cap-gib 80 --matmul-tflops 700 --budget-s 550 \
+    --out "$OUT/qlora-cap" > "$OUT/qlora-cap.log" 2>&1
+  echo "qlora-cap exit $?"; tail -8 "$OUT/qlora-cap.log"
+}
+
+part_cap_262k() {  # one probe: 8B bf16 with offload + tiling at 262,144 tokens in 80 GiB
+  timeout 480 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 262144 --batch 1 --gc on --steps 1 \
+    --warmup 0 --impls leantune+offload+tiled --memory-cap-gib 80 --matmul-tflops 700 --budget-s 470 \
+    --out "$OUT/cap262k" > "$OUT/cap262k.log" 2>&1
+  echo "cap-262k exit $?"; tail -8 "$OUT/cap262k.log"
 }
 
 for part in "$@"; do

@@ -1,5 +1,6 @@
-"""Build .gpu/ (git-ignored, carried to the device machine): Llama-3-8B and Llama-3.2-1B shaped config folders with
-SmolLM2's tokenizer beside them, and a 2,500-conversation chitchat subset. Run here (CPU) from the repo root:
+"""Build .gpu/ (git-ignored, carried to the device machine): Llama-3-8B, Llama-3-70B and Llama-3.2-1B shaped config
+folders with SmolLM2's tokenizer beside them, and a 2,500-conversation chitchat subset. Run here (CPU) from the repo
+root:
 
     .venv/bin/python benchmarks/make_gpu_inputs.py
 """
@@ -17,6 +18,8 @@ COMMON = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, 
               max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, tie_word_embeddings=False),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       tie_word_embeddings=False),
     "llama32-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
                        tie_word_embeddings=True),
 }
@@ -25,7 +28,7 @@ tokenizer_dir = Path(assets.smollm2_path())
 for name, shape in SHAPES.items():
     folder = OUT / name
     folder.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(**shape, **COMMON).save_pretrained(folder)
+    LlamaConfig(**{**COMMON, **shape}).save_pretrained(folder)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / f).exists():
             shutil.copy(tokenizer_dir / f, folder / f)

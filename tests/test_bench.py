@@ -853,3 +853,17 @@ def test_qlora_builds_layer_by_layer_match_the_whole_model_quantised(tiny_config
     assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("error") for r in rows]
     report.flag_agreement(rows)
     assert [r["agreement"] for r in rows] == ["reference", "ok"]
+
+
+def test_frozen_weight_bytes_of_4bit_models(tiny_config):
+    """The NF4 models' frozen bytes: per projection of n weights, n / 2 bytes of codes, n / 64 uint8 absmax codes
+    (held padded to whole 256-blocks) and one fp32 nested absmax per 256-block; plus the bf16 rest."""
+    spec = RunSpec("leantune+nf4", tiny_config, seq=8, batch=1, gc=False, device="cpu")
+    model, config = build.build(spec)
+    sizes = [64 * 64, 32 * 64, 32 * 64, 64 * 64, 96 * 64, 96 * 64, 96 * 64] * config.num_hidden_layers
+    nf4 = sum(n // 2 + 260 * -(-(n // 64) // 256) for n in sizes)
+    bf16_rest = 2 * (97 * 64 + (2 * config.num_hidden_layers + 1) * 64)  # tied embedding, norms
+    assert frozen_weight_bytes(model) == nf4 + bf16_rest
+    pytest.importorskip("bitsandbytes")  # bitsandbytes keeps the absmax codes unpadded
+    unpadded = nf4 - sum(256 * -(-(n // 64) // 256) - n // 64 for n in sizes)
+    assert frozen_weight_bytes(build.build(dataclasses.replace(spec, impl="hf+peft+bnb"))[0]) == unpadded + bf16_rest

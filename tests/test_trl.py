@@ -103,6 +103,11 @@ def _train(trainer, seed):
 def _compare(ref_logs, logs, keys):
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):
         for key in keys:
+            if key.startswith("logits/"):
+                # a mean over signed logits of size ~0.1 can cancel to ~1e-5 (one draw: 4.2e-5): its fp32 rounding
+                # is absolute, about eps times the logits' size, so it is compared absolutely
+                assert abs(float(out[key]) - float(ref[key])) <= 1e-6, (step, key, out[key], ref[key])
+                continue
             assert_close(f"step {step} {key}", torch.tensor(float(out[key])), torch.tensor(float(ref[key])),
                          torch.float32)
 

@@ -9,8 +9,9 @@ checkpointing non-reentrant with ``enable_input_require_grads``.
 Implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
 model is built; skipped when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
 ``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory),
-``leantune+offload+tiled`` (also the MLP over 4096-token tiles; both need checkpointing), and the two QLoRA ones:
-``leantune+nf4`` (the decoder's frozen linears in leantune's NF4, then ``leantune.patch``) and ``hf+peft+bnb``
+``leantune+offload+tiled`` (also the MLP over 4096-token tiles; both need checkpointing), and the QLoRA ones:
+``leantune+nf4`` (the decoder's frozen linears in leantune's NF4, then ``leantune.patch``; with ``+offload+tiled``
+also the long-context switches) and ``hf+peft+bnb``
 (bitsandbytes ``Linear4bit``, nf4, blocksize 64, double quantisation, bf16 compute: what
 ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
 bnb_4bit_compute_dtype=torch.bfloat16)`` loads, with PEFT's ``lora.bnb.Linear4bit`` on top; embeddings, norms and
@@ -30,8 +31,8 @@ import zlib
 from .harness import load_config
 
 IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "leantune+nf4",
-         "hf+peft+bnb")
-QUANTIZED = ("leantune+nf4", "hf+peft+bnb")
+         "leantune+nf4+offload+tiled", "hf+peft+bnb")
+QUANTIZED = ("leantune+nf4", "leantune+nf4+offload+tiled", "hf+peft+bnb")
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -118,7 +119,7 @@ def _build_quantized(spec, config, device):
     names = {module: name for name, module in model.named_modules()}  # the bf16 model's names seed the draws
     std = getattr(config, "initializer_range", 0.02)
     layers = list(model.get_decoder().layers)
-    if spec.impl == "leantune+nf4":  # PEFT wraps nn.Linear bases; leantune's NF4 replaces them under the wrappers
+    if spec.impl.startswith("leantune"):  # PEFT wraps nn.Linear bases; leantune's NF4 replaces them under the wrappers
         model = get_peft_model(model, _lora_config(spec))
     inside = {id(m) for layer in layers for m in layer.modules()}
     outside = [m for m in hf.modules() if id(m) not in inside]
@@ -160,7 +161,7 @@ def _quantize_layer(layer, impl: str, names) -> None:
         for child_name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child_name not in (*TARGETS, "base_layer"):
                 continue
-            if impl == "leantune+nf4":
+            if impl.startswith("leantune"):
                 from ..ops import quantize_nf4
                 from ..quantize import NF4Linear
 

@@ -53,13 +53,25 @@ def utilization(tokens_per_s: float, flops_per_token: float, matmul_flop_per_s: 
 
 
 def frozen_weight_bytes(model) -> int:
-    """Bytes of the parameters that do not require grad (the frozen base weights), tied storages counted once;
-    under FSDP2 this rank's shards."""
+    """Bytes of the frozen base weights, tied storages counted once: the parameters that do not require grad (under
+    FSDP2 this rank's shards), plus 4-bit weights' other parts: leantune's NF4Linear buffers (codes, absmax codes,
+    nested absmax) and bitsandbytes' quant state (absmax and its nested absmax)."""
     seen: dict[int, int] = {}
+
+    def count(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
     for p in model.parameters():
         if not p.requires_grad:
-            local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 shard: this rank's bytes
-            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+            count(p.to_local() if hasattr(p, "to_local") else p)  # an FSDP2 shard: this rank's bytes
+            state = getattr(p, "quant_state", None)  # bitsandbytes' Params4bit
+            for part in (state, getattr(state, "state2", None)):
+                if getattr(part, "absmax", None) is not None:
+                    count(part.absmax)
+    for module in model.modules():
+        if hasattr(module, "weight_nf4"):  # leantune's NF4Linear keeps its codes in buffers
+            for name in ("codes", "absmax_codes", "nested_absmax"):
+                count(getattr(module, name))
     return sum(seen.values())
 
 

@@ -23,7 +23,7 @@ from .harness import GRAPH_MAX_MS, table_cell
 BASELINE = "hf+peft"
 QLORA_BASELINE = "hf+peft+bnb"  # QLoRA rows agree with and compare to this one (quantised weights differ from bf16)
 IMPL_ORDER = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "hf+peft+bnb",
-              "leantune+nf4")
+              "leantune+nf4", "leantune+nf4+offload+tiled")
 LOSS_RTOL, GRAD_RTOL = 1e-2, 3e-2
 
 
@@ -233,7 +233,7 @@ def flag_agreement(rows: list[dict], *, reference: str = BASELINE, loss_rtol: fl
         if row["impl"] in (reference, QLORA_BASELINE):
             row["agreement"] = "reference"
             continue
-        ref_impl = QLORA_BASELINE if row["impl"].endswith("nf4") else reference
+        ref_impl = QLORA_BASELINE if "nf4" in row["impl"] else reference
         same = [r for r in ok if r["impl"] == ref_impl and _same_but_gc(r, row)]
         same.sort(key=lambda r: r["gc"] != row["gc"])  # prefer the same checkpointing setting
         if not same:
@@ -288,7 +288,7 @@ def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASE
         lines.append(f"  {c['name']}: tokens/s x{_num(c['tokens_per_s'], '.2f')}, peak GiB "
                      f"x{_num(c['peak_gib'], '.2f')}, peak - frozen x{_num(c['peak_minus_frozen_gib'], '.2f')}")
     for c in compare(rows, baseline=QLORA_BASELINE):
-        if c["impl"].endswith("nf4"):
+        if "nf4" in c["impl"]:
             lines.append(f"  {c['name']} vs {QLORA_BASELINE}: tokens/s x{_num(c['tokens_per_s'], '.2f')}, peak GiB "
                          f"x{_num(c['peak_gib'], '.2f')}")
     for (model, layers, _cap, impl), x in compare_max_context(maxctx, baseline=baseline).items():
