@@ -92,6 +92,13 @@ part_cap_262k() {  # one probe: 8B bf16 with offload + tiling at 262,144 tokens 
   echo "cap-262k exit $?"; tail -8 "$OUT/cap262k.log"
 }
 
+part_trl() {  # TRL, 8B, 4096 x 1, checkpointing on: leantune's head vs TRL's own vs TRL use_liger_kernel, SFT then DPO
+  timeout 330 python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer sft --seq 4096 --out "$OUT/trl" \
+    > "$OUT/trl-sft.log" 2>&1; echo "trl sft exit $?"; tail -6 "$OUT/trl-sft.log"
+  timeout $(( $(left) - 5 )) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer dpo --seq 4096 \
+    --steps 3 --out "$OUT/trl" > "$OUT/trl-dpo.log" 2>&1; echo "trl dpo exit $?"; tail -6 "$OUT/trl-dpo.log"
+}
+
 for part in "$@"; do
   echo "== $part ($(left) s left)"
   "part_${part//-/_}"
