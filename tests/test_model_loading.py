@@ -119,10 +119,28 @@ def test_a_model_that_is_not_a_causal_lm_is_named_so(tiny, tmp_path, capsys, arc
     assert not (tmp_path / "out").exists()
 
 
-def test_a_sequence_length_whose_packed_mask_is_large_warns(tiny, tmp_path, capsys):
-    """Rows of packed documents get transformers' dense [B, 1, S, S] mask: above 1 GiB the run says so up front
-    (here the tiny data then holds no full row, an error that comes after the warning)."""
-    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--seq-len", "40000", "--batch-size", "1"))
-    assert "packed rows of --seq-len 40000 get a dense attention mask of 1.5 GiB" in err
-    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out2", "--seq-len", "256"))
-    assert code == 0 and "dense attention mask" not in err
+def test_a_sequence_length_whose_packed_mask_is_large_attends_per_document(capsys):
+    """Rows of packed documents would get transformers' dense [B, 1, S, S] mask: above 1 GiB the run attends per
+    document instead, and says so; a model that cannot (not sdpa) keeps the mask with a warning saying why."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from leantune.patch.document_attention import NAME
+    from leantune.train.loop import _attend_per_document
+
+    tiny_config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM._from_config(tiny_config, attn_implementation="sdpa")
+    _attend_per_document(model, SimpleNamespace(batch_size=1, seq_len=256))  # 64 KiB mask: transformers' path
+    assert model.config._attn_implementation == "sdpa" and capsys.readouterr().err == ""
+    _attend_per_document(model, SimpleNamespace(batch_size=1, seq_len=40000))
+    assert model.config._attn_implementation == NAME
+    assert "attention runs per document (one causal SDPA each) instead of through transformers' dense 1.5 GiB" in (
+        capsys.readouterr().err)
+    eager = LlamaForCausalLM._from_config(tiny_config, attn_implementation="eager")
+    _attend_per_document(eager, SimpleNamespace(batch_size=1, seq_len=40000))
+    assert eager.config._attn_implementation == "eager"
+    assert "dense attention mask of 1.5 GiB per micro-batch (leantune's per-document attention does not apply: the " \
+           "model attends with 'eager', not sdpa)" in capsys.readouterr().err
+

@@ -48,6 +48,7 @@ from .. import distributed
 from ..distributed import World
 from ..errors import LeantuneError
 from ..patch import is_patched
+from ..patch.document_attention import use_document_attention
 from . import checkpoint, run_folder
 from .config import TrainConfig
 from .data import PackedData, chitchat_path, load_dataset
@@ -208,12 +209,6 @@ def _prepare(config: TrainConfig) -> _Run:
         speak(launch.main)
         device = distributed.init(launch, device)
     resume_from = distributed.on_main(lambda: run_folder.check_output(config))
-    mask_gib = config.batch_size * config.seq_len ** 2 / 2**30
-    if mask_gib > 1:  # packed rows restart their positions: transformers masks them with a dense [B, 1, S, S] mask
-        say(f"leantune: warning: packed rows of --seq-len {config.seq_len} get a dense attention mask of "
-            f"{mask_gib:.1f} GiB per micro-batch (transformers' block-diagonal mask for documents packed in a row), "
-            "and attention with a mask does not run the flash kernel: at this length the mask, not the model, "
-            "bounds memory")
 
     kind, model_path = resolve_model(config.model)
     tokenizer = load_tokenizer(kind, model_path)
@@ -250,6 +245,7 @@ def _prepare(config: TrainConfig) -> _Run:
     if isinstance(context, int) and config.seq_len > context:
         say(f"leantune: warning: --seq-len {config.seq_len} is longer than the model's context "
             f"(max_position_embeddings = {context}); positions beyond it were never trained")
+    _attend_per_document(model, config)
     run.model = wrap_lora(model, config)
     run.model.train()
     run.wrapped = run.model
@@ -267,6 +263,23 @@ def _prepare(config: TrainConfig) -> _Run:
                                       fused=device.startswith("cuda") and run.world.engine != "fsdp")
     run.scheduler = cosine_schedule(run.optimizer, total_steps, warmup, config.min_lr_ratio)
     return run
+
+
+def _attend_per_document(model, config: TrainConfig) -> None:
+    """Packed rows restart their positions, for which transformers builds a dense [B, 1, S, S] mask (and SDPA with a
+    mask has no flash kernel). Where that mask would pass 1 GiB, attention runs per document instead
+    (patch.document_attention: exact, O(tokens) memory); below, transformers' path (measured) is kept."""
+    mask_gib = config.batch_size * config.seq_len ** 2 / 2**30
+    if mask_gib <= 1:
+        return
+    why = use_document_attention(model)
+    if why is None:
+        say(f"leantune: packed rows of --seq-len {config.seq_len}: attention runs per document (one causal SDPA "
+            f"each) instead of through transformers' dense {mask_gib:.1f} GiB mask")
+    else:
+        say(f"leantune: warning: packed rows of --seq-len {config.seq_len} get a dense attention mask of "
+            f"{mask_gib:.1f} GiB per micro-batch (leantune's per-document attention does not apply: {why}); at "
+            "this length the mask, not the model, bounds memory")
 
 
 def _claim(run: _Run, replaced: list) -> None:
