@@ -23,7 +23,7 @@ part_tests_changed() {  # the GPU cases this session added or whose kernels chan
 }
 
 part_nf4_sweep() {
-  timeout 90 python3 benchmarks/nf4_sweep.py > "$OUT/nf4_sweep.md" 2>&1; echo "sweep exit $?"; cat "$OUT/nf4_sweep.md"
+  timeout 150 python3 benchmarks/nf4_sweep.py > "$OUT/nf4_sweep.md" 2>&1; echo "sweep exit $?"; cat "$OUT/nf4_sweep.md"
 }
 
 part_fsdp1() {  # FSDP2 at world size 1 vs the plain run: same losses, tokens/s and peak (Llama-3.2-1B shape)

@@ -77,6 +77,7 @@ NF4_VALUES = (
 _LUT_BINS = 65536  # bins of bitsandbytes' CPU 8-bit quantiser over [-1, 1]
 _TORCH_CHUNK_BLOCKS = 4096  # 64-blocks the torch path dequantises at once (bounded temporaries when out= is given)
 _KERNEL_BLOCKS = 128  # 64-blocks per program: 8192 weights, 4 KiB of codes in (fastest of a launch sweep on the H200)
+_KERNEL_GATHER = False  # the NF4 lookup by table load instead of select tree: to be measured (benchmarks/nf4_sweep.py)
 _STATE_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
 
@@ -369,9 +370,13 @@ def _nf4_lookup(nibble, NF4):
 @triton.jit
 def _dequantize_nf4_kernel(
     CODES, ABSMAX_CODES, NESTED_ABSMAX, NESTED_CODE, NF4, OUT, offset, n_blocks,
-    BLOCKS: tl.constexpr, BLOCKSIZE_: tl.constexpr, NESTED_BLOCKSIZE_: tl.constexpr,
+    BLOCKS: tl.constexpr, BLOCKSIZE_: tl.constexpr, NESTED_BLOCKSIZE_: tl.constexpr, GATHER: tl.constexpr = False,
 ):
-    """OUT[64 j + i] = NF4[nibble] * (dynamic[absmax_code_j] * nested_absmax[j // 256] + offset) for BLOCKS blocks j."""
+    """OUT[64 j + i] = NF4[nibble] * (dynamic[absmax_code_j] * nested_absmax[j // 256] + offset) for BLOCKS blocks j.
+
+    GATHER: NF4[nibble] as a load from the 64-byte table (one L1 line: one transaction per warp) instead of the
+    select tree (about 20 integer and select instructions per element, which bound the kernel at 47% of its copy
+    floor on the H200); the same values either way, bit for bit."""
     blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     live = blocks < n_blocks
     absmax_code = tl.load(ABSMAX_CODES + blocks, mask=live, other=0).to(tl.int32)
@@ -380,8 +385,12 @@ def _dequantize_nf4_kernel(
     HALF: tl.constexpr = BLOCKSIZE_ // 2
     byte = tl.load(CODES + blocks[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=live[:, None], other=0)
     byte = byte.to(tl.int32)
-    first = _nf4_lookup(byte >> 4, NF4) * absmax[:, None]  # even elements: the high nibble
-    second = _nf4_lookup(byte & 15, NF4) * absmax[:, None]
+    if GATHER:
+        first = tl.load(NF4 + (byte >> 4)) * absmax[:, None]  # even elements: the high nibble
+        second = tl.load(NF4 + (byte & 15)) * absmax[:, None]
+    else:
+        first = _nf4_lookup(byte >> 4, NF4) * absmax[:, None]
+        second = _nf4_lookup(byte & 15, NF4) * absmax[:, None]
     values = tl.reshape(tl.join(first, second), (BLOCKS, BLOCKSIZE_))  # interleave back to element order
     cols = tl.arange(0, BLOCKSIZE_)
     tl.store(OUT + blocks[:, None] * BLOCKSIZE_ + cols[None, :], values.to(OUT.dtype.element_ty), mask=live[:, None])
@@ -442,7 +451,7 @@ def dequantize_nf4(w: NF4Weight, *, out: torch.Tensor | None = None, dtype: torc
     nf4 = _tables(str(w.device))[0]
     _dequantize_nf4_kernel[(_runtime.cdiv(w.n_blocks, _KERNEL_BLOCKS),)](
         w.codes, w.absmax_codes, w.nested_absmax, w.nested_code, nf4, out, w.offset, w.n_blocks,
-        BLOCKS=_KERNEL_BLOCKS, BLOCKSIZE_=BLOCKSIZE, NESTED_BLOCKSIZE_=NESTED_BLOCKSIZE, num_warps=4,
-        enable_fp_fusion=False,
+        BLOCKS=_KERNEL_BLOCKS, BLOCKSIZE_=BLOCKSIZE, NESTED_BLOCKSIZE_=NESTED_BLOCKSIZE, GATHER=_KERNEL_GATHER,
+        num_warps=4, enable_fp_fusion=False,
     )
     return out
