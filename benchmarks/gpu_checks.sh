@@ -22,6 +22,13 @@ part_tests_changed() {  # the GPU cases this session added or whose kernels chan
   echo "pytest (loss, contract) exit $?"; tail -2 "$OUT/pytest-loss.log"; grep -E "^FAILED|^ERROR" "$OUT"/pytest-*.log | head
 }
 
+part_tests_new() {  # this stop's kernels and paths on the card: loss statistics, NF4 table lookup, document attention
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_loss_statistics.py tests/test_document_attention.py \
+    tests/test_nf4.py -k "not bit_exact_with_bitsandbytes or cuda" > "$OUT/pytest-new.log" 2>&1
+  echo "pytest (statistics, document attention, nf4) exit $?"; tail -2 "$OUT/pytest-new.log"
+  grep -E "^FAILED|^ERROR" "$OUT/pytest-new.log" | head
+}
+
 part_nf4_sweep() {
   timeout 150 python3 benchmarks/nf4_sweep.py > "$OUT/nf4_sweep.md" 2>&1; echo "sweep exit $?"; cat "$OUT/nf4_sweep.md"
 }
