@@ -41,14 +41,23 @@ class Skip(Exception):
     """The implementation cannot run here (e.g. Liger not installed): a result with a note, not a failure."""
 
 
-def build(spec, device: str | None = None):
+def build(spec, device: str | None = None, shard=None):
     """(model, config): ``spec``'s model (a ``step.RunSpec``) on ``device`` (default ``spec.device``) in bf16 with
-    LoRA, set up per ``spec.impl`` (module docstring), in training mode."""
+    LoRA, set up per ``spec.impl`` (module docstring), in training mode.
+
+    ``shard`` (FSDP2 runs: a function that applies ``fully_shard`` to the model in place): the model is built on the
+    meta device, set up, sharded, and only then given storage, each rank drawing the full matrices one at a time
+    from the same (seed, name) and keeping its shard, so the weights equal the unsharded build's and a model larger
+    than one card (70B) never exists whole on one."""
     import torch
 
     config = load_config(spec.config, spec.layers)
     device = torch.device(device or spec.device)
-    if spec.impl in QUANTIZED:
+    if shard is not None and spec.impl in QUANTIZED:
+        raise Skip("the QLoRA implementations run on one process or under DDP in this harness, not FSDP2")
+    if shard is not None:
+        model, names = _build_meta(spec, config)
+    elif spec.impl in QUANTIZED:
         model = _build_quantized(spec, config, device)
     else:
         model = _build_bf16(spec, config, device)
@@ -60,6 +69,9 @@ def build(spec, device: str | None = None):
             raise Skip("offloaded checkpoints need gradient checkpointing (--gc on)")
         leantune.patch(model, offload_checkpoints=offload,
                        tile_mlp=TILE_TOKENS if spec.impl.endswith("tiled") else None)
+    if shard is not None:
+        shard(model)
+        _materialize_shards(model, names, device, spec.seed, getattr(config, "initializer_range", 0.02))
     model.train()  # HF checkpoints only in training mode
     return model, config
 
@@ -99,6 +111,53 @@ def _build_bf16(spec, config, device):
     model = get_peft_model(model, _lora_config(spec))
     seeded_init(model, spec.seed + 1, trainable_only=True)
     return model
+
+
+def _build_meta(spec, config):
+    """The bf16 LoRA model on the meta device (for :func:`build`'s ``shard``), and the names that seed its draws:
+    the bf16 model's for the base modules, PEFT's for the adapters (as :func:`_build_bf16` draws them)."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if spec.impl == "hf+peft+liger":
+        raise Skip("hf+peft+liger builds its model on the device (Liger's classes); not under FSDP2 here")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    names = {module: (name, spec.seed) for name, module in model.named_modules()}
+    _checkpointing(model, spec)
+    model = get_peft_model(model, _lora_config(spec))
+    for name, module in model.named_modules():
+        names.setdefault(module, (name, spec.seed + 1))  # the adapters, drawn as seeded_init(trainable_only) does
+    return model, names
+
+
+def _materialize_shards(model, names, device, seed, std) -> None:
+    """Storage for a sharded meta model, then HF's init of the norms and rotary frequencies, and every matrix
+    drawn whole from (seed, name) on ``device`` (one at a time), of which each rank keeps its shard."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    hf = model.get_base_model()
+    seen = set()
+    with torch.no_grad():
+        for module in model.modules():
+            own = list(module.named_parameters(recurse=False))
+            if not any(p.dim() >= 2 for _, p in own):
+                hf._init_weights(module)  # norms to 1, rotary frequencies (buffers) recomputed
+            for key, p in own:
+                if p.dim() < 2 or id(p) in seen:  # a tied weight is drawn once, under its first name
+                    continue
+                seen.add(id(p))
+                name, draw_seed = names[module]
+                full = torch.empty(p.shape, dtype=p.dtype, device=device)
+                _draw_(full, f"{name}.{key}" if name else key, draw_seed, std if draw_seed == seed else None)
+                if isinstance(p, DTensor):
+                    full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                    p.to_local().copy_(full)
+                else:
+                    p.copy_(full)
 
 
 def _build_quantized(spec, config, device):

@@ -122,11 +122,21 @@ def run_one(spec: RunSpec) -> dict:
             raise BenchError(f"memory cap {spec.memory_cap_gib:g} GiB exceeds the card's {total / GiB:.1f} GiB")
         torch.cuda.set_per_process_memory_fraction(spec.memory_cap_gib * GiB / total, device)
     t0 = time.perf_counter()
-    model, config = build(spec, device)
-    wrapped = model
-    if world.size > 1 or spec.distributed != "none":
-        world = distributed.choose_engine(spec.distributed, world, model, device)
-        wrapped = distributed.wrap(model, world, device)
+    if spec.distributed == "fsdp":  # built on the meta device, sharded, then each rank's shards drawn
+
+        def shard(model):
+            nonlocal world
+            world = distributed.choose_engine(spec.distributed, world, model, device)
+            distributed.wrap(model, world, device)
+
+        model, config = build(spec, device, shard=shard)
+        wrapped = model
+    else:
+        model, config = build(spec, device)
+        wrapped = model
+        if world.size > 1 or spec.distributed != "none":
+            world = distributed.choose_engine(spec.distributed, world, model, device)
+            wrapped = distributed.wrap(model, world, device)
     g = torch.Generator(device=device).manual_seed(spec.seed + 2 + world.rank)  # each rank its own tokens
     ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), generator=g, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
