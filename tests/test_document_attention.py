@@ -107,6 +107,31 @@ def test_other_calls_take_transformers_path_unchanged():
     assert torch.equal(model.generate(ids[:1, :8], **settings), reference.generate(ids[:1, :8], **settings))
 
 
+def test_transformers_results_wherever_it_would_not_build_the_packed_mask():
+    """Exactly transformers' results in the cases it does not read as packed rows, or reads with a cache: packed
+    positions beside an all-ones attention mask or a cache (it then attends causally across documents), several new
+    tokens on a cache (its causal mask aligned to the cache's end), and one [1, S] row of positions for a batch of 2
+    (it expands them)."""
+    torch.manual_seed(4)
+    reference = _model().eval()
+    model = copy.deepcopy(reference)
+    use_document_attention(model)
+    ids = torch.randint(0, 50, (2, S))
+    positions = _packed_positions()
+    with torch.no_grad():
+        for kwargs in ({"attention_mask": torch.ones(2, S, dtype=torch.long), "use_cache": False},
+                       {"use_cache": True}):
+            assert torch.equal(model(input_ids=ids, position_ids=positions, **kwargs).logits,
+                               reference(input_ids=ids, position_ids=positions, **kwargs).logits), kwargs
+        cache, ref_cache = (m(input_ids=ids[:, :60], use_cache=True).past_key_values for m in (model, reference))
+        assert torch.equal(model(input_ids=ids[:, 60:], past_key_values=cache, use_cache=True).logits,
+                           reference(input_ids=ids[:, 60:], past_key_values=ref_cache, use_cache=True).logits)
+        shared = positions[:1]
+        got = model(input_ids=ids, position_ids=shared, use_cache=False).logits
+        assert got.shape == (2, S, 50)
+        assert (got - reference(input_ids=ids, position_ids=shared, use_cache=False).logits).abs().max() <= 1e-12
+
+
 def test_leantune_patch_keeps_per_document_attention(monkeypatch):
     """leantune's fused layers around it: the same loss as the unpatched per-document model."""
     from peft import LoraConfig, get_peft_model

@@ -105,6 +105,16 @@ def test_a_minus_inf_logit_adds_no_entropy(backend):
     assert bool((stats["mean_logits"] == float("-inf")).all())
 
 
+def test_a_nan_logit_shows_in_the_statistics(backend):
+    """A diverged row (a NaN logit) reads NaN, as TRL's own head reports it, not a plausible entropy."""
+    h = torch.ones(2, 1, device=DEVICE)
+    w = torch.zeros(V, 1, device=DEVICE)
+    w[7] = float("nan")
+    _, stats = ops.linear_cross_entropy(h, w, torch.tensor([7, 3], device=DEVICE), statistics=NAMES)
+    for name in ("entropy", "log_sum_sq_probs", "mean_logits"):
+        assert torch.isnan(stats[name]).all(), name
+
+
 def test_no_rows_and_errors(backend):
     h, w, b, labels = _inputs(torch.float32)
     loss, stats = ops.linear_cross_entropy(h[:0], w, labels[:0], b, reduction="none", statistics=NAMES)

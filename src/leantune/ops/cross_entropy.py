@@ -37,7 +37,8 @@ linear_cross_entropy, which owns its logits chunks, :func:`loss_rows` writes the
 Statistics (logging only, no gradient; :func:`row_statistics`, read from a logits tile and its lse in one more pass,
 no matmul): with log p_j = z_j - lse, entropy -sum_j p_j log p_j (each term >= 0: no cancellation for a confident
 row), ``log_sum_sq_probs`` log sum_j p_j^2 = log sum_j exp(2 (z_j - lse)), ``mean_logits`` sum_j z_j / V and
-``is_top1`` argmax_j z_j == y (the first maximum on ties, as torch.argmax).
+``is_top1`` argmax_j z_j == y (the first maximum on ties, as torch.argmax). A row holding NaN logits has NaN
+statistics, and an unspecified ``is_top1``.
 
 Labels outside [0, V) other than ignore_index raise ValueError before the launch (an out-of-range label would
 otherwise read out of bounds in the kernel): their range and the valid count are reduced on the device and read back
@@ -362,7 +363,7 @@ def _statistics_torch(logits, labels, lse, softcap, out):
     log_p = z - lse[:, None]
     p = log_p.exp()
     out["log_sum_sq_probs"].copy_(p.square().sum(-1).log())
-    out["entropy"].copy_(-torch.where(p > 0.0, p * log_p, 0.0).sum(-1))
+    out["entropy"].copy_(-(p * torch.where(p > 0.0, log_p, 0.0)).sum(-1))  # p = 0: 0; a NaN p stays NaN
 
 
 def loss_rows(impl, logits, labels, opts, loss, lse, grad=None, grad_scale=None):

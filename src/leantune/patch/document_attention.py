@@ -1,20 +1,22 @@
 """Attention over the documents packed in a row, without the dense [B, 1, S, S] mask: one causal SDPA per document.
 
-Packed rows restart ``position_ids`` at each document. Given them and no attention mask, transformers 5 builds a
-block-diagonal causal mask of B S^2 bytes (``masking_utils.find_packed_sequence_indices``), and SDPA with a mask
-cannot run its flash kernel: at 65,536 tokens the mask alone is 4 GiB a row, at 262,144 64 GiB. This attention
-function (registered with transformers' ``AttentionInterface`` as :data:`NAME`, and with ``AttentionMaskInterface``
-so that no dense mask is built for it) finds the documents from ``position_ids`` instead, where a position is not
-its predecessor's plus one (transformers' own rule), and runs each document's queries against its own keys and
-values with ``is_causal=True``:
+Packed rows restart ``position_ids`` at each document. Given them with no attention mask and no cache, transformers
+5 builds a block-diagonal causal mask of B S^2 bytes (``masking_utils.find_packed_sequence_indices``), and SDPA with
+a mask cannot run its flash kernel: at 65,536 tokens the mask alone is 4 GiB a row, at 262,144 64 GiB. This
+attention function is registered with transformers' ``AttentionInterface`` as :data:`NAME`, together with a mask
+function (``AttentionMaskInterface``) that returns a marker instead of that mask exactly when transformers would have
+built it: causal AND same-document, nothing else (no padding mask, no cache offset, queries as long as keys). On the
+marker, the attention function reads the documents from ``position_ids`` (a document starts where a position is not
+its predecessor's plus one, transformers' own rule) and runs each document's queries against its own keys and values
+with ``is_causal=True``:
 
     out[b, s:e] = softmax(q[b, s:e] k[b, s:e]^T * scaling + causal) v[b, s:e]       for each document [s, e) of row b
 
 which is the block-diagonal causal attention exactly, with O(tokens) extra memory. The spans are read to the host
 once per forward (one sync) and reused by every layer and by the checkpointed recomputation (keyed on the
-``position_ids`` tensor). A padding mask (a 2-D ``attention_mask`` with zeros), a query length other than the key
-length (decoding with a cache), or sliding-window / softcapped attention are not this case: those calls run
-transformers' own SDPA path with its mask, so results never change, only the memory.
+``position_ids`` tensor). Every other call (a padding mask, decoding or several new tokens on a cache, unpacked rows)
+gets transformers' own SDPA mask and path, so results never change, only the memory. Sliding-window and softcapped
+attention are refused by :func:`use_document_attention`.
 """
 
 from __future__ import annotations
@@ -52,17 +54,18 @@ def _cached_spans(position_ids: torch.Tensor):
 def document_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                        position_ids=None, **kwargs):
     """transformers' attention-function signature: ``query [B, H, S, D]``, ``key``/``value [B, H_kv, S, D]`` ->
-    ``([B, S, H, D], None)``. One causal SDPA per packed document (module docstring); any other case is
-    transformers' SDPA forward unchanged."""
+    ``([B, S, H, D], None)``. One causal SDPA per packed document when the mask function left its marker (module
+    docstring); transformers' SDPA forward unchanged otherwise."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    plain = (attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]
-             or query.shape[2] < 2 or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None
-             or not getattr(module, "is_causal", True))
-    spans = None if plain else _cached_spans(position_ids)
-    if spans is None or all(len(row) == 1 for row in spans):  # not packed: the whole row is one causal attention
+    if attention_mask is not _PACKED:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       position_ids=position_ids, **kwargs)
+    if position_ids is None or position_ids.shape[-1] != query.shape[2]:
+        raise RuntimeError("leantune's document attention got packed rows without their position_ids")
+    spans = _cached_spans(position_ids)
+    if len(spans) == 1 and query.shape[0] > 1:  # [1, S] positions shared by every row, as transformers expands them
+        spans = spans * query.shape[0]
     gqa = query.shape[1] != key.shape[1]
     rows = []
     for b, row in enumerate(spans):
@@ -73,14 +76,35 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
 
 
-def _document_mask(*args, attention_mask=None, **kwargs):
-    """No dense mask for this implementation unless a padding mask asks for one (then SDPA's, and the attention
-    function takes transformers' path with it)."""
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
+# what the mask function returns instead of the block-diagonal mask: only document_attention reads it
+_PACKED = torch.ones(())
+
+
+def _causal_and_packed(mask_function) -> bool:
+    """Whether transformers' mask function is exactly causal AND same-document (its packed-sequence detection),
+    read from how ``create_causal_mask`` composes it (transformers 5: ``and_masks(causal_mask_function,
+    packed_sequence_mask_function(...))``)."""
+    from transformers.masking_utils import causal_mask_function
+
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return False
+    cells = dict(zip(mask_function.__code__.co_freevars, (c.cell_contents for c in mask_function.__closure__ or ())))
+    parts = cells.get("mask_functions", ())
+    return (len(parts) == 2 and parts[0] is causal_mask_function
+            and getattr(parts[1], "__qualname__", "") == "packed_sequence_mask_function.<locals>.inner_mask")
+
+
+def _document_mask(*args, mask_function=None, attention_mask=None, q_length=None, kv_length=None, q_offset=0,
+                   kv_offset=0, **kwargs):
+    """The marker where transformers would build the block-diagonal causal mask of packed rows; its own SDPA mask
+    (``sdpa_mask``) in every other case."""
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    if (attention_mask is None and q_length == kv_length and not q_offset and not kv_offset
+            and _causal_and_packed(mask_function)):
+        return _PACKED
+    return sdpa_mask(*args, mask_function=mask_function, attention_mask=attention_mask, q_length=q_length,
+                     kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
 
 
 def use_document_attention(model) -> str | None:
