@@ -6,9 +6,10 @@ random-init bf16 model, weights drawn from (seed, name), PEFT LoRA r16 on all 7 
 non-reentrant gradient checkpointing); the data are random token rows: SFT rows of exactly ``--seq`` tokens,
 pre-tokenised; DPO rows of a ``--seq / 2``-token prompt with chosen and rejected completions of ``--seq / 2`` each
 (decoded text TRL tokenises, truncated to ``--seq``). A step is timed from the trainer's step begin to its end
-(CUDA-synchronised): forward, backward and optimizer. tokens/s counts the sequence tokens of the timed steps (SFT:
-batch x seq; DPO: 2 x batch x seq, the chosen and the rejected rows; the reference pass is not counted as tokens).
-Peak memory is ``max_memory_allocated`` after the warm-up steps. The first step's loss and grad norm must agree.
+(CUDA-synchronised): forward, backward and optimizer. tokens/s counts the tokens the trainer fed the model in the
+timed steps (its ``num_input_tokens_seen``: DPO's chosen and rejected rows; the reference pass is not counted).
+Peak memory is ``max_memory_allocated`` after the warm-up steps. The first step's loss and grad norm must agree
+with TRL's own head's: the table flags a relative difference above 1e-2 (loss) or 3e-2 (grad norm), bf16.
 
 On the device machine, from the repo root (after ``source benchmarks/gpu_env.sh``; carry .gpu and .whl, whose trl,
 datasets, dill, multiprocess and liger-kernel wheels the device image lacks):
@@ -73,7 +74,8 @@ def child(args) -> dict:
                   per_device_train_batch_size=args.batch, learning_rate=1e-4, logging_steps=1, report_to=[],
                   save_strategy="no", seed=args.seed, bf16=cuda, use_cpu=not cuda, disable_tqdm=True,
                   optim="adamw_torch_fused" if cuda else "adamw_torch", max_length=args.seq,
-                  use_liger_kernel=args.impl == "trl+liger", dataloader_num_workers=0)
+                  use_liger_kernel=args.impl == "trl+liger", dataloader_num_workers=0,
+                  include_num_input_tokens_seen=True)
     if args.trainer == "sft":
         trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(**common), train_dataset=data,
                                  processing_class=tokenizer)
@@ -85,17 +87,18 @@ def child(args) -> dict:
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.times, self.start = [], 0.0
+            self.times, self.tokens, self.start, self.seen = [], [], 0.0, 0
 
-        def on_step_begin(self, *_, **__):
+        def on_step_begin(self, args_, state, *_, **__):
             if cuda:
                 torch.cuda.synchronize()
-            self.start = time.perf_counter()
+            self.start, self.seen = time.perf_counter(), state.num_input_tokens_seen
 
-        def on_step_end(self, *_, **__):
+        def on_step_end(self, args_, state, *_, **__):
             if cuda:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
+            self.tokens.append(state.num_input_tokens_seen - self.seen)
             if len(self.times) == args.warmup and cuda:
                 torch.cuda.reset_peak_memory_stats()
 
@@ -105,11 +108,10 @@ def child(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    timed = clock.times[args.warmup:]
-    rows_per_step = args.batch * (2 if args.trainer == "dpo" else 1)
+    timed, tokens = clock.times[args.warmup:], clock.tokens[args.warmup:]
     return {"impl": args.impl, "trainer": args.trainer, "status": "ok" if math.isfinite(logs[0]["loss"]) else
             "nonfinite", "seq": args.seq, "batch": args.batch, "steps": len(timed), "step_s": timed,
-            "tokens_per_s": rows_per_step * args.seq * len(timed) / sum(timed),
+            "tokens": tokens, "tokens_per_s": sum(tokens) / sum(timed),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "first_loss": logs[0]["loss"], "first_grad_norm": logs[0].get("grad_norm"),
             "loss_head_calls": loss_head_calls(trainer.model),
@@ -119,19 +121,32 @@ def child(args) -> dict:
             "gpu": torch.cuda.get_device_name() if cuda else None, "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
+def agreement(row: dict, base: dict | None) -> str:
+    """"reference", "ok", or "FLAG: ..." when the first loss or grad norm is off TRL's own head's (bf16 bounds)."""
+    if base is None:
+        return "no reference"
+    if row is base:
+        return "reference"
+    flags = [f"{key} rel {abs(row[key] - base[key]) / abs(base[key]):.1e}"
+             for key, bound in (("first_loss", 1e-2), ("first_grad_norm", 3e-2))
+             if not abs(row[key] - base[key]) <= bound * abs(base[key])]
+    return "FLAG: " + ", ".join(flags) if flags else "ok"
+
+
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["impl"] == "trl" and r.get("status") == "ok"), None)
-    lines = ["| trainer | impl | tokens/s | x TRL | peak GiB | first loss | first grad norm | leantune head calls |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| trainer | impl | tokens/s | x TRL | peak GiB | first loss | first grad norm | leantune head calls "
+             "| agreement |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.get("status") != "ok":
             lines.append(f"| {r.get('trainer', '')} | {r['impl']} | {r.get('status')}: {r.get('error', '')[:80]} "
-                         "| | | | | |")
+                         "| | | | | | |")
             continue
         x = r["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
         peak = "—" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         lines.append(f"| {r['trainer']} | {r['impl']} | {r['tokens_per_s']:,.0f} | {x:.2f} | {peak} | "
-                     f"{r['first_loss']:.4f} | {r['first_grad_norm']:.4g} | {r['loss_head_calls']} |")
+                     f"{r['first_loss']:.4f} | {r['first_grad_norm']:.4g} | {r['loss_head_calls']} | "
+                     f"{agreement(r, base)} |")
     return "\n".join(lines)
 
 
@@ -156,10 +171,12 @@ def main(argv=None) -> int:
         result = child(args)
         (out / f"{args.trainer}-{args.impl.replace('+', '-')}.json").write_text(json.dumps(result, indent=1))
         return 0
+    impls = args.impls.split(",")
+    unknown = [impl for impl in impls if impl not in IMPLS]
+    if unknown:
+        p.error(f"unknown implementation(s) {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
     results = []
-    for impl in args.impls.split(","):
-        if impl not in IMPLS:
-            p.error(f"unknown implementation {impl!r}; expected some of {', '.join(IMPLS)}")
+    for impl in impls:
         log = out / f"{args.trainer}-{impl.replace('+', '-')}.log"
         with open(log, "w") as f:
             code = subprocess.call([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),

@@ -491,6 +491,15 @@ def test_a_memory_cap_is_its_own_search_and_workload():
         RunSpec("leantune", "cfg", seq=8, batch=1, gc=True, memory_cap_gib=-1)
 
 
+def test_nf4_max_context_compares_to_the_bitsandbytes_baseline():
+    merged = report.merge_max_context([_maxctx("hf+peft", [(65536, True)]), _maxctx("hf+peft+bnb", [(98304, True)]),
+                                       _maxctx("leantune+nf4", [(294912, True)]),
+                                       _maxctx("leantune", [(262144, True)])])
+    mx = report.compare_max_context(merged)
+    assert mx[("m", None, None, "leantune+nf4")] == 3.0  # vs hf+peft+bnb's 98,304
+    assert mx[("m", None, None, "leantune")] == 4.0  # vs hf+peft's 65,536
+
+
 def test_max_context_bracket_ends_close_the_search():
     all_fit = report.merge_max_context([_maxctx("x", [(8192, True), (16384, True)], lo=4096, hi=16384)])[0]
     assert all_fit["complete"] and all_fit["best"] == 16384 and all_fit["first_fail"] is None

@@ -44,5 +44,13 @@ def test_trl_bench_dry_run(model_folder, tmp_path, trainer, capsys, monkeypatch)
     assert "leantune" in ours["summary_loss_runs"]
     assert abs(ours["first_loss"] - trl_run["first_loss"]) <= 1e-2 * abs(trl_run["first_loss"])  # bf16 model
     assert ours["tokens_per_s"] > 0 and len(ours["step_s"]) == 1
+    if trainer == "sft":  # the trainer's own count of the tokens it fed: the whole row
+        assert ours["tokens"] == trl_run["tokens"] == [32]
+    else:  # the chosen and rejected rows, each at most --seq tokens
+        assert 0 < ours["tokens"][0] == trl_run["tokens"][0] <= 2 * 32
     table = capsys.readouterr().out
     assert f"| {trainer} | leantune |" in table and (tmp_path / f"{trainer}-table.md").exists()
+    assert "| reference |" in table and table.rstrip().endswith("| ok |")
+    with pytest.raises(SystemExit):  # an unknown name stops the run before any implementation runs
+        bench.main(["--config", model_folder, "--impls", "leantune,hf", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad" / "sft-leantune.json").exists()

@@ -276,10 +276,17 @@ def compare(rows: list[dict], *, baseline: str = BASELINE) -> list[dict]:
 
 
 def compare_max_context(maxctx: list[dict], *, baseline: str = BASELINE) -> dict[tuple, float]:
-    """{(model, layers, impl): best / baseline's best} for every implementation with a baseline of the same model."""
-    base = {_context_key(r): r.get("best") for r in maxctx if r["impl"] == baseline}
-    return {(*_context_key(r), r["impl"]): ratio(r.get("best"), base.get(_context_key(r)))
-            for r in maxctx if _context_key(r) in base}
+    """{(model, layers, memory cap, impl): best / baseline's best} for every implementation with a baseline of the
+    same search (NF4 rows: hf+peft+bnb's when it ran)."""
+    bases = {impl: {_context_key(r): r.get("best") for r in maxctx if r["impl"] == impl}
+             for impl in (baseline, QLORA_BASELINE)}
+    out = {}
+    for r in maxctx:  # NF4 rows against the bitsandbytes QLoRA baseline when it ran, as in the e2e rows
+        base = bases[QLORA_BASELINE] if "nf4" in r["impl"] and _context_key(r) in bases[QLORA_BASELINE] else (
+            bases[baseline])
+        if _context_key(r) in base:
+            out[(*_context_key(r), r["impl"])] = ratio(r.get("best"), base[_context_key(r)])
+    return out
 
 
 def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASELINE) -> str:
