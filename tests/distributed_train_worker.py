@@ -87,6 +87,13 @@ def main() -> None:
                                     "packed": offload.offloader_of(result.model).packed}
     save()
 
+    # QLoRA (NF4 frozen weights, replicated: FSDP2 shards the parameters, the NF4 codes are buffers) on both engines
+    for engine in ("ddp", "fsdp"):
+        result = train(settings(model, data, os.path.join(out, f"{engine}-nf4"), engine, quantize="nf4"),
+                       progress=False)
+        record[f"{engine}-nf4"] = {"interrupted": result.interrupted}
+        save()
+
     def fail_rank1(step):
         if step == 2 and rank == 1:
             raise RuntimeError("injected failure on rank 1 at step 2")

@@ -49,6 +49,8 @@ def runs(tmp_path_factory):
     from distributed_train_worker import settings  # the same settings, one process, the whole global batch
 
     reference = train(settings(str(model), str(data), str(out / "reference"), "auto", grad_accum=2), progress=False)
+    train(settings(str(model), str(data), str(out / "reference-nf4"), "auto", grad_accum=2, quantize="nf4"),
+          progress=False)
     return {"out": out, "ranks": ranks, "proc": proc, "seconds": time.monotonic() - start,
             "reference": reference}
 
@@ -79,6 +81,21 @@ def test_two_ranks_train_as_one_process_with_the_whole_batch(runs, engine):
         assert_close(name, weights[name], ref_weights[name], torch.float32)
     summary = runs["ranks"][0][f"{engine}-whole"]["summary"]
     assert (summary["world_size"], summary["engine"], summary["global_batch"]) == (2, engine, 4)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_qlora_on_two_ranks_trains_as_one_process(runs, engine):
+    """--quantize nf4 under DDP and FSDP2: the one-process QLoRA run's losses and adapter."""
+    folder, ref = runs["out"] / f"{engine}-nf4", runs["out"] / "reference-nf4"
+    assert not runs["ranks"][0][f"{engine}-nf4"]["interrupted"]
+    ours, theirs = records(folder, "train"), records(ref, "train")
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+    ref_weights, weights = adapter(ref), adapter(folder)
+    assert weights.keys() == ref_weights.keys() and weights
+    for name in ref_weights:
+        assert_close(name, weights[name], ref_weights[name], torch.float32)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
