@@ -94,6 +94,20 @@ def main() -> None:
         record[f"{engine}-nf4"] = {"interrupted": result.interrupted}
         save()
 
+    # stored weights: rank 0 reads them, rank 1 builds on the meta device and receives them through the engine
+    from leantune.train import loop
+
+    stored = os.path.join(os.path.dirname(os.path.dirname(model)), "stored")
+    where = []
+    load_model = loop.load_model
+    loop.load_model = lambda kind, path, dtype, device, seed: where.append(device) or load_model(
+        kind, path, dtype, device, seed)
+    for engine in ("ddp", "fsdp"):
+        result = train(settings(stored, data, os.path.join(out, f"{engine}-stored"), engine), progress=False)
+        record[f"{engine}-stored"] = {"interrupted": result.interrupted, "loaded_on": where[-1]}
+        save()
+    loop.load_model = load_model
+
     def fail_rank1(step):
         if step == 2 and rank == 1:
             raise RuntimeError("injected failure on rank 1 at step 2")

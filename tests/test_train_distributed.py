@@ -39,6 +39,7 @@ def runs(tmp_path_factory):
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("LEANTUNE_BACKEND", "WORLD_SIZE", "RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    _stored_model(model, root / "stored")  # before the launch: the ranks read it
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(HERE / "distributed_train_worker.py"), str(model), str(data), str(out)],
@@ -51,8 +52,23 @@ def runs(tmp_path_factory):
     reference = train(settings(str(model), str(data), str(out / "reference"), "auto", grad_accum=2), progress=False)
     train(settings(str(model), str(data), str(out / "reference-nf4"), "auto", grad_accum=2, quantize="nf4"),
           progress=False)
+    stored = _stored_model(model, root / "stored")
+    train(settings(str(stored), str(data), str(out / "reference-stored"), "auto", grad_accum=2), progress=False)
     return {"out": out, "ranks": ranks, "proc": proc, "seconds": time.monotonic() - start,
             "reference": reference}
+
+
+def _stored_model(config_json: Path, folder: Path) -> Path:
+    """The tiny model with stored weights (safetensors) and its tokenizer, drawn once (seeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (folder / "model.safetensors").exists():
+        torch.manual_seed(7)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_json.parent)).save_pretrained(folder)
+        for path in config_json.parent.iterdir():
+            if path.name != "config.json":
+                (folder / path.name).write_bytes(path.read_bytes())
+    return folder
 
 
 def records(folder: Path, kind: str) -> list[dict]:
@@ -64,11 +80,11 @@ def adapter(folder: Path) -> dict:
     return load_file(str(folder / "adapter" / "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_two_ranks_train_as_one_process_with_the_whole_batch(runs, engine):
-    folder, ref = runs["out"] / f"{engine}-whole", runs["out"] / "reference"
+def _same_run(folder: Path, ref: Path) -> None:
+    """The distributed run in ``folder`` made the one-process run ``ref``: every step's loss, grad norm and tokens,
+    every eval loss (1e-5), the final adapter (fp32 tolerance)."""
     ours, theirs = records(folder, "train"), records(ref, "train")
-    assert [r["step"] for r in ours] == [1, 2, 3, 4]  # rank 0 alone wrote the metrics
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3, 4]  # rank 0 alone wrote them
     for a, b in zip(ours, theirs):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(b["grad_norm"]), (a, b)
@@ -79,23 +95,29 @@ def test_two_ranks_train_as_one_process_with_the_whole_batch(runs, engine):
     assert weights.keys() == ref_weights.keys() and weights
     for name in ref_weights:
         assert_close(name, weights[name], ref_weights[name], torch.float32)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_ranks_train_as_one_process_with_the_whole_batch(runs, engine):
+    _same_run(runs["out"] / f"{engine}-whole", runs["out"] / "reference")
     summary = runs["ranks"][0][f"{engine}-whole"]["summary"]
     assert (summary["world_size"], summary["engine"], summary["global_batch"]) == (2, engine, 4)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_stored_weights_read_by_rank_0_alone_train_as_one_process(runs, engine):
+    """A stored model under several processes: rank 0 reads the weights, rank 1 builds on the meta device and gets
+    them through the engine (DDP's broadcast, FSDP2's set_model_state_dict); the one-process run's losses and
+    adapter."""
+    assert [rank[f"{engine}-stored"]["loaded_on"] for rank in runs["ranks"]] == ["cpu", "meta"]
+    _same_run(runs["out"] / f"{engine}-stored", runs["out"] / "reference-stored")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_qlora_on_two_ranks_trains_as_one_process(runs, engine):
     """--quantize nf4 under DDP and FSDP2: the one-process QLoRA run's losses and adapter."""
-    folder, ref = runs["out"] / f"{engine}-nf4", runs["out"] / "reference-nf4"
     assert not runs["ranks"][0][f"{engine}-nf4"]["interrupted"]
-    ours, theirs = records(folder, "train"), records(ref, "train")
-    assert len(ours) == len(theirs) == 4
-    for a, b in zip(ours, theirs):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
-    ref_weights, weights = adapter(ref), adapter(folder)
-    assert weights.keys() == ref_weights.keys() and weights
-    for name in ref_weights:
-        assert_close(name, weights[name], ref_weights[name], torch.float32)
+    _same_run(runs["out"] / f"{engine}-nf4", runs["out"] / "reference-nf4")
 
 
 @pytest.mark.parametrize("engine", ENGINES)

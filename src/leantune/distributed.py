@@ -187,24 +187,62 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def wrap(model: torch.nn.Module, world: World, device: str) -> torch.nn.Module:
-    """The model under ``world.engine``: a DDP wrapper, or the same model with FSDP2 applied in place."""
+def wrap(model: torch.nn.Module, world: World, device: str, from_main: bool = False) -> torch.nn.Module:
+    """The model under ``world.engine``: a DDP wrapper, or the same model with FSDP2 applied in place.
+
+    ``from_main``: only rank 0 holds the weights (stored weights read once, on the CPU); the other ranks built the
+    same model on the meta device. DDP: those ranks allocate theirs on ``device`` and DDP's construction broadcasts
+    rank 0's parameters and buffers. FSDP2: rank 0's full state dict is taken before sharding, every rank allocates
+    its shards, and ``set_model_state_dict(broadcast_from_rank0=True)`` sends each tensor once, each rank keeping its
+    shard; the buffers no state dict holds (rotary frequencies) are broadcast from rank 0 too. No rank but 0 ever
+    holds the whole model (a 70B model is read once, not once per rank).
+    """
     if world.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if from_main and not world.main:
+            _allocate(model, device)
+        else:
+            model.to(device)
         device_ids = [torch.device(device).index] if device.startswith("cuda") else None
         return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=False)
     if world.engine == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        full = model.state_dict() if from_main and world.main else {}
+        buffers = _unsaved_buffers(model)
+        kept = [b.detach().clone() for b in buffers] if from_main and world.main else None
         mesh = init_device_mesh(torch.device(device).type, (world.size,))
         policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        if from_main:
+            _allocate(model, device)
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                       broadcast_from_rank0=True))
+            for i, buffer in enumerate(_unsaved_buffers(model)):
+                if kept is not None:
+                    buffer.copy_(kept[i])
+                dist.broadcast(buffer, src=0)
         return model
     return model
+
+
+def _allocate(model: torch.nn.Module, device: str) -> None:
+    """Storage on ``device`` for a model built on the meta device (values come from rank 0), ties kept."""
+    model.to_empty(device=device)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "tie_weights"):
+        base.tie_weights()  # to_empty gives each module its own tensor: a tied lm_head would come apart
+
+
+def _unsaved_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers no state dict holds (``persistent=False``, e.g. rotary frequencies), in module order."""
+    return [module._buffers[name] for module in model.modules() for name in sorted(module._non_persistent_buffers_set)
+            if module._buffers.get(name) is not None]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

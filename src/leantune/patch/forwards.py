@@ -250,7 +250,7 @@ def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap, h
                                  num_items=count)
     if hf_divides:
         return loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    if torch.is_tensor(num_items):  # HF's result dtype and shape, as a tensor of its own: FSDP2 warns on a returned view
+    if torch.is_tensor(num_items):  # HF's dtype and shape, as a tensor of its own (FSDP2 warns on a returned view)
         loss = loss.to(torch.result_type(loss, num_items))
         shape = torch.broadcast_shapes((), num_items.shape)
         return loss if loss.shape == shape else loss.reshape(shape).clone()

@@ -234,9 +234,12 @@ def _prepare(config: TrainConfig) -> _Run:
     run = _Run(config, output, resume_from, device, dtype, kind, model_path, data_path, tokenizer, train_data,
                eval_data, data_info, total_steps, warmup)
 
-    # several processes load stored weights on the CPU (FSDP2 moves only each rank's shard to its device); a random
-    # init (a bare config.json) is drawn on the device itself, so it equals the one-process run's draw
-    where = "cpu" if launch is not None and kind != "config" else device
+    # stored weights under several processes: rank 0 reads them on the CPU, the others build the model on the meta
+    # device and receive rank 0's values through the engine (distributed.wrap's from_main); NF4 codes are formed
+    # from the loaded weights, so --quantize (and a GGUF file) keeps every rank loading. A random init (a bare
+    # config.json) is drawn on the device itself, so it equals the one-process run's draw
+    from_main = launch is not None and kind == "hf" and config.quantize is None
+    where = device if launch is None or kind == "config" else "meta" if from_main and not launch.main else "cpu"
     model = load_model(kind, model_path, dtype, where, config.seed)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise LeantuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
@@ -251,9 +254,7 @@ def _prepare(config: TrainConfig) -> _Run:
     run.wrapped = run.model
     if launch is not None:
         run.world = distributed.choose_engine(config.distributed, launch, run.model, device)
-        if run.world.engine == "ddp":
-            run.model.to(device)
-        run.wrapped = distributed.wrap(run.model, run.world, device)
+        run.wrapped = distributed.wrap(run.model, run.world, device, from_main=from_main)
         processes = f"{run.world.size} process{'es' if run.world.size > 1 else ''}"
         say(f"leantune: {processes}, {run.world.engine.upper()} ({run.world.reason}); global batch {rows_per_step} "
             f"sequence{'s' if rows_per_step > 1 else ''} = --batch-size {config.batch_size} x --grad-accum "

@@ -120,7 +120,8 @@ def load_tokenizer(kind: str, path: Path):
 
 
 def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int):
-    """A causal LM on ``device`` in ``dtype``; a config.json is initialised randomly (seeded) directly on device.
+    """A causal LM on ``device`` in ``dtype``; a config.json is initialised randomly (seeded) directly on device;
+    ``device="meta"``: the model of a stored folder built from its config.json alone, without storage.
 
     Raises LeantuneError for a model that is not a causal LM, an unsupported model type or unreadable weights.
     """
@@ -130,6 +131,9 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
 
     check_causal_lm(kind, path)
     try:
+        if device == "meta":  # a rank that receives rank 0's weights (distributed.wrap's from_main)
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
         if kind == "config":
             config = AutoConfig.from_pretrained(path)
             torch.manual_seed(seed)
