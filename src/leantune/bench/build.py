@@ -48,14 +48,16 @@ def build(spec, device: str | None = None, shard=None):
     ``shard`` (FSDP2 runs: a function that applies ``fully_shard`` to the model in place): the model is built on the
     meta device, set up, sharded, and only then given storage, each rank drawing the full matrices one at a time
     from the same (seed, name) and keeping its shard, so the weights equal the unsharded build's and a model larger
-    than one card (70B) never exists whole on one."""
+    than one card (70B) never exists whole on one. ``hf+peft+liger`` is built whole on the device and then sharded
+    (Liger's classes are swapped in before the build)."""
     import torch
 
     config = load_config(spec.config, spec.layers)
     device = torch.device(device or spec.device)
     if shard is not None and spec.impl in QUANTIZED:
         raise Skip("the QLoRA implementations run on one process or under DDP in this harness, not FSDP2")
-    if shard is not None:
+    meta = shard is not None and spec.impl != "hf+peft+liger"  # Liger swaps its classes in before a build on device
+    if meta:
         model, names = _build_meta(spec, config)
     elif spec.impl in QUANTIZED:
         model = _build_quantized(spec, config, device)
@@ -71,6 +73,7 @@ def build(spec, device: str | None = None, shard=None):
                        tile_mlp=TILE_TOKENS if spec.impl.endswith("tiled") else None)
     if shard is not None:
         shard(model)
+    if meta:
         _materialize_shards(model, names, device, spec.seed, getattr(config, "initializer_range", 0.02))
     model.train()  # HF checkpoints only in training mode
     return model, config
@@ -120,8 +123,6 @@ def _build_meta(spec, config):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    if spec.impl == "hf+peft+liger":
-        raise Skip("hf+peft+liger builds its model on the device (Liger's classes); not under FSDP2 here")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     names = {module: (name, spec.seed) for name, module in model.named_modules()}
