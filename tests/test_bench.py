@@ -791,12 +791,22 @@ def test_check_names_a_device_or_backend_it_cannot_use(capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------------------- several processes (gloo dry run)
-def test_child_under_torchrun_on_cpu_reports_the_world(tiny_config, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+def test_child_under_torchrun_on_cpu_reports_the_world(tiny_config, tmp_path, family):
     """`bench e2e --nproc 2 --distributed ddp|fsdp` launches each run under torchrun: both engines' runs (gloo, two
     CPU processes, one launch each) write one result from rank 0 with the world's tokens/s, and agree on the
-    first-step loss (same weights; each rank its own tokens, the same in both launches)."""
+    first-step loss (same weights; each rank its own tokens, the same in both launches). FSDP2's model is built on
+    the meta device: qwen2's q/k/v biases and Gemma 3's embedding scale (a buffer) must be set as DDP's are."""
+    from transformers import Gemma3TextConfig, Qwen2Config
+
     from leantune.bench.harness import run_child
 
+    if family != "llama":
+        shape = {k: v for k, v in TINY.items()}
+        config = (Qwen2Config(**shape, use_sliding_window=False) if family == "qwen2" else
+                  Gemma3TextConfig(**shape, head_dim=16, sliding_window=8))
+        config.save_pretrained(tmp_path / family)
+        tiny_config = str(tmp_path / family)
     results = {}
     for engine in ("ddp", "fsdp"):
         spec = RunSpec("leantune", tiny_config, seq=24, batch=2, gc=engine == "fsdp", warmup=0, steps=2,

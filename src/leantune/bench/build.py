@@ -48,15 +48,17 @@ def build(spec, device: str | None = None, shard=None):
     ``shard`` (FSDP2 runs: a function that applies ``fully_shard`` to the model in place): the model is built on the
     meta device, set up, sharded, and only then given storage, each rank drawing the full matrices one at a time
     from the same (seed, name) and keeping its shard, so the weights equal the unsharded build's and a model larger
-    than one card (70B) never exists whole on one. ``hf+peft+liger`` is built whole on the device and then sharded
-    (Liger's classes are swapped in before the build)."""
+    than one card (70B) never exists whole on one. ``hf+peft+liger`` (Liger's classes are swapped in before the
+    build) and the NF4 implementations (built layer by layer) are built on the device and then sharded; bitsandbytes'
+    layers do not run under FSDP2 (Skip)."""
     import torch
 
     config = load_config(spec.config, spec.layers)
     device = torch.device(device or spec.device)
-    if shard is not None and spec.impl in QUANTIZED:
-        raise Skip("the QLoRA implementations run on one process or under DDP in this harness, not FSDP2")
-    meta = shard is not None and spec.impl != "hf+peft+liger"  # Liger swaps its classes in before a build on device
+    if shard is not None and spec.impl == "hf+peft+bnb":
+        raise Skip("bitsandbytes' Linear4bit does not run under FSDP2 (its quant state is not sharded)")
+    # Liger swaps its classes in before a build on the device; the NF4 ones are built layer by layer on the device
+    meta = shard is not None and spec.impl != "hf+peft+liger" and spec.impl not in QUANTIZED
     if meta:
         model, names = _build_meta(spec, config)
     elif spec.impl in QUANTIZED:
@@ -134,8 +136,9 @@ def _build_meta(spec, config):
 
 
 def _materialize_shards(model, names, device, seed, std) -> None:
-    """Storage for a sharded meta model, then HF's init of the norms and rotary frequencies, and every matrix
-    drawn whole from (seed, name) on ``device`` (one at a time), of which each rank keeps its shard."""
+    """Storage for a sharded meta model, then HF's init of every module (norms, biases, rotary frequencies, scaled
+    embeddings' scale), and every matrix drawn whole from (seed, name) on ``device`` (one at a time), of which each
+    rank keeps its shard."""
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -143,11 +146,10 @@ def _materialize_shards(model, names, device, seed, std) -> None:
     hf = model.get_base_model()
     seen = set()
     with torch.no_grad():
+        for module in model.modules():  # first: a later module's init must not overwrite a tied matrix drawn below
+            hf._init_weights(module)  # all but the matrices' values, as the unsharded build's from_config sets them
         for module in model.modules():
-            own = list(module.named_parameters(recurse=False))
-            if not any(p.dim() >= 2 for _, p in own):
-                hf._init_weights(module)  # norms to 1, rotary frequencies (buffers) recomputed
-            for key, p in own:
+            for key, p in module.named_parameters(recurse=False):
                 if p.dim() < 2 or id(p) in seen:  # a tied weight is drawn once, under its first name
                     continue
                 seen.add(id(p))
