@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed
 
+from leantune.errors import LeantuneError
 from leantune.train import config as train_config
 from leantune.train.loop import train
 
@@ -107,6 +108,13 @@ def main() -> None:
         record[f"{engine}-stored"] = {"interrupted": result.interrupted, "loaded_on": where[-1]}
         save()
     loop.load_model = load_model
+    # a stored model rank 0 cannot load: every rank gets rank 0's error (none waits for weights that never come)
+    try:
+        train(settings(stored + "-broken", data, os.path.join(out, "broken"), "fsdp"), progress=False)
+        record["broken"] = "trained"
+    except LeantuneError as exc:
+        record["broken"] = str(exc)
+    save()
 
     def fail_rank1(step):
         if step == 2 and rank == 1:

@@ -40,6 +40,7 @@ def runs(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("LEANTUNE_BACKEND", "WORLD_SIZE", "RANK")}
     env["OMP_NUM_THREADS"] = "1"
     _stored_model(model, root / "stored")  # before the launch: the ranks read it
+    _broken_copy(root / "stored", root / "stored-broken")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(HERE / "distributed_train_worker.py"), str(model), str(data), str(out)],
@@ -69,6 +70,18 @@ def _stored_model(config_json: Path, folder: Path) -> Path:
             if path.name != "config.json":
                 (folder / path.name).write_bytes(path.read_bytes())
     return folder
+
+
+def _broken_copy(folder: Path, broken: Path) -> None:
+    """``folder`` with one tensor missing from its weights (rank 0's load fails)."""
+    from safetensors.torch import save_file
+
+    broken.mkdir()
+    for path in folder.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    weights = load_file(str(folder / "model.safetensors"))
+    weights.pop(sorted(weights)[0])
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
 
 
 def records(folder: Path, kind: str) -> list[dict]:
@@ -111,6 +124,12 @@ def test_stored_weights_read_by_rank_0_alone_train_as_one_process(runs, engine):
     adapter."""
     assert [rank[f"{engine}-stored"]["loaded_on"] for rank in runs["ranks"]] == ["cpu", "meta"]
     _same_run(runs["out"] / f"{engine}-stored", runs["out"] / "reference-stored")
+
+
+def test_a_stored_model_rank_0_cannot_load_stops_every_rank_with_its_message(runs):
+    messages = [rank["broken"] for rank in runs["ranks"]]
+    assert messages[0] == messages[1] and messages[0].startswith("cannot load model "), messages
+    assert "the checkpoint lacks" in messages[0]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

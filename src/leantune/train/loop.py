@@ -239,8 +239,13 @@ def _prepare(config: TrainConfig) -> _Run:
     # from the loaded weights, so --quantize (and a GGUF file) keeps every rank loading. A random init (a bare
     # config.json) is drawn on the device itself, so it equals the one-process run's draw
     from_main = launch is not None and kind == "hf" and config.quantize is None
-    where = device if launch is None or kind == "config" else "meta" if from_main and not launch.main else "cpu"
-    model = load_model(kind, model_path, dtype, where, config.seed)
+    if from_main:  # rank 0's load, or its error on every rank (the others would wait for its weights)
+        loaded = []
+        distributed.on_main(lambda: loaded.append(load_model(kind, model_path, dtype, "cpu", config.seed)))
+        model = loaded[0] if loaded else load_model(kind, model_path, dtype, "meta", config.seed)
+    else:
+        model = load_model(kind, model_path, dtype, device if launch is None or kind == "config" else "cpu",
+                           config.seed)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise LeantuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                             f"{model.get_input_embeddings().num_embeddings}")
