@@ -75,8 +75,9 @@ def build(spec, device: str | None = None, shard=None):
                        tile_mlp=TILE_TOKENS if spec.impl.endswith("tiled") else None)
     if shard is not None:
         shard(model)
-    if meta:
-        _materialize_shards(model, names, device, spec.seed, getattr(config, "initializer_range", 0.02))
+    if meta:  # storage for the shards, then each rank's values
+        model.to_empty(device=device)
+        _init_and_draw(list(model.modules()), model.get_base_model(), names)
     model.train()  # HF checkpoints only in training mode
     return model, config
 
@@ -127,40 +128,42 @@ def _build_meta(spec, config):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    names = {module: (name, spec.seed) for name, module in model.named_modules()}
+    names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec))
-    for name, module in model.named_modules():
-        names.setdefault(module, (name, spec.seed + 1))  # the adapters, drawn as seeded_init(trainable_only) does
+    for name, module in model.named_modules():  # the adapters, drawn as seeded_init(trainable_only) does
+        names.setdefault(module, (name, spec.seed + 1, None))
     return model, names
 
 
-def _materialize_shards(model, names, device, seed, std) -> None:
-    """Storage for a sharded meta model, then HF's init of every module (norms, biases, rotary frequencies, scaled
-    embeddings' scale), and every matrix drawn whole from (seed, name) on ``device`` (one at a time), of which each
-    rank keeps its shard."""
+def _draw_names(model, seed: int, std: float) -> dict:
+    """{module: (its name, seed, std)} over ``model``'s modules: the names, seed and spread the bf16 build's
+    :func:`seeded_init` draws their matrices with."""
+    return {module: (name, seed, std) for name, module in model.named_modules()}
+
+
+def _init_and_draw(modules, hf, names) -> None:
+    """Values for ``modules``, which have storage but no values yet: HF's init of each (norms, biases, rotary
+    frequencies, scaled embeddings' scale), then each matrix of a module in ``names`` drawn whole from its (name,
+    seed, std), as :func:`seeded_init` draws it; of a ``DTensor`` each rank keeps its shard."""
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    model.to_empty(device=device)
-    hf = model.get_base_model()
     seen = set()
     with torch.no_grad():
-        for module in model.modules():  # first: a later module's init must not overwrite a tied matrix drawn below
-            hf._init_weights(module)  # all but the matrices' values, as the unsharded build's from_config sets them
-        for module in model.modules():
+        for module in modules:  # first: a later module's init must not overwrite a tied matrix drawn below
+            hf._init_weights(module)
+        for module in modules:
             for key, p in module.named_parameters(recurse=False):
-                if p.dim() < 2 or id(p) in seen:  # a tied weight is drawn once, under its first name
+                if p.dim() < 2 or module not in names or id(p) in seen:  # a tied weight: once, under its first name
                     continue
                 seen.add(id(p))
-                name, draw_seed = names[module]
-                full = torch.empty(p.shape, dtype=p.dtype, device=device)
-                _draw_(full, f"{name}.{key}" if name else key, draw_seed, std if draw_seed == seed else None)
+                name, seed, std = names[module]
+                full = torch.empty(p.shape, dtype=p.dtype, device=p.device) if isinstance(p, DTensor) else p
+                _draw_(full, f"{name}.{key}" if name else key, seed, std)
                 if isinstance(p, DTensor):
-                    full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                    p.to_local().copy_(full)
-                else:
-                    p.copy_(full)
+                    p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements,
+                                                         src_data_rank=None).to_local())
 
 
 def _build_quantized(spec, config, device):
@@ -178,17 +181,16 @@ def _build_quantized(spec, config, device):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     hf = model
-    names = {module: name for name, module in model.named_modules()}  # the bf16 model's names seed the draws
-    std = getattr(config, "initializer_range", 0.02)
+    names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))  # the bf16 model's names
     layers = list(model.get_decoder().layers)
     if spec.impl.startswith("leantune"):  # PEFT wraps nn.Linear bases; leantune's NF4 replaces them under the wrappers
         model = get_peft_model(model, _lora_config(spec))
     inside = {id(m) for layer in layers for m in layer.modules()}
     outside = [m for m in hf.modules() if id(m) not in inside]
     for layer in layers:
-        _materialize(list(layer.modules()), hf, names, device, spec.seed, std)
+        _materialize(list(layer.modules()), hf, names, device)
         _quantize_layer(layer, spec.impl, names)  # drops the bf16 linears (from ``names`` too): freed here
-    _materialize(outside, hf, names, device, spec.seed, std)
+    _materialize(outside, hf, names, device)
     if getattr(config, "tie_word_embeddings", False):
         hf.tie_weights()
     _checkpointing(hf, spec)
@@ -198,20 +200,13 @@ def _build_quantized(spec, config, device):
     return model
 
 
-def _materialize(modules, hf, names, device, seed, std) -> None:
-    """Give ``modules``' meta parameters and buffers storage on ``device``: HF's own init (norms 1, rotary
-    frequencies), then every frozen matrix drawn from (seed, its name in the bf16 model) as :func:`seeded_init`."""
-    import torch
-
+def _materialize(modules, hf, names, device) -> None:
+    """Storage on ``device`` for ``modules``' meta parameters and buffers, then their values
+    (:func:`_init_and_draw`)."""
+    modules = [m for m in modules if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
     for module in modules:
-        if not any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
-            continue
         module.to_empty(device=device, recurse=False)
-        with torch.no_grad():
-            hf._init_weights(module)
-            for key, p in module.named_parameters(recurse=False):
-                if p.dim() >= 2 and module in names:
-                    _draw_(p, f"{names[module]}.{key}" if names[module] else key, seed, std)
+    _init_and_draw(modules, hf, names)
 
 
 def _quantize_layer(layer, impl: str, names) -> None:
@@ -227,7 +222,8 @@ def _quantize_layer(layer, impl: str, names) -> None:
                 from ..ops import quantize_nf4
                 from ..quantize import NF4Linear
 
-                new = NF4Linear(quantize_nf4(child.weight.detach(), name=names.get(child, child_name)), child.bias)
+                new = NF4Linear(quantize_nf4(child.weight.detach(), name=names.get(child, (child_name,))[0]),
+                                child.bias)
             else:
                 import bitsandbytes as bnb
 
