@@ -211,9 +211,9 @@ def wrap(model: torch.nn.Module, world: World, device: str, from_main: bool = Fa
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        full = model.state_dict() if from_main and world.main else {}
-        buffers = _unsaved_buffers(model)
-        kept = [b.detach().clone() for b in buffers] if from_main and world.main else None
+        full, kept = {}, None
+        if from_main and world.main:  # taken before sharding moves the parameters; the CPU tensors stay referenced
+            full, kept = model.state_dict(), [b.detach().clone() for b in _unsaved_buffers(model)]
         mesh = init_device_mesh(torch.device(device).type, (world.size,))
         policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         for layer in decoder_layers(model):

@@ -115,9 +115,9 @@ class FusedLMHead:
         family = model.__dict__[STATE_ATTR].family
         softcap = getattr(model.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
         wanted = tuple(name for name in STATS if name in self.outputs) if self.metrics else ()
-        nll = ops.linear_cross_entropy(rows, head.weight, targets, head.bias, softcap=softcap, reduction="none",
+        out = ops.linear_cross_entropy(rows, head.weight, targets, head.bias, softcap=softcap, reduction="none",
                                        ignore_index=IGNORE_INDEX, statistics=wanted)
-        nll, found = nll if wanted else (nll, {})
+        nll, found = out if wanted else (out, {})
         self.calls += 1
         # masked_scatter keeps an all-ignored micro-batch connected to the graph (a zero with a gradient), as TRL's
         log_probs = nll.new_zeros(mask.shape).masked_scatter(mask, -nll)
