@@ -8,36 +8,36 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 
 part_tests() {  # the GPU cases of the ops that moved or changed, offload's CUDA path, NF4 against bitsandbytes' CUDA
-  timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/test_lora.py tests/test_lora_glu.py \
+  timeout $(bound 330) python3 -m pytest -q -p no:cacheprovider -rs tests/test_lora.py tests/test_lora_glu.py \
     tests/test_linear_cross_entropy.py tests/test_cross_entropy.py tests/test_autograd_contract.py \
     tests/test_offload.py tests/test_nf4.py tests/test_tiled_mlp.py > "$OUT/pytest.log" 2>&1
   echo "pytest exit $?"; grep -E "passed|failed" "$OUT/pytest.log" | tail -3; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head
 }
 
 part_tests_changed() {  # the GPU cases this session added or whose kernels changed, most important first
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_nf4.py tests/test_offload.py -k cuda \
+  timeout $(bound 240) python3 -m pytest -q -p no:cacheprovider -rs tests/test_nf4.py tests/test_offload.py -k cuda \
     > "$OUT/pytest-new.log" 2>&1; echo "pytest (nf4, offload) exit $?"; tail -2 "$OUT/pytest-new.log"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_cross_entropy.py tests/test_cross_entropy.py \
+  timeout $(bound 200) python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_cross_entropy.py tests/test_cross_entropy.py \
     tests/test_autograd_contract.py -k "vocabulary or chunk_count or softcap or contract" > "$OUT/pytest-loss.log" 2>&1
   echo "pytest (loss, contract) exit $?"; tail -2 "$OUT/pytest-loss.log"; grep -E "^FAILED|^ERROR" "$OUT"/pytest-*.log | head
 }
 
 part_tests_new() {  # this stop's kernels and paths on the card: loss statistics, NF4 table lookup, document attention
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_loss_statistics.py tests/test_document_attention.py \
+  timeout $(bound 240) python3 -m pytest -q -p no:cacheprovider -rs tests/test_loss_statistics.py tests/test_document_attention.py \
     tests/test_nf4.py -k "not bit_exact_with_bitsandbytes or cuda" > "$OUT/pytest-new.log" 2>&1
   echo "pytest (statistics, document attention, nf4) exit $?"; tail -2 "$OUT/pytest-new.log"
   grep -E "^FAILED|^ERROR" "$OUT/pytest-new.log" | head
 }
 
 part_nf4_sweep() {
-  timeout 150 python3 benchmarks/nf4_sweep.py > "$OUT/nf4_sweep.md" 2>&1; echo "sweep exit $?"; cat "$OUT/nf4_sweep.md"
+  timeout $(bound 150) python3 benchmarks/nf4_sweep.py > "$OUT/nf4_sweep.md" 2>&1; echo "sweep exit $?"; cat "$OUT/nf4_sweep.md"
 }
 
 part_fsdp1() {  # FSDP2 at world size 1 vs the plain run: same losses, tokens/s and peak (Llama-3.2-1B shape)
   local args="--model .gpu/llama32-1b/config.json --data .gpu/chitchat.json --max-steps 12 --seq-len 4096
     --batch-size 1 --eval-every 0 --eval-size 4 --save-every 0 --max-examples 1500 --gradient-checkpointing on"
-  timeout 150 python3 -m leantune train $args --output /tmp/plain > "$OUT/plain.log" 2>&1; echo "plain exit $?"
-  timeout 150 torchrun --standalone --nproc_per_node 1 -m leantune train $args --distributed fsdp --output /tmp/fsdp1 \
+  timeout $(bound 150) python3 -m leantune train $args --output /tmp/plain > "$OUT/plain.log" 2>&1; echo "plain exit $?"
+  timeout $(bound 150) torchrun --standalone --nproc_per_node 1 -m leantune train $args --distributed fsdp --output /tmp/fsdp1 \
     > "$OUT/fsdp1.log" 2>&1; echo "fsdp1 exit $?"
   cp /tmp/plain/metrics.jsonl "$OUT/plain-metrics.jsonl"; cp /tmp/fsdp1/metrics.jsonl "$OUT/fsdp1-metrics.jsonl"
   python3 - "$OUT" <<'EOF'
@@ -56,54 +56,58 @@ EOF
 }
 
 part_nf4() {  # dequantisation against its floor and bitsandbytes' CUDA kernel
-  timeout 120 python3 -m leantune bench ops --ops nf4_dequant --out "$OUT/nf4" > "$OUT/nf4.log" 2>&1
+  timeout $(bound 120) python3 -m leantune bench ops --ops nf4_dequant --out "$OUT/nf4" > "$OUT/nf4.log" 2>&1
   echo "nf4 exit $?"; tail -8 "$OUT/nf4.log"
 }
 
 part_e2e_offload() {  # 8B, 4096 x 1, checkpointing on: leantune with and without offload (and tiling)
-  timeout 330 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 6 \
+  timeout $(bound 330) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 6 \
     --impls leantune,leantune+offload,leantune+offload+tiled --budget-s 320 --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
   echo "e2e exit $?"; tail -12 "$OUT/e2e.log"
 }
 
 part_max_context_offload() {  # one probe: does 393,216 tokens train with offload + tiling?
-  timeout 560 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 393216 --batch 1 --gc on --steps 1 \
+  timeout $(bound 560) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 393216 --batch 1 --gc on --steps 1 \
     --warmup 0 --impls leantune+offload+tiled --matmul-tflops 700 --budget-s 550 --out "$OUT/ctx" > "$OUT/ctx.log" 2>&1
   echo "ctx exit $?"; tail -8 "$OUT/ctx.log"
 }
 
 part_qlora() {  # 8B, 4096 x 1, checkpointing on: leantune QLoRA vs HF+PEFT+bitsandbytes vs leantune bf16, one run
-  timeout 430 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 5 \
+  timeout $(bound 430) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 5 \
     --impls hf+peft+bnb,leantune+nf4,leantune --matmul-tflops 700 --budget-s 420 --compare --out "$OUT/qlora" \
     > "$OUT/qlora.log" 2>&1
   echo "qlora exit $?"; tail -14 "$OUT/qlora.log"
 }
 
 part_qlora_70b() {  # Llama-3-70B shape, QLoRA on one card, 4096 x 1 (built layer by layer: the bf16 model never whole)
-  timeout 400 python3 -m leantune bench e2e --configs .gpu/llama3-70b --seq 4096 --batch 1 --gc on --steps 3 \
+  timeout $(bound 400) python3 -m leantune bench e2e --configs .gpu/llama3-70b --seq 4096 --batch 1 --gc on --steps 3 \
     --warmup 1 --impls leantune+nf4 --matmul-tflops 700 --budget-s 390 --out "$OUT/qlora70b" > "$OUT/qlora70b.log" 2>&1
   echo "qlora-70b exit $?"; tail -8 "$OUT/qlora70b.log"
 }
 
 part_qlora_cap() {  # one probe: 8B QLoRA with offload + tiling at 344,064 tokens (>= Unsloth's 342,733) in 80 GiB
-  timeout 560 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 344064 --batch 1 --gc on --steps 1 \
+  timeout $(bound 560) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 344064 --batch 1 --gc on --steps 1 \
     --warmup 0 --impls leantune+nf4+offload+tiled --memory-cap-gib 80 --matmul-tflops 700 --budget-s 550 \
     --out "$OUT/qlora-cap" > "$OUT/qlora-cap.log" 2>&1
   echo "qlora-cap exit $?"; tail -8 "$OUT/qlora-cap.log"
 }
 
 part_cap_262k() {  # one probe: 8B bf16 with offload + tiling at 262,144 tokens in 80 GiB
-  timeout 480 python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 262144 --batch 1 --gc on --steps 1 \
+  timeout $(bound 480) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 262144 --batch 1 --gc on --steps 1 \
     --warmup 0 --impls leantune+offload+tiled --memory-cap-gib 80 --matmul-tflops 700 --budget-s 470 \
     --out "$OUT/cap262k" > "$OUT/cap262k.log" 2>&1
   echo "cap-262k exit $?"; tail -8 "$OUT/cap262k.log"
 }
 
 part_trl() {  # TRL, 8B, 4096 x 1, checkpointing on: leantune's head vs TRL's own vs TRL use_liger_kernel, SFT then DPO
-  timeout 330 python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer sft --seq 4096 --out "$OUT/trl" \
+  timeout $(bound 330) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer sft --seq 4096 --out "$OUT/trl" \
     > "$OUT/trl-sft.log" 2>&1; echo "trl sft exit $?"; tail -6 "$OUT/trl-sft.log"
-  timeout $(( $(left) - 5 )) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer dpo --seq 4096 \
+  timeout $(bound 600) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer dpo --seq 4096 \
     --steps 3 --out "$OUT/trl" > "$OUT/trl-dpo.log" 2>&1; echo "trl dpo exit $?"; tail -6 "$OUT/trl-dpo.log"
+}
+
+bound() {  # the part's own limit, or what is left of the call if less
+  local l=$(( $(left) - 10 )); echo $(( l < $1 ? l : $1 ))
 }
 
 for part in "$@"; do

@@ -1,6 +1,6 @@
 """Build .gpu/ (git-ignored, carried to the device machine): Llama-3-8B, Llama-3-70B and Llama-3.2-1B shaped config
-folders (the 8B and 1B ones with SmolLM2's tokenizer beside them), and a 2,500-conversation chitchat subset. Run here (CPU) from the repo
-root:
+folders (the 8B and 1B ones with SmolLM2's tokenizer beside them), and a 2,500-conversation chitchat subset. Run
+here (CPU) from the repo root:
 
     .venv/bin/python benchmarks/make_gpu_inputs.py
 """

@@ -4,7 +4,7 @@ the interpreter, reusable output workspaces, and the errors."""
 import pytest
 import reference
 import torch
-from conftest import ON_GPU
+from conftest import DEVICE, ON_GPU
 
 from leantune.ops import _runtime, nf4
 from leantune.ops.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
@@ -107,10 +107,11 @@ def test_dequantize_bit_exact_with_bitsandbytes(backend, shape, out_dtype):
 
 @pytest.mark.parametrize("out_dtype", FLOATS)
 def test_kernel_lookups_agree_bit_for_bit(out_dtype, monkeypatch):
-    """The kernel's two NF4 lookups (select tree, table load) write the same bits; the tree's are checked against
-    bitsandbytes above."""
+    """The kernel's two NF4 lookups (select tree, table load) write the same bits; the default's (table load) are
+    checked against bitsandbytes above."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
-    w = quantize_nf4(weight_with_edge_blocks((72, 96), torch.bfloat16))
+    w = quantize_nf4(weight_with_edge_blocks((72, 96), torch.bfloat16).to(DEVICE))
+    monkeypatch.setattr(nf4, "_KERNEL_GATHER", False)
     tree = dequantize_nf4(w, dtype=out_dtype)
     monkeypatch.setattr(nf4, "_KERNEL_GATHER", True)
     gathered = dequantize_nf4(w, dtype=out_dtype)
@@ -119,7 +120,7 @@ def test_kernel_lookups_agree_bit_for_bit(out_dtype, monkeypatch):
 
 
 def test_dequantize_defaults_to_the_quantised_dtype(backend):
-    w = quantize_nf4(torch.randn(4, 128, dtype=torch.float16))
+    w = quantize_nf4(torch.randn(4, 128, dtype=torch.float16, device=DEVICE))
     assert dequantize_nf4(w).dtype == torch.float16
 
 
@@ -128,8 +129,8 @@ def test_dequantize_into_poisoned_workspace(backend, out_dtype, monkeypatch):
     """``out=`` is written in place, every element (it starts as NaN), with no allocation through the op allocator;
     the torch path in several chunks."""
     monkeypatch.setattr(nf4, "_TORCH_CHUNK_BLOCKS", 7)
-    w = quantize_nf4(torch.randn(24, 320))
-    out = torch.full(w.shape, float("nan"), dtype=out_dtype)
+    w = quantize_nf4(torch.randn(24, 320, device=DEVICE))
+    out = torch.full(w.shape, float("nan"), dtype=out_dtype, device=DEVICE)
     allocated = []
 
     def counting(shape, dtype, device):

@@ -117,10 +117,13 @@ def run_one(spec: RunSpec) -> dict:
             raise BenchError(f"--distributed {spec.distributed} runs under torchrun with {spec.nproc} processes")
         device = distributed.init(world, spec.device)
     if cuda and spec.memory_cap_gib is not None:  # what a smaller card would allow this process
-        total = torch.cuda.get_device_properties(device).total_memory
+        card = torch.device(device)
+        if card.index is None:  # the memory fraction wants an index: "cuda" is the current device
+            card = torch.device("cuda", torch.cuda.current_device())
+        total = torch.cuda.get_device_properties(card).total_memory
         if spec.memory_cap_gib * GiB > total:
             raise BenchError(f"memory cap {spec.memory_cap_gib:g} GiB exceeds the card's {total / GiB:.1f} GiB")
-        torch.cuda.set_per_process_memory_fraction(spec.memory_cap_gib * GiB / total, device)
+        torch.cuda.set_per_process_memory_fraction(spec.memory_cap_gib * GiB / total, card)
     t0 = time.perf_counter()
     if spec.distributed == "fsdp":  # built on the meta device, sharded, then each rank's shards drawn
 

