@@ -2,7 +2,7 @@
 # The device-machine checks behind benchmarks/RESULTS.md, one part per argument, each bounded in time. From the repo
 # root on the device machine (inputs: `.venv/bin/python benchmarks/make_gpu_inputs.py` here, carry .gpu and .whl):
 #   bash benchmarks/gpu_checks.sh tests fsdp1 nf4 e2e-offload max-context-offload
-# QLoRA (each about one 10-minute call or less): qlora qlora-70b, then qlora-cap, cap-262k; TRL: trl
+# QLoRA (each about one 10-minute call or less): qlora qlora-70b, then qlora-cap, cap-262k; TRL: trl; the peak: peak
 # Every part writes under $OUT and prints a short table last.
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -97,6 +97,12 @@ part_cap_262k() {  # one probe: 8B bf16 with offload + tiling at 262,144 tokens 
     --warmup 0 --impls leantune+offload+tiled --memory-cap-gib 80 --matmul-tflops 700 --budget-s 470 \
     --out "$OUT/cap262k" > "$OUT/cap262k.log" 2>&1
   echo "cap-262k exit $?"; tail -8 "$OUT/cap262k.log"
+}
+
+part_peak() {  # 8B, 4096 x 1, offload: what is alive at the peak, by allocation site, for MLP tiles and loss chunks
+  timeout $(bound 300) python3 benchmarks/peak_breakdown.py --config .gpu/llama3-8b --seq 4096 --out "$OUT/peak" \
+    --variants leantune+offload+tiled:4096:128 leantune+offload+tiled:2048:128 leantune+offload+tiled:2048:32 \
+    leantune+offload+tiled:1024:32 > "$OUT/peak.log" 2>&1; echo "peak exit $?"; cat "$OUT/peak.log" | tail -70
 }
 
 part_trl() {  # TRL, 8B, 4096 x 1, checkpointing on: leantune's head vs TRL's own vs TRL use_liger_kernel, SFT then DPO

@@ -1,0 +1,161 @@
+"""What is alive at the peak of a training step: the bytes held at ``max_memory_allocated``, grouped by the line
+that allocated them, for a few setups of one model (CUDA).
+
+Each variant builds ``leantune bench``'s model (``bench.build``: same weights, LoRA r16 on all 7 projections, fused
+AdamW with its state allocated up front), runs ``--warmup`` steps, then one step under
+``torch.cuda.memory._record_memory_history``. The allocator's trace is replayed (``live_at_peak``) to the moment the
+allocated bytes were highest; what was allocated before the step (weights, adapters, optimizer state) is one row,
+every other live block is charged to its first Python frame inside leantune, transformers, peft or torch.optim.
+A variant is ``IMPL:TILE:CHUNK_MIB``: a ``bench`` implementation, the tiled MLP's tile in tokens (the ``tiled``
+ones), and the fused loss's chunk budget in MiB (``memory="fast"``). On the device machine, from the repo root:
+
+    python3 benchmarks/peak_breakdown.py --config .gpu/llama3-8b --seq 4096 --out $OUT/peak \\
+        --variants leantune+offload+tiled:4096:128 leantune+offload+tiled:2048:128 leantune+offload+tiled:2048:32
+
+Prints, per variant, peak minus frozen weights (as ``bench e2e`` reports it), the step time, and the largest rows;
+writes ``breakdown.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+GiB = 2**30
+MiB = 2**20
+BEFORE = "allocated before the step (weights, adapters, optimizer state)"
+OURS = ("leantune/", "transformers/", "peft/", "torch/optim/")
+
+
+def allocation_site(frames) -> str:
+    """``file:line function`` of the innermost frame inside leantune, transformers, peft or torch.optim (the first
+    frame when none is); ``frames`` innermost first, as the allocator's trace gives them."""
+    for frame in frames:
+        if any(part in frame["filename"] for part in OURS):
+            name = frame["filename"].split("site-packages/")[-1].split("src/")[-1]
+            return f"{name}:{frame['line']} {frame['name']}"
+    if frames:
+        return f"{frames[0]['filename']}:{frames[0]['line']} {frames[0]['name']}"
+    return "(no frame)"
+
+
+def live_at_peak(events, allocated_before: int) -> tuple[int, dict[str, int]]:
+    """(peak bytes, {site: bytes live at the peak}) from one device's allocator trace events (``alloc`` /
+    ``free_completed`` with ``addr``, ``size``, ``frames``; other actions ignored). ``allocated_before``: bytes
+    allocated when recording began; a free of a block allocated before then is taken from that row."""
+
+    def replay(stop=None):
+        live: dict[int, tuple[int, str]] = {}
+        before = current = peak = allocated_before
+        peak_index = -1
+        for i, event in enumerate(events[:stop]):
+            if event["action"] == "alloc":
+                live[event["addr"]] = (event["size"], event.get("frames", []))
+                current += event["size"]
+                if current > peak:
+                    peak, peak_index = current, i
+            elif event["action"] == "free_completed":
+                if event["addr"] in live:
+                    current -= live.pop(event["addr"])[0]
+                else:  # allocated before the recording began
+                    before -= event["size"]
+                    current -= event["size"]
+        return peak, peak_index, before, live
+
+    peak, peak_index, _, _ = replay()
+    _, _, before, live = replay(peak_index + 1)  # the state right after the peak's allocation
+    sites = defaultdict(int, {BEFORE: before})
+    for size, frames in live.values():
+        sites[allocation_site(frames)] += size
+    return peak, dict(sites)
+
+
+def run_variant(config: str, seq: int, warmup: int, variant: str) -> dict:
+    import importlib
+
+    import torch
+
+    from leantune.bench import build as bench_build
+    from leantune.bench.flops import frozen_weight_bytes
+    from leantune.bench.step import RunSpec
+
+    lce = importlib.import_module("leantune.ops.linear_cross_entropy")  # the module, not the op of that name
+
+    impl, tile, chunk_mib = variant.split(":")
+    bench_build.TILE_TOKENS = int(tile)
+    lce.DEFAULT_CHUNK_BYTES["fast"] = int(chunk_mib) * MiB
+    spec = RunSpec(impl=impl, config=config, seq=seq, batch=1, gc=True)
+    model, model_config = bench_build.build(spec, "cuda")
+    ids = torch.randint(0, model_config.vocab_size, (1, seq), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(2))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    for p in params:  # optimizer state up front, as bench e2e does
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    frozen = frozen_weight_bytes(model)
+    torch.cuda.reset_peak_memory_stats()
+    allocated_before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    t = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    step_ms = 1e3 * (time.perf_counter() - t)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, sites = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], allocated_before)
+    result = {
+        "variant": variant, "seq": seq, "step_ms_recorded": step_ms,
+        "peak_gib": torch.cuda.max_memory_allocated() / GiB, "replayed_peak_gib": peak / GiB,
+        "frozen_gib": frozen / GiB, "peak_minus_frozen_gib": (torch.cuda.max_memory_allocated() - frozen) / GiB,
+        "sites_mib": {k: v / MiB for k, v in sorted(sites.items(), key=lambda kv: -kv[1])},
+    }
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", required=True, help="IMPL:TILE:CHUNK_MIB ...")
+    parser.add_argument("--top", type=int, default=12, help="rows printed per variant")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    for variant in args.variants:
+        if variant.count(":") != 2:
+            parser.error(f"--variants: {variant!r} is not IMPL:TILE:CHUNK_MIB")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for variant in args.variants:
+        results.append(run_variant(args.config, args.seq, args.warmup, variant))
+        gc.collect()  # the variant's model (and its pinned host pool) goes with its frame
+        torch.cuda.empty_cache()
+        (args.out / "breakdown.json").write_text(json.dumps(results, indent=1))
+    for r in results:
+        print(f"\n### {r['variant']}: peak - frozen {r['peak_minus_frozen_gib']:.3f} GiB (peak {r['peak_gib']:.2f}, "
+              f"replayed {r['replayed_peak_gib']:.2f}), recorded step {r['step_ms_recorded']:.0f} ms")
+        print("| MiB at the peak | allocated at |\n|---|---|")
+        for site, mib in list(r["sites_mib"].items())[: args.top]:
+            print(f"| {mib:,.1f} | {site} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

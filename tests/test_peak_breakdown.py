@@ -1,0 +1,72 @@
+"""benchmarks/peak_breakdown.py's replay of the CUDA allocator trace, on hand-made traces (the script itself needs a
+GPU): the peak, what is live at it, and blocks allocated before the recording."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peak_breakdown.py"
+spec = importlib.util.spec_from_file_location("peak_breakdown", SCRIPT)
+peak_breakdown = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peak_breakdown)
+
+MLP = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "silu"},
+       {"filename": "/repo/src/leantune/ops/glu.py", "line": 40, "name": "forward"}]
+LOSS = [{"filename": "/y/site-packages/leantune/ops/linear_cross_entropy.py", "line": 7, "name": "_chunked_forward"}]
+
+
+def alloc(addr, size, frames):
+    return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+
+def free(addr, size, action="free_completed"):
+    return {"action": action, "addr": addr, "size": size, "frames": []}
+
+
+def test_allocation_site_is_the_innermost_frame_of_ours():
+    assert peak_breakdown.allocation_site(MLP) == "leantune/ops/glu.py:40 forward"
+    assert peak_breakdown.allocation_site(LOSS) == "leantune/ops/linear_cross_entropy.py:7 _chunked_forward"
+    other = [{"filename": "<frozen runpy>", "line": 3, "name": "run"}]
+    assert peak_breakdown.allocation_site(other) == "<frozen runpy>:3 run"
+    assert peak_breakdown.allocation_site([]) == "(no frame)"
+
+
+def test_live_set_at_the_peak():
+    before = 1000
+    events = [
+        alloc(1, 300, MLP),
+        alloc(2, 200, LOSS),
+        free(1, 300, action="free_requested"),  # not yet returned: still counted
+        alloc(3, 50, MLP),  # peak: 1000 + 300 + 200 + 50
+        free(1, 300),
+        free(3, 50),
+        alloc(4, 300, LOSS),  # 1000 + 200 + 300 = 1500: below the peak
+        {"action": "segment_alloc", "addr": 9, "size": 4096, "frames": []},
+    ]
+    peak, sites = peak_breakdown.live_at_peak(events, before)
+    assert peak == 1550
+    assert sites == {peak_breakdown.BEFORE: 1000, "leantune/ops/glu.py:40 forward": 350,
+                     "leantune/ops/linear_cross_entropy.py:7 _chunked_forward": 200}
+    assert sum(sites.values()) == peak
+
+
+def test_frees_of_blocks_from_before_the_recording():
+    events = [free(77, 400), alloc(1, 100, MLP), free(78, 100), alloc(2, 500, LOSS)]
+    peak, sites = peak_breakdown.live_at_peak(events, 1000)
+    # 1000 - 400 + 100 = 700 -> -100 = 600 -> +500 = 1100: the peak, with 500 of the old blocks left
+    assert peak == 1100
+    assert sites[peak_breakdown.BEFORE] == 500 and sum(sites.values()) == 1100
+
+
+def test_no_allocation_above_the_start_is_the_start():
+    peak, sites = peak_breakdown.live_at_peak([free(5, 10)], 64)
+    assert peak == 64 and sites == {peak_breakdown.BEFORE: 64}
+
+
+def test_variants_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        peak_breakdown.main(["--config", "x", "--variants", "leantune:4096", "--out", str(tmp_path)])
+    assert "is not IMPL:TILE:CHUNK_MIB" in capsys.readouterr().err
