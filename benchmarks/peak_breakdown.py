@@ -74,7 +74,9 @@ def live_at_peak(events, allocated_before: int) -> tuple[int, dict[str, int]]:
     return peak, dict(sites)
 
 
-def run_variant(config: str, seq: int, warmup: int, variant: str) -> dict:
+def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = "cuda") -> dict:
+    """One variant's breakdown (module docstring); ``device="cpu"`` is a dry run (the same build and steps, no
+    memory figures) for the tests."""
     import importlib
 
     import torch
@@ -82,18 +84,19 @@ def run_variant(config: str, seq: int, warmup: int, variant: str) -> dict:
     from leantune.bench import build as bench_build
     from leantune.bench.flops import frozen_weight_bytes
     from leantune.bench.step import RunSpec
+    from leantune.patch.tiled_mlp import TiledForward
 
     lce = importlib.import_module("leantune.ops.linear_cross_entropy")  # the module, not the op of that name
 
     impl, tile, chunk_mib = variant.split(":")
     bench_build.TILE_TOKENS = int(tile)
     lce.DEFAULT_CHUNK_BYTES["fast"] = int(chunk_mib) * MiB
-    spec = RunSpec(impl=impl, config=config, seq=seq, batch=1, gc=True)
-    model, model_config = bench_build.build(spec, "cuda")
-    ids = torch.randint(0, model_config.vocab_size, (1, seq), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(2))
+    spec = RunSpec(impl=impl, config=config, seq=seq, batch=1, gc=True, device=device)
+    model, model_config = bench_build.build(spec, device)
+    ids = torch.randint(0, model_config.vocab_size, (1, seq), device=device,
+                        generator=torch.Generator(device=device).manual_seed(2))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
     for p in params:  # optimizer state up front, as bench e2e does
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -106,8 +109,13 @@ def run_variant(config: str, seq: int, warmup: int, variant: str) -> dict:
     for _ in range(warmup):
         step()
     optimizer.zero_grad(set_to_none=True)
+    tiles = sorted({m.forward.tile_tokens for m in model.modules() if isinstance(m.forward, TiledForward)})
+    result = {"variant": variant, "seq": seq, "tile_tokens": tiles,
+              "chunk_mib": lce.DEFAULT_CHUNK_BYTES["fast"] / MiB, "frozen_gib": frozen_weight_bytes(model) / GiB}
+    if device != "cuda":
+        step()
+        return result
     torch.cuda.synchronize()
-    frozen = frozen_weight_bytes(model)
     torch.cuda.reset_peak_memory_stats()
     allocated_before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -118,12 +126,12 @@ def run_variant(config: str, seq: int, warmup: int, variant: str) -> dict:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak, sites = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], allocated_before)
-    result = {
-        "variant": variant, "seq": seq, "step_ms_recorded": step_ms,
-        "peak_gib": torch.cuda.max_memory_allocated() / GiB, "replayed_peak_gib": peak / GiB,
-        "frozen_gib": frozen / GiB, "peak_minus_frozen_gib": (torch.cuda.max_memory_allocated() - frozen) / GiB,
+    max_allocated = torch.cuda.max_memory_allocated()
+    result.update({
+        "step_ms_recorded": step_ms, "peak_gib": max_allocated / GiB, "replayed_peak_gib": peak / GiB,
+        "peak_minus_frozen_gib": max_allocated / GiB - result["frozen_gib"],
         "sites_mib": {k: v / MiB for k, v in sorted(sites.items(), key=lambda kv: -kv[1])},
-    }
+    })
     return result
 
 
@@ -135,6 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", required=True, help="IMPL:TILE:CHUNK_MIB ...")
     parser.add_argument("--top", type=int, default=12, help="rows printed per variant")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the builds and steps (tests)")
     args = parser.parse_args(argv)
     import torch
 
@@ -144,11 +153,16 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for variant in args.variants:
-        results.append(run_variant(args.config, args.seq, args.warmup, variant))
+        results.append(run_variant(args.config, args.seq, args.warmup, variant, args.device))
         gc.collect()  # the variant's model (and its pinned host pool) goes with its frame
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         (args.out / "breakdown.json").write_text(json.dumps(results, indent=1))
     for r in results:
+        if "sites_mib" not in r:
+            print(f"{r['variant']}: dry run on {args.device}, MLP tiles {r['tile_tokens']}, "
+                  f"loss chunk {r['chunk_mib']:g} MiB")
+            continue
         print(f"\n### {r['variant']}: peak - frozen {r['peak_minus_frozen_gib']:.3f} GiB (peak {r['peak_gib']:.2f}, "
               f"replayed {r['replayed_peak_gib']:.2f}), recorded step {r['step_ms_recorded']:.0f} ms")
         print("| MiB at the peak | allocated at |\n|---|---|")

@@ -4,6 +4,7 @@ GPU): the peak, what is live at it, and blocks allocated before the recording.""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,28 @@ def test_variants_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         peak_breakdown.main(["--config", "x", "--variants", "leantune:4096", "--out", str(tmp_path)])
     assert "is not IMPL:TILE:CHUNK_MIB" in capsys.readouterr().err
+
+
+def test_dry_run_builds_each_variant_with_its_tile_and_chunk(tmp_path, capsys, monkeypatch):
+    """The CPU dry run: the bench model built per variant, with the variant's MLP tile and loss chunk in force."""
+    import importlib
+
+    from transformers import LlamaConfig
+
+    from leantune.bench import build as bench_build
+
+    lce = importlib.import_module("leantune.ops.linear_cross_entropy")
+    monkeypatch.setattr(bench_build, "TILE_TOKENS", bench_build.TILE_TOKENS)  # restored after the test
+    monkeypatch.setitem(lce.DEFAULT_CHUNK_BYTES, "fast", lce.DEFAULT_CHUNK_BYTES["fast"])
+    folder = tmp_path / "model"
+    LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64).save_pretrained(folder)
+    out = tmp_path / "out"
+    code = peak_breakdown.main(["--config", str(folder), "--seq", "40", "--warmup", "1", "--device", "cpu",
+                                "--out", str(out), "--variants", "leantune+offload+tiled:16:1", "leantune:8:2"])
+    assert code == 0
+    results = json.loads((out / "breakdown.json").read_text())
+    assert [(r["variant"], r["tile_tokens"], r["chunk_mib"]) for r in results] == [
+        ("leantune+offload+tiled:16:1", [16], 1.0), ("leantune:8:2", [], 2.0)]
+    assert all(r["frozen_gib"] > 0 for r in results)
+    assert "MLP tiles [16], loss chunk 1 MiB" in capsys.readouterr().out
