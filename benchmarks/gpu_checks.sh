@@ -73,7 +73,7 @@ part_max_context_offload() {  # one probe: does 393,216 tokens train with offloa
 }
 
 part_qlora() {  # 8B, 4096 x 1, checkpointing on: leantune QLoRA vs HF+PEFT+bitsandbytes vs leantune bf16, one run
-  timeout $(bound 430) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 5 \
+  timeout $(bound 430) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 \
     --impls hf+peft+bnb,leantune+nf4,leantune --matmul-tflops 700 --budget-s 420 --compare --out "$OUT/qlora" \
     > "$OUT/qlora.log" 2>&1
   echo "qlora exit $?"; tail -14 "$OUT/qlora.log"
