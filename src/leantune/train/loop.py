@@ -3,7 +3,8 @@
 1. ``_prepare``: every check and every load (model, tokenizer, data, LoRA, optimizer); nothing is written yet, so
    every user error leaves the output folder as it was.
 2. ``_claim``: lock the output folder, set aside the run being replaced, write run.json, restore a checkpoint.
-3. ``_fit``: the optimizer steps, with evals, checkpoints, and a checkpoint then a stop on Ctrl-C or SIGTERM.
+3. ``_fit``: the optimizer steps, with evals, checkpoints, and a checkpoint then a stop on Ctrl-C or SIGTERM; the
+   objects alive before it are frozen out of Python's full collections meanwhile (``heap``).
 4. ``_finish``: the last checkpoint, the final eval, the adapter, tokenizer, summary.json and loss.png.
 
 The run-folder rules (what may be replaced, resumed or locked) are in ``run_folder``, the signal rules in ``signals``.
@@ -47,6 +48,7 @@ from tqdm.auto import tqdm
 from .. import distributed
 from ..distributed import World
 from ..errors import LeantuneError
+from ..heap import long_lived_frozen
 from ..patch import is_patched
 from ..patch.document_attention import use_document_attention
 from . import checkpoint, run_folder
@@ -181,7 +183,8 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
             try:
                 run = _prepare(config)
                 _claim(run, replaced)
-                stopped = _fit(run, progress and run.world.main, on_step)
+                with long_lived_frozen():  # no full GC walks over the model's objects between steps
+                    stopped = _fit(run, progress and run.world.main, on_step)
                 result = stopped if stopped is not None else _finish(run, replaced)
             except BaseException:
                 with SignalsDeferred():

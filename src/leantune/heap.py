@@ -1,0 +1,38 @@
+"""The Python heap during a training loop: the objects alive when the loop starts kept out of the cyclic garbage
+collector's full collections.
+
+Why: CPython's full (generation-2) collection walks every tracked object. A transformers model with PEFT adapters
+is about 500,000 of them at Llama-3-8B's shape (modules, parameters, their dicts and hooks), and a training step
+leaves enough survivors of the young generations (autograd nodes, outputs, optimizer bookkeeping) to start a full
+collection every few steps. Measured on the 2-core development CPU (``leantune bench``'s step on a 32-layer model,
+12 steps): one or two full collections, 237-332 ms each, freeing under 150 objects. On a GPU the host pause stalls
+the card: a Llama-3-8B LoRA step at 4,096 tokens takes about 450 ms on the H200, and every 5-step e2e run there had
+one step 1.5-2x slower than the others. ``gc.freeze()`` moves every tracked object to the permanent generation,
+which collections skip; objects made later are collected as usual, so per-step garbage still goes. (torchtitan's
+trainer controls collection for the same reason.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+
+@contextlib.contextmanager
+def long_lived_frozen():
+    """Collect once, then freeze every object alive now until the block ends.
+
+    ``gc.freeze`` is process-wide: on exit the frozen objects are unfrozen (collectable again), unless some were
+    frozen before the block, in which case the caller froze on purpose and everything stays frozen.
+    """
+    frozen_before = gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if frozen_before == 0:
+            gc.unfreeze()
+
+
+__all__ = ["long_lived_frozen"]

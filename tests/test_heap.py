@@ -1,0 +1,66 @@
+"""leantune.heap: the objects alive at a training loop's start frozen out of Python's full collections, and thawed
+after; young garbage still collected; `leantune train` and TRL's trainers (patch_trainer) run their steps frozen."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from cli_support import run_cli, tiny, train_args  # noqa: F401  (tiny is a fixture)
+
+from leantune.heap import long_lived_frozen
+
+
+@pytest.fixture(autouse=True)
+def thawed():
+    """Each test starts and ends with nothing frozen (gc.freeze is process-wide)."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+class Node:
+    def __init__(self):
+        self.other = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_objects_alive_at_the_start_are_frozen_then_thawed():
+    keep = [Node() for _ in range(10)]
+    with long_lived_frozen():
+        assert gc.get_freeze_count() >= len(keep)
+    assert gc.get_freeze_count() == 0
+
+
+def test_garbage_made_inside_is_still_collected():
+    with long_lived_frozen():
+        Node()  # unreachable at once, held only by its own cycle
+        assert gc.collect() >= 1
+        assert gc.get_freeze_count() > 0
+
+
+def test_thawed_after_an_exception():
+    with pytest.raises(RuntimeError), long_lived_frozen():
+        raise RuntimeError("step failed")
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_caller_who_froze_first_stays_frozen():
+    gc.freeze()
+    before = gc.get_freeze_count()
+    assert before > 0
+    with long_lived_frozen():
+        pass
+    assert gc.get_freeze_count() >= before
+
+
+def test_train_runs_its_steps_frozen_and_thaws(tiny, tmp_path, capsys, monkeypatch):  # noqa: F811
+    import leantune.train as train_package
+
+    seen = []
+    real_train = train_package.train
+    monkeypatch.setattr(train_package, "train", lambda config: real_train(
+        config, progress=False, on_step=lambda done: seen.append(gc.get_freeze_count())))
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--max-steps", "2"))
+    assert code == 0, err
+    assert len(seen) == 2 and all(count > 1000 for count in seen), seen  # the model's objects among them
+    assert gc.get_freeze_count() == 0
