@@ -1,5 +1,6 @@
-"""TRL's SFTTrainer / DPOTrainer three ways, same model, data and settings: TRL's own loss head (``trl``), TRL with
-``use_liger_kernel=True`` (``trl+liger``), and leantune's head and layers (``leantune``: ``patch_trainer``).
+"""TRL's SFTTrainer / DPOTrainer several ways, same model, data and settings: TRL's own loss head (``trl``), TRL with
+``use_liger_kernel=True`` (``trl+liger``), and leantune's head and layers (``leantune``: ``patch_trainer``; and
+``leantune+default-gc``: the same with ``freeze_heap=False``, which shows what freezing the heap buys).
 
 Each implementation trains in its own process (Liger patches modules). The model is ``leantune bench``'s (a config's
 random-init bf16 model, weights drawn from (seed, name), PEFT LoRA r16 on all 7 projections with fp32 adapters,
@@ -22,6 +23,7 @@ datasets, dill, multiprocess and liger-kernel wheels the device image lacks):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-IMPLS = ("trl", "trl+liger", "leantune")
+IMPLS = ("trl", "trl+liger", "leantune", "leantune+default-gc")
 
 
 def _rows(args, tokenizer, vocab_size):
@@ -82,12 +84,12 @@ def child(args) -> dict:
     else:
         trainer = trl.DPOTrainer(model=model, args=trl.DPOConfig(**common), train_dataset=data,
                                  processing_class=tokenizer)
-    if args.impl == "leantune":
-        patch_trainer(trainer)
+    if args.impl.startswith("leantune"):  # +default-gc: Python's collector left as it is (what the freeze buys)
+        patch_trainer(trainer, freeze_heap=args.impl == "leantune")
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.times, self.tokens, self.start, self.seen = [], [], 0.0, 0
+            self.times, self.tokens, self.start, self.seen, self.frozen = [], [], 0.0, 0, []
 
         def on_step_begin(self, args_, state, *_, **__):
             if cuda:
@@ -99,6 +101,7 @@ def child(args) -> dict:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
             self.tokens.append(state.num_input_tokens_seen - self.seen)
+            self.frozen.append(gc.get_freeze_count())
             if len(self.times) == args.warmup and cuda:
                 torch.cuda.reset_peak_memory_stats()
 
@@ -111,7 +114,7 @@ def child(args) -> dict:
     timed, tokens = clock.times[args.warmup:], clock.tokens[args.warmup:]
     return {"impl": args.impl, "trainer": args.trainer, "status": "ok" if math.isfinite(logs[0]["loss"]) else
             "nonfinite", "seq": args.seq, "batch": args.batch, "steps": len(timed), "step_s": timed,
-            "tokens": tokens, "tokens_per_s": sum(tokens) / sum(timed),
+            "tokens": tokens, "tokens_per_s": sum(tokens) / sum(timed), "frozen_objects": min(clock.frozen),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "first_loss": logs[0]["loss"], "first_grad_norm": logs[0].get("grad_norm"),
             "loss_head_calls": loss_head_calls(trainer.model),
@@ -135,17 +138,18 @@ def agreement(row: dict, base: dict | None) -> str:
 
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["impl"] == "trl" and r.get("status") == "ok"), None)
-    lines = ["| trainer | impl | tokens/s | x TRL | peak GiB | first loss | first grad norm | leantune head calls "
-             "| agreement |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| trainer | impl | tokens/s | x TRL | median step ms | peak GiB | first loss | first grad norm "
+             "| leantune head calls | agreement |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.get("status") != "ok":
             lines.append(f"| {r.get('trainer', '')} | {r['impl']} | {r.get('status')}: {r.get('error', '')[:80]} "
-                         "| | | | | | |")
+                         "| | | | | | | |")
             continue
         x = r["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
         peak = "—" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        lines.append(f"| {r['trainer']} | {r['impl']} | {r['tokens_per_s']:,.0f} | {x:.2f} | {peak} | "
-                     f"{r['first_loss']:.4f} | {r['first_grad_norm']:.4g} | {r['loss_head_calls']} | "
+        median_ms = 1e3 * sorted(r["step_s"])[len(r["step_s"]) // 2]
+        lines.append(f"| {r['trainer']} | {r['impl']} | {r['tokens_per_s']:,.0f} | {x:.2f} | {median_ms:.0f} | "
+                     f"{peak} | {r['first_loss']:.4f} | {r['first_grad_norm']:.4g} | {r['loss_head_calls']} | "
                      f"{agreement(r, base)} |")
     return "\n".join(lines)
 

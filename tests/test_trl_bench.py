@@ -34,14 +34,17 @@ def test_trl_bench_dry_run(model_folder, tmp_path, trainer, capsys, monkeypatch)
     spec = importlib.util.spec_from_file_location("trl_bench", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    code = bench.main(["--config", model_folder, "--trainer", trainer, "--impls", "trl,leantune", "--seq", "32",
-                       "--warmup", "1", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)])
+    code = bench.main(["--config", model_folder, "--trainer", trainer, "--impls", "trl,leantune,leantune+default-gc",
+                       "--seq", "32", "--warmup", "1", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)])
     assert code == 0
     trl_run, ours = (json.loads((tmp_path / f"{trainer}-{impl}.json").read_text()) for impl in ("trl", "leantune"))
     assert trl_run["status"] == ours["status"] == "ok"
     assert trl_run["loss_head_calls"] == 0
     assert ours["loss_head_calls"] == 2 * (2 if trainer == "dpo" else 1)  # per step; DPO adds the reference pass
     assert "leantune" in ours["summary_loss_runs"]
+    default_gc = json.loads((tmp_path / f"{trainer}-leantune-default-gc.json").read_text())
+    assert ours["frozen_objects"] > 1000 and trl_run["frozen_objects"] == default_gc["frozen_objects"] == 0
+    assert default_gc["first_loss"] == ours["first_loss"] and default_gc["loss_head_calls"] == ours["loss_head_calls"]
     assert abs(ours["first_loss"] - trl_run["first_loss"]) <= 1e-2 * abs(trl_run["first_loss"])  # bf16 model
     assert ours["tokens_per_s"] > 0 and len(ours["step_s"]) == 1
     if trainer == "sft":  # the trainer's own count of the tokens it fed: the whole row
