@@ -112,8 +112,8 @@ part_trl() {  # TRL, 8B, 4096 x 1, checkpointing on: leantune's head vs TRL's ow
     --steps 3 --out "$OUT/trl" > "$OUT/trl-dpo.log" 2>&1; echo "trl dpo exit $?"; tail -6 "$OUT/trl-dpo.log"
 }
 
-bound() {  # the part's own limit, or what is left of the call if less
-  local l=$(( $(left) - 10 )); echo $(( l < $1 ? l : $1 ))
+bound() {  # the part's own limit, or what is left of the call if less (at least 1: `timeout 0` means no limit)
+  local l=$(( $(left) - 10 )); l=$(( l < $1 ? l : $1 )); echo $(( l < 1 ? 1 : l ))
 }
 
 for part in "$@"; do

@@ -4,7 +4,8 @@ that allocated them, for a few setups of one model (CUDA).
 Each variant builds ``leantune bench``'s model (``bench.build``: same weights, LoRA r16 on all 7 projections, fused
 AdamW with its state allocated up front), runs ``--warmup`` steps, then one step under
 ``torch.cuda.memory._record_memory_history``. The allocator's trace is replayed (``live_at_peak``) to the moment the
-allocated bytes were highest; what was allocated before the step (weights, adapters, optimizer state) is one row,
+allocated bytes were highest (in requested bytes; ``max_memory_allocated`` counts rounded blocks, so the two peaks
+differ slightly); what was allocated before the step (weights, adapters, optimizer state) is one row,
 every other live block is charged to its first Python frame inside leantune, transformers, peft or torch.optim.
 A variant is ``IMPL:TILE:CHUNK_MIB``: a ``bench`` implementation, the tiled MLP's tile in tokens (the ``tiled``
 ones), and the fused loss's chunk budget in MiB (``memory="fast"``). On the device machine, from the repo root:
@@ -29,6 +30,7 @@ GiB = 2**30
 MiB = 2**20
 BEFORE = "allocated before the step (weights, adapters, optimizer state)"
 OURS = ("leantune/", "transformers/", "peft/", "torch/optim/")
+MAX_ENTRIES = 2_000_000  # allocator trace entries kept (one 8B step at 4096 tokens makes tens of thousands)
 
 
 def allocation_site(frames) -> str:
@@ -44,12 +46,17 @@ def allocation_site(frames) -> str:
 
 
 def live_at_peak(events, allocated_before: int) -> tuple[int, dict[str, int]]:
-    """(peak bytes, {site: bytes live at the peak}) from one device's allocator trace events (``alloc`` /
-    ``free_completed`` with ``addr``, ``size``, ``frames``; other actions ignored). ``allocated_before``: bytes
-    allocated when recording began; a free of a block allocated before then is taken from that row."""
+    """(peak bytes, {site: bytes live at the peak}) from one device's allocator trace events.
+
+    ``alloc`` adds a block; ``free_requested`` takes it away, the moment the allocator's allocated-bytes count (what
+    ``max_memory_allocated`` follows) drops; ``free_completed`` comes later for a block another stream still used
+    (``record_stream``: offload's copies) and is ignored, as are the segment events. Sizes are the trace's, the
+    bytes requested (a block's rounded size can be up to ~1 MiB larger when it is not split). ``allocated_before``:
+    requested bytes allocated when recording began; a free of a block allocated before then is taken from that
+    row."""
 
     def replay(stop=None):
-        live: dict[int, tuple[int, str]] = {}
+        live: dict[int, tuple[int, list]] = {}
         before = current = peak = allocated_before
         peak_index = -1
         for i, event in enumerate(events[:stop]):
@@ -58,7 +65,7 @@ def live_at_peak(events, allocated_before: int) -> tuple[int, dict[str, int]]:
                 current += event["size"]
                 if current > peak:
                     peak, peak_index = current, i
-            elif event["action"] == "free_completed":
+            elif event["action"] == "free_requested":
                 if event["addr"] in live:
                     current -= live.pop(event["addr"])[0]
                 else:  # allocated before the recording began
@@ -72,6 +79,12 @@ def live_at_peak(events, allocated_before: int) -> tuple[int, dict[str, int]]:
     for size, frames in live.values():
         sites[allocation_site(frames)] += size
     return peak, dict(sites)
+
+
+def requested_bytes_allocated(snapshot) -> int:
+    """Requested bytes of the blocks a tensor holds in an allocator snapshot (``torch.cuda.memory._snapshot()``)."""
+    return sum(block["requested_size"] for segment in snapshot["segments"] for block in segment["blocks"]
+               if block["state"] == "active_allocated")
 
 
 def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = "cuda") -> dict:
@@ -117,18 +130,21 @@ def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = 
         return result
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    allocated_before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
+    allocated_before = requested_bytes_allocated(torch.cuda.memory._snapshot())
     t = time.perf_counter()
     step()
     torch.cuda.synchronize()
     step_ms = 1e3 * (time.perf_counter() - t)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, sites = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], allocated_before)
+    events = snapshot["device_traces"][torch.cuda.current_device()]
+    if len(events) >= MAX_ENTRIES:  # the oldest entries were dropped: the replay would start mid-step
+        raise RuntimeError(f"the allocator trace filled its {MAX_ENTRIES} entries; raise MAX_ENTRIES")
+    peak, sites = live_at_peak(events, allocated_before)
     max_allocated = torch.cuda.max_memory_allocated()
     result.update({
-        "step_ms_recorded": step_ms, "peak_gib": max_allocated / GiB, "replayed_peak_gib": peak / GiB,
+        "step_ms_recorded": step_ms, "peak_gib": max_allocated / GiB, "replayed_peak_gib": peak / GiB,  # requested
         "peak_minus_frozen_gib": max_allocated / GiB - result["frozen_gib"],
         "sites_mib": {k: v / MiB for k, v in sorted(sites.items(), key=lambda kv: -kv[1])},
     })

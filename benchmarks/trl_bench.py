@@ -27,6 +27,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -147,7 +148,7 @@ def table(results: list[dict]) -> str:
             continue
         x = r["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
         peak = "—" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        median_ms = 1e3 * sorted(r["step_s"])[len(r["step_s"]) // 2]
+        median_ms = 1e3 * statistics.median(r["step_s"])
         lines.append(f"| {r['trainer']} | {r['impl']} | {r['tokens_per_s']:,.0f} | {x:.2f} | {median_ms:.0f} | "
                      f"{peak} | {r['first_loss']:.4f} | {r['first_grad_norm']:.4g} | {r['loss_head_calls']} | "
                      f"{agreement(r, base)} |")

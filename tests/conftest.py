@@ -1,5 +1,6 @@
 """Test setup: Triton's interpreter on machines without a GPU, both backends, NaN-poisoned buffers, fresh seeds."""
 
+import gc
 import os
 import random
 import sys
@@ -34,6 +35,15 @@ def poisoned_buffers():
     """Every buffer leantune allocates starts as NaN, so an unwritten element cannot pass."""
     with _runtime.use_allocator(reference.nan_allocator):
         yield
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_frozen():
+    """gc.freeze is process-wide: a test that leaves objects frozen (leantune.heap) fails, and the next starts clean."""
+    yield
+    left = gc.get_freeze_count()
+    gc.unfreeze()
+    assert left == 0, f"{left} objects left frozen (gc.freeze)"
 
 
 @pytest.fixture(autouse=True)

@@ -261,24 +261,39 @@ def test_trainer_that_may_differentiate_statistics_keeps_trl_head(tiny_folder, t
 
 def test_patch_trainer_freezes_the_heap_while_training(tiny_folder, tmp_path, fresh_seed):
     """Steps run with the objects alive at train()'s start frozen out of full collections (leantune.heap), thawed
-    at its end; one callback however often patch_trainer is called; none with freeze_heap=False."""
+    at its end, also when train() raises; one wrapper however often patch_trainer is called; freeze_heap=False
+    takes it off."""
     import gc
 
     from transformers import TrainerCallback
 
     class FreezeCount(TrainerCallback):
-        seen = []
+        def __init__(self, fail_at=None):
+            self.seen, self.fail_at = [], fail_at
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seen.append(gc.get_freeze_count())
+            if len(self.seen) == self.fail_at:
+                raise RuntimeError("a step failed")
 
-    gc.unfreeze()
     trainer = patch_trainer(patch_trainer(_sft_trainer(tiny_folder, tmp_path, fresh_seed)))
-    frozen = [c for c in trainer.callback_handler.callbacks if getattr(c, "leantune_frozen_heap", False)]
-    assert len(frozen) == 1
-    trainer.add_callback(FreezeCount())
+    assert trainer.train.leantune_frozen_heap and not hasattr(trainer.train.__wrapped__, "leantune_frozen_heap")
+    counter = FreezeCount()
+    trainer.add_callback(counter)
     _train(trainer, fresh_seed)
-    assert len(FreezeCount.seen) == STEPS and all(count > 1000 for count in FreezeCount.seen), FreezeCount.seen
+    assert len(counter.seen) == STEPS and all(count > 1000 for count in counter.seen), counter.seen
     assert gc.get_freeze_count() == 0
-    plain = patch_trainer(_sft_trainer(tiny_folder, tmp_path / "plain", fresh_seed), freeze_heap=False)
-    assert not any(getattr(c, "leantune_frozen_heap", False) for c in plain.callback_handler.callbacks)
+
+    failing = patch_trainer(_sft_trainer(tiny_folder, tmp_path / "failing", fresh_seed))
+    counter = FreezeCount(fail_at=1)
+    failing.add_callback(counter)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        failing.train()
+    assert counter.seen[0] > 1000 and gc.get_freeze_count() == 0
+
+    patch_trainer(failing, freeze_heap=False)
+    assert "train" not in failing.__dict__
+    counter = FreezeCount()
+    failing.add_callback(counter)
+    failing.train()
+    assert counter.seen and set(counter.seen) == {0}

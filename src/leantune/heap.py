@@ -17,21 +17,30 @@ from __future__ import annotations
 import contextlib
 import gc
 
+_depth = 0  # open long_lived_frozen blocks (nested calls: only the outermost freezes and thaws)
+_owns = False  # whether the outermost block froze (nothing was frozen before it)
+
 
 @contextlib.contextmanager
 def long_lived_frozen():
-    """Collect once, then freeze every object alive now until the block ends.
+    """Collect once, then freeze every object alive now until the block ends (``gc.freeze``); thaw on exit, also
+    when the block raises.
 
-    ``gc.freeze`` is process-wide: on exit the frozen objects are unfrozen (collectable again), unless some were
-    frozen before the block, in which case the caller froze on purpose and everything stays frozen.
+    ``gc.freeze`` is process-wide, so the block leaves it alone where it is not its own: a block inside another
+    does nothing, and when objects were already frozen (by the caller, on purpose) it neither freezes nor thaws.
     """
-    frozen_before = gc.get_freeze_count()
-    gc.collect()
-    gc.freeze()
+    global _depth, _owns
+    if _depth == 0:
+        _owns = gc.get_freeze_count() == 0
+        if _owns:
+            gc.collect()
+            gc.freeze()
+    _depth += 1
     try:
         yield
     finally:
-        if frozen_before == 0:
+        _depth -= 1
+        if _depth == 0 and _owns:
             gc.unfreeze()
 
 

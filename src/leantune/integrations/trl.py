@@ -43,8 +43,8 @@ from the fused op); without this function, ``leantune.patch(model, loss=False)``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import inspect
 
 import torch
@@ -182,9 +182,10 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
         trainer: a ``trl`` trainer after construction (its model may already be patched, or not).
         metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit) inside the loss op's pass
             (module docstring); False reports zeros for them.
-        freeze_heap: from ``train()``'s start to its end, keep the Python objects alive at its start out of the
-            garbage collector's full collections (:func:`leantune.heap.long_lived_frozen`: a full collection walks
-            the model's ~500k objects, a host pause of 0.2-0.3 s every few steps), as ``leantune train`` does.
+        freeze_heap: while ``trainer.train()`` runs, keep the Python objects alive at its start out of the garbage
+            collector's full collections (:func:`leantune.heap.long_lived_frozen`: a full collection walks the
+            model's ~500k objects, a host pause of 0.2-0.3 s every few steps), as ``leantune train`` does; False
+            takes it off a trainer given it before.
         **patch_kwargs: :func:`leantune.patch`'s switches (``rope``, ``mlp``, ``lora``, ``loss``, ...).
 
     Returns:
@@ -207,35 +208,30 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
             hf.leantune_summary["loss_runs"] += "; logits formed in training too (no fused head: TRL <= 1.14)"
         elif head.startswith("TRL's"):
             hf.leantune_summary["loss_runs"] = head
-    handler = getattr(trainer, "callback_handler", None)  # absent on trainer-likes that are not HF Trainers
-    if freeze_heap and handler is not None and not any(getattr(c, "leantune_frozen_heap", False)
-                                                       for c in handler.callbacks):
-        trainer.add_callback(_frozen_heap_callback())
+    _freeze_heap_in_train(trainer, freeze_heap)
     return trainer
 
 
-def _frozen_heap_callback():
-    """A transformers ``TrainerCallback`` holding :func:`long_lived_frozen` from ``on_train_begin`` to
-    ``on_train_end`` (a run that raises keeps its objects frozen: they are the live model's, and stay collectable
-    by reference counting)."""
-    from transformers import TrainerCallback
+def _freeze_heap_in_train(trainer, on: bool) -> None:
+    """Run ``trainer.train`` inside :func:`long_lived_frozen` (an instance attribute wrapping the class's method,
+    so the thaw happens whichever way it ends), or take that wrapper off again."""
+    current = trainer.__dict__.get("train")
+    ours = getattr(current, "leantune_frozen_heap", False)
+    if not on:
+        if ours:
+            del trainer.__dict__["train"]
+        return
+    if ours or not callable(getattr(trainer, "train", None)):
+        return
+    train = trainer.train
 
-    class FrozenHeapDuringTraining(TrainerCallback):
-        leantune_frozen_heap = True
+    @functools.wraps(train)
+    def train_frozen(*args, **kwargs):
+        with long_lived_frozen():
+            return train(*args, **kwargs)
 
-        def __init__(self):
-            self.frozen = None
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.frozen = contextlib.ExitStack()
-            self.frozen.enter_context(long_lived_frozen())
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if self.frozen is not None:
-                self.frozen.close()
-                self.frozen = None
-
-    return FrozenHeapDuringTraining()
+    train_frozen.leantune_frozen_heap = True
+    trainer.train = train_frozen
 
 
 def loss_head_calls(model) -> int:
