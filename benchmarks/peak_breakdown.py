@@ -130,18 +130,21 @@ def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = 
         return result
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
-    allocated_before = requested_bytes_allocated(torch.cuda.memory._snapshot())
+    device_index = torch.cuda.current_device()
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")  # C++ frames: slow, unused
+    start = torch.cuda.memory._snapshot()
+    allocated_before = requested_bytes_allocated(start)
+    skip = len(start["device_traces"][device_index])  # an earlier variant's entries, if torch kept them
     t = time.perf_counter()
     step()
     torch.cuda.synchronize()
     step_ms = 1e3 * (time.perf_counter() - t)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    events = snapshot["device_traces"][torch.cuda.current_device()]
+    events = snapshot["device_traces"][device_index]
     if len(events) >= MAX_ENTRIES:  # the oldest entries were dropped: the replay would start mid-step
         raise RuntimeError(f"the allocator trace filled its {MAX_ENTRIES} entries; raise MAX_ENTRIES")
-    peak, sites = live_at_peak(events, allocated_before)
+    peak, sites = live_at_peak(events[skip:], allocated_before)
     max_allocated = torch.cuda.max_memory_allocated()
     result.update({
         "step_ms_recorded": step_ms, "peak_gib": max_allocated / GiB, "replayed_peak_gib": peak / GiB,  # requested
