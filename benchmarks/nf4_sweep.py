@@ -1,5 +1,5 @@
-"""Sweep of the NF4 dequantisation kernel on the GPU (14336 x 4096 -> bf16): its two NF4 lookups (select tree, table
-load) x launch shapes, each variant checked equal to bitsandbytes' CUDA dequantisation. Run from the repo root:
+"""Sweep of the NF4 dequantisation kernel's launch shapes on the GPU (14336 x 4096 -> bf16), each checked equal to
+bitsandbytes' CUDA dequantisation (the select-tree lookup it also swept is gone: RESULTS.md). Run from the repo root:
 PYTHONPATH=src python3 benchmarks/nf4_sweep.py"""
 import bitsandbytes.functional as bnb
 import torch
@@ -15,20 +15,17 @@ out = torch.empty_like(ref)
 table = nf4._tables(str(q.device))[0]
 floor_ms = w.numel() * (0.5 + 2 + 1 / 64) / 4.27e12 * 1e3
 print(f"floor {floor_ms:.4f} ms; bitsandbytes {do_bench(lambda: bnb.dequantize_4bit(packed, state, out=out)):.4f} ms")
-print("| lookup | blocks per program | warps | ms | % of floor | equal |")
-print("|---|---|---|---|---|---|")
+print("| blocks per program | warps | ms | % of floor | equal |")
+print("|---|---|---|---|---|")
 triton_cdiv = lambda a, b: (a + b - 1) // b  # noqa: E731
-for gather in (False, True):
-    for blocks in (32, 64, 128, 256):
-        for warps in (2, 4, 8):
-            def launch(blocks=blocks, warps=warps, gather=gather):
-                nf4._dequantize_nf4_kernel[(triton_cdiv(q.n_blocks, blocks),)](
-                    q.codes, q.absmax_codes, q.nested_absmax, q.nested_code, table, out, q.offset, q.n_blocks,
-                    BLOCKS=blocks, BLOCKSIZE_=64, NESTED_BLOCKSIZE_=256, GATHER=gather, num_warps=warps,
-                    enable_fp_fusion=False)
-            out.fill_(float("nan"))
-            launch()
-            equal = torch.equal(out, ref)
-            ms = do_bench(launch)
-            print(f"| {'table load' if gather else 'select tree'} | {blocks} | {warps} | {ms:.4f} | "
-                  f"{100 * floor_ms / ms:.0f}% | {equal} |")
+for blocks in (32, 64, 128, 256):
+    for warps in (2, 4, 8):
+        def launch(blocks=blocks, warps=warps):
+            nf4._dequantize_nf4_kernel[(triton_cdiv(q.n_blocks, blocks),)](
+                q.codes, q.absmax_codes, q.nested_absmax, q.nested_code, table, out, q.offset, q.n_blocks,
+                BLOCKS=blocks, BLOCKSIZE_=64, NESTED_BLOCKSIZE_=256, num_warps=warps, enable_fp_fusion=False)
+        out.fill_(float("nan"))
+        launch()
+        equal = torch.equal(out, ref)
+        ms = do_bench(launch)
+        print(f"| {blocks} | {warps} | {ms:.4f} | {100 * floor_ms / ms:.0f}% | {equal} |")

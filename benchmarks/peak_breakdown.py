@@ -96,7 +96,7 @@ def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = 
 
     from leantune.bench import build as bench_build
     from leantune.bench.flops import frozen_weight_bytes
-    from leantune.bench.step import RunSpec
+    from leantune.bench.step import RunSpec, adamw_with_state
     from leantune.patch.tiled_mlp import TiledForward
 
     lce = importlib.import_module("leantune.ops.linear_cross_entropy")  # the module, not the op of that name
@@ -108,11 +108,7 @@ def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = 
     model, model_config = bench_build.build(spec, device)
     ids = torch.randint(0, model_config.vocab_size, (1, seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(2))
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
-    for p in params:  # optimizer state up front, as bench e2e does
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
+    optimizer = adamw_with_state([p for p in model.parameters() if p.requires_grad], 1e-4, fused=device == "cuda")
 
     def step():
         optimizer.zero_grad(set_to_none=True)

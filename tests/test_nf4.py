@@ -105,20 +105,6 @@ def test_dequantize_bit_exact_with_bitsandbytes(backend, shape, out_dtype):
         assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("out_dtype", FLOATS)
-def test_kernel_lookups_agree_bit_for_bit(out_dtype, monkeypatch):
-    """The kernel's two NF4 lookups (select tree, table load) write the same bits; the default's (table load) are
-    checked against bitsandbytes above."""
-    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
-    w = quantize_nf4(weight_with_edge_blocks((72, 96), torch.bfloat16).to(DEVICE))
-    monkeypatch.setattr(nf4, "_KERNEL_GATHER", False)
-    tree = dequantize_nf4(w, dtype=out_dtype)
-    monkeypatch.setattr(nf4, "_KERNEL_GATHER", True)
-    gathered = dequantize_nf4(w, dtype=out_dtype)
-    assert torch.equal(gathered, tree)
-    assert not torch.isnan(gathered).any()
-
-
 def test_dequantize_defaults_to_the_quantised_dtype(backend):
     w = quantize_nf4(torch.randn(4, 128, dtype=torch.float16, device=DEVICE))
     assert dequantize_nf4(w).dtype == torch.float16
@@ -316,12 +302,10 @@ def test_quantize_model_errors_leave_it_unchanged():
 @pytest.mark.skipif(not ON_GPU, reason="bitsandbytes' CUDA kernels and the Triton kernel on the card")
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("shape", [(14336, 4096), (4096, 4096), (72, 96)])
-@pytest.mark.parametrize("gather", [False, True])
-def test_cuda_dequantize_bit_exact_with_bitsandbytes_cuda(shape, dtype, gather, monkeypatch):
-    """A weight quantised by bitsandbytes on the GPU, dequantised by its CUDA kernel and by ours (Triton, either NF4
-    lookup), bit for bit, at Llama-3-8B projection sizes."""
+def test_cuda_dequantize_bit_exact_with_bitsandbytes_cuda(shape, dtype, monkeypatch):
+    """A weight quantised by bitsandbytes on the GPU, dequantised by its CUDA kernel and by ours (Triton), bit for
+    bit, at Llama-3-8B projection sizes."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
-    monkeypatch.setattr(nf4, "_KERNEL_GATHER", gather)
     w = (torch.randn(shape, device="cuda") * 0.02).to(dtype)
     packed, state = bnb_quantize(w)
     ours = dequantize_nf4(NF4Weight.from_bnb(packed, state), dtype=dtype)

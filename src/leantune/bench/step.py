@@ -143,19 +143,10 @@ def run_one(spec: RunSpec) -> dict:
     g = torch.Generator(device=device).manual_seed(spec.seed + 2 + world.rank)  # each rank its own tokens
     ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), generator=g, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec.lr, fused=cuda and world.engine != "fsdp")
     _sync(device)
     build_s = time.perf_counter() - t0
     frozen = frozen_weight_bytes(model)  # this rank's share under FSDP2
-    # Optimizer state up front (one step with lr 0 on zero gradients: weights unchanged), so that every step, the
-    # first included, holds steady-state memory and a one-step max-context probe is a fair test.
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.param_groups[0]["lr"] = 0.0
-    optimizer.step()
-    optimizer.param_groups[0]["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    optimizer = adamw_with_state(params, spec.lr, fused=cuda and world.engine != "fsdp")
     _sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -199,6 +190,22 @@ def run_one(spec: RunSpec) -> dict:
         "leantune_summary": _summary(model) if spec.impl == "leantune" else None,
         **environment(spec.device),
     }
+
+
+def adamw_with_state(params: list, lr: float, *, fused: bool):
+    """AdamW on ``params`` with its state allocated up front (one step with lr 0 on zero gradients: weights
+    unchanged, decoupled weight decay included), so that every step, the first included, holds steady-state memory
+    and a one-step max-context probe is a fair test; gradients left unset."""
+    import torch
+
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=fused)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.param_groups[0]["lr"] = 0.0
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
 
 
 def _max_over_ranks(value: float, device: str) -> float:

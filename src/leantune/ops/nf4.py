@@ -42,14 +42,15 @@ Facts checked against bitsandbytes 0.50.2 (its Python source, and bit-for-bit by
   the UTF-8 JSON ``{"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [out, in],
   "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": <offset as a float>}``.
 
-Kernel (GPU target: 14336 x 4096 -> bf16 at >= 80% of its bandwidth floor, 0.5 B read + 2 B written per weight).
-One program dequantises BLOCKS whole 64-blocks: it loads their BLOCKS absmax codes and 256-block scales once, the
-packed bytes as a [BLOCKS, 32] tile (32 contiguous bytes per row, vectorised loads), splits each byte into its two
-nibbles, looks them up in the 16 NF4 values held in registers (a select tree, no memory gather), interleaves the
-two halves back into element order and stores [BLOCKS, 64] contiguous values. Memory per program: 16 * BLOCKS bytes
-of metadata, 32 * BLOCKS bytes of codes in, 64 * BLOCKS * (2 or 4) bytes out. Launched with fp fusion off, so
-``dynamic * scale + offset`` is two roundings as in bitsandbytes. Under the interpreter the kernel computes in fp32
-and casts once at the store (docs/design.md, "Backends").
+Kernel (GPU target: 14336 x 4096 -> bf16 at >= 80% of its bandwidth floor, 0.5 B read + 2 B written per weight). One
+program dequantises BLOCKS whole 64-blocks: it loads their BLOCKS absmax codes and 256-block scales once, the packed
+bytes as a [BLOCKS, 32] tile (32 contiguous bytes per row, vectorised loads), splits each byte into its two nibbles,
+looks each up in the 64-byte NF4 table (one L1 line: one transaction per warp; a select tree over the nibble's bits held
+the 16 values in registers but cost ~20 instructions per element: 0.073 ms against the table's 0.042 on the H200, 47% vs
+82% of the floor, benchmarks/RESULTS.md), interleaves the two halves back into element order and stores [BLOCKS, 64]
+contiguous values. Memory per program: 16 * BLOCKS bytes of metadata, 32 * BLOCKS bytes of codes in, 64 * BLOCKS * (2 or
+4) bytes out. Launched with fp fusion off, so ``dynamic * scale + offset`` is two roundings as in bitsandbytes. Under
+the interpreter the kernel computes in fp32 and casts once at the store (docs/design.md, "Backends").
 """
 
 from __future__ import annotations
@@ -77,7 +78,6 @@ NF4_VALUES = (
 _LUT_BINS = 65536  # bins of bitsandbytes' CPU 8-bit quantiser over [-1, 1]
 _TORCH_CHUNK_BLOCKS = 4096  # 64-blocks the torch path dequantises at once (bounded temporaries when out= is given)
 _KERNEL_BLOCKS = 128  # 64-blocks per program: 8192 weights, 4 KiB of codes in (fastest of a launch sweep on the H200)
-_KERNEL_GATHER = True  # NF4 lookup by table load: 0.042 ms vs the select tree's 0.073 on the H200 (nf4_sweep.py)
 _STATE_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
 
@@ -346,37 +346,11 @@ def quantize_nf4(weight: torch.Tensor, *, name: str = "weight") -> NF4Weight:
 
 # ------------------------------------------------------------------------------------------------------- kernel
 @triton.jit
-def _nf4_lookup(nibble, NF4):
-    """NF4[nibble] by a select tree over the nibble's bits, the 16 values held in registers."""
-    b0 = (nibble & 1) != 0
-    b1 = (nibble & 2) != 0
-    b2 = (nibble & 4) != 0
-    b3 = (nibble & 8) != 0
-    v01 = tl.where(b0, tl.load(NF4 + 1), tl.load(NF4 + 0))
-    v23 = tl.where(b0, tl.load(NF4 + 3), tl.load(NF4 + 2))
-    v45 = tl.where(b0, tl.load(NF4 + 5), tl.load(NF4 + 4))
-    v67 = tl.where(b0, tl.load(NF4 + 7), tl.load(NF4 + 6))
-    v89 = tl.where(b0, tl.load(NF4 + 9), tl.load(NF4 + 8))
-    vab = tl.where(b0, tl.load(NF4 + 11), tl.load(NF4 + 10))
-    vcd = tl.where(b0, tl.load(NF4 + 13), tl.load(NF4 + 12))
-    vef = tl.where(b0, tl.load(NF4 + 15), tl.load(NF4 + 14))
-    v03 = tl.where(b1, v23, v01)
-    v47 = tl.where(b1, v67, v45)
-    v8b = tl.where(b1, vab, v89)
-    vcf = tl.where(b1, vef, vcd)
-    return tl.where(b3, tl.where(b2, vcf, v8b), tl.where(b2, v47, v03))
-
-
-@triton.jit
 def _dequantize_nf4_kernel(
     CODES, ABSMAX_CODES, NESTED_ABSMAX, NESTED_CODE, NF4, OUT, offset, n_blocks,
-    BLOCKS: tl.constexpr, BLOCKSIZE_: tl.constexpr, NESTED_BLOCKSIZE_: tl.constexpr, GATHER: tl.constexpr = False,
+    BLOCKS: tl.constexpr, BLOCKSIZE_: tl.constexpr, NESTED_BLOCKSIZE_: tl.constexpr,
 ):
-    """OUT[64 j + i] = NF4[nibble] * (dynamic[absmax_code_j] * nested_absmax[j // 256] + offset) for BLOCKS blocks j.
-
-    GATHER (what leantune launches): NF4[nibble] as a load from the 64-byte table (one L1 line: one transaction per
-    warp) instead of the select tree, whose ~20 integer and select instructions per element bound the kernel at 47%
-    of its copy floor on the H200 (table load: 82%); the same values either way, bit for bit."""
+    """OUT[64 j + i] = NF4[nibble] * (dynamic[absmax_code_j] * nested_absmax[j // 256] + offset) for BLOCKS blocks j."""
     blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     live = blocks < n_blocks
     absmax_code = tl.load(ABSMAX_CODES + blocks, mask=live, other=0).to(tl.int32)
@@ -385,12 +359,8 @@ def _dequantize_nf4_kernel(
     HALF: tl.constexpr = BLOCKSIZE_ // 2
     byte = tl.load(CODES + blocks[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=live[:, None], other=0)
     byte = byte.to(tl.int32)
-    if GATHER:
-        first = tl.load(NF4 + (byte >> 4)) * absmax[:, None]  # even elements: the high nibble
-        second = tl.load(NF4 + (byte & 15)) * absmax[:, None]
-    else:
-        first = _nf4_lookup(byte >> 4, NF4) * absmax[:, None]
-        second = _nf4_lookup(byte & 15, NF4) * absmax[:, None]
+    first = tl.load(NF4 + (byte >> 4)) * absmax[:, None]  # even elements: the high nibble
+    second = tl.load(NF4 + (byte & 15)) * absmax[:, None]
     values = tl.reshape(tl.join(first, second), (BLOCKS, BLOCKSIZE_))  # interleave back to element order
     cols = tl.arange(0, BLOCKSIZE_)
     tl.store(OUT + blocks[:, None] * BLOCKSIZE_ + cols[None, :], values.to(OUT.dtype.element_ty), mask=live[:, None])
@@ -451,7 +421,7 @@ def dequantize_nf4(w: NF4Weight, *, out: torch.Tensor | None = None, dtype: torc
     nf4 = _tables(str(w.device))[0]
     _dequantize_nf4_kernel[(_runtime.cdiv(w.n_blocks, _KERNEL_BLOCKS),)](
         w.codes, w.absmax_codes, w.nested_absmax, w.nested_code, nf4, out, w.offset, w.n_blocks,
-        BLOCKS=_KERNEL_BLOCKS, BLOCKSIZE_=BLOCKSIZE, NESTED_BLOCKSIZE_=NESTED_BLOCKSIZE, GATHER=_KERNEL_GATHER,
-        num_warps=4, enable_fp_fusion=False,
+        BLOCKS=_KERNEL_BLOCKS, BLOCKSIZE_=BLOCKSIZE, NESTED_BLOCKSIZE_=NESTED_BLOCKSIZE, num_warps=4,
+        enable_fp_fusion=False,
     )
     return out
