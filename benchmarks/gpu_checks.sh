@@ -101,8 +101,14 @@ part_cap_262k() {  # one probe: 8B bf16 with offload + tiling at 262,144 tokens 
 
 part_peak() {  # 8B, 4096 x 1, offload: what is alive at the peak, by allocation site, for MLP tiles and loss chunks
   timeout $(bound 300) python3 benchmarks/peak_breakdown.py --config .gpu/llama3-8b --seq 4096 --out "$OUT/peak" \
-    --variants leantune+offload+tiled:4096:128 leantune+offload+tiled:2048:128 leantune+offload+tiled:2048:32 \
-    leantune+offload+tiled:1024:32 > "$OUT/peak.log" 2>&1; echo "peak exit $?"; cat "$OUT/peak.log" | tail -70
+    --variants leantune+offload+tiled:4096:128 leantune+offload+tiled:2048:128 leantune+offload+tiled:1024:128 \
+    > "$OUT/peak.log" 2>&1; echo "peak exit $?"; cat "$OUT/peak.log" | tail -60
+}
+
+part_tests_peak() {  # the CUDA cases of what the peak work changed: the LoRA MLP backward's order, the embedding leaf
+  timeout $(bound 200) python3 -m pytest -q -p no:cacheprovider -rs tests/test_lora.py tests/test_offload.py \
+    -k "mlp or offload or embedding or reentrant" > "$OUT/pytest-peak.log" 2>&1
+  echo "pytest (lora mlp, offload) exit $?"; tail -2 "$OUT/pytest-peak.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest-peak.log" | head
 }
 
 part_trl() {  # TRL, 8B, 4096 x 1, checkpointing on: leantune's head vs TRL's own vs TRL use_liger_kernel, SFT then DPO

@@ -30,14 +30,16 @@ GiB = 2**30
 MiB = 2**20
 BEFORE = "allocated before the step (weights, adapters, optimizer state)"
 OURS = ("leantune/", "transformers/", "peft/", "torch/optim/")
+HELPERS = ("leantune/ops/_runtime.py",)  # the allocator helper every kernel output comes from: charge its caller
 MAX_ENTRIES = 2_000_000  # allocator trace entries kept (one 8B step at 4096 tokens makes tens of thousands)
 
 
 def allocation_site(frames) -> str:
     """``file:line function`` of the innermost frame inside leantune, transformers, peft or torch.optim (the first
-    frame when none is); ``frames`` innermost first, as the allocator's trace gives them."""
+    frame when none is), past leantune's allocator helper; ``frames`` innermost first, as the allocator's trace
+    gives them."""
     for frame in frames:
-        if any(part in frame["filename"] for part in OURS):
+        if any(part in frame["filename"] for part in OURS) and not any(h in frame["filename"] for h in HELPERS):
             name = frame["filename"].split("site-packages/")[-1].split("src/")[-1]
             return f"{name}:{frame['line']} {frame['name']}"
     if frames:
@@ -81,6 +83,24 @@ def live_at_peak(events, allocated_before: int) -> tuple[int, dict[str, int]]:
     return peak, dict(sites)
 
 
+def peak_stack(events, allocated_before: int, depth: int = 8) -> list[str]:
+    """The frames of ours (innermost first, at most ``depth``) of the allocation that set the peak: where in the step
+    it happened."""
+    current = peak = allocated_before
+    sizes, at = {}, []
+    for event in events:
+        if event["action"] == "alloc":
+            sizes[event["addr"]] = event["size"]
+            current += event["size"]
+            if current > peak:
+                peak, at = current, event.get("frames", [])
+        elif event["action"] == "free_requested":
+            current -= sizes.pop(event["addr"], event["size"])
+    ours = [f for f in at
+            if any(part in f["filename"] for part in OURS) and not any(h in f["filename"] for h in HELPERS)]
+    return [allocation_site([f]) for f in ours[:depth]]
+
+
 def requested_bytes_allocated(snapshot) -> int:
     """Requested bytes of the blocks a tensor holds in an allocator snapshot (``torch.cuda.memory._snapshot()``)."""
     return sum(block["requested_size"] for segment in snapshot["segments"] for block in segment["blocks"]
@@ -93,6 +113,7 @@ def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = 
     import importlib
 
     import torch
+    import torch.utils.checkpoint as checkpoint_module
 
     from leantune.bench import build as bench_build
     from leantune.bench.flops import frozen_weight_bytes
@@ -132,7 +153,10 @@ def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = 
     allocated_before = requested_bytes_allocated(start)
     skip = len(start["device_traces"][device_index])  # an earlier variant's entries, if torch kept them
     t = time.perf_counter()
-    step()
+    # Recording Python stacks loses checkpoint's early-stop signal inside autograd.Function.apply in torch 2.11
+    # ("returned NULL without setting an exception", pytorch/pytorch#179536): recompute whole layers for this step.
+    with checkpoint_module.set_checkpoint_early_stop(False):
+        step()
     torch.cuda.synchronize()
     step_ms = 1e3 * (time.perf_counter() - t)
     snapshot = torch.cuda.memory._snapshot()
@@ -141,10 +165,12 @@ def run_variant(config: str, seq: int, warmup: int, variant: str, device: str = 
     if len(events) >= MAX_ENTRIES:  # the oldest entries were dropped: the replay would start mid-step
         raise RuntimeError(f"the allocator trace filled its {MAX_ENTRIES} entries; raise MAX_ENTRIES")
     peak, sites = live_at_peak(events[skip:], allocated_before)
+    where = peak_stack(events[skip:], allocated_before)
     max_allocated = torch.cuda.max_memory_allocated()
     result.update({
         "step_ms_recorded": step_ms, "peak_gib": max_allocated / GiB, "replayed_peak_gib": peak / GiB,  # requested
         "peak_minus_frozen_gib": max_allocated / GiB - result["frozen_gib"],
+        "peak_stack": where,
         "sites_mib": {k: v / MiB for k, v in sorted(sites.items(), key=lambda kv: -kv[1])},
     })
     return result
@@ -180,6 +206,7 @@ def main(argv=None) -> int:
             continue
         print(f"\n### {r['variant']}: peak - frozen {r['peak_minus_frozen_gib']:.3f} GiB (peak {r['peak_gib']:.2f}, "
               f"replayed {r['replayed_peak_gib']:.2f}), recorded step {r['step_ms_recorded']:.0f} ms")
+        print("peak allocated in: " + " < ".join(r["peak_stack"]))
         print("| MiB at the peak | allocated at |\n|---|---|")
         for site, mib in list(r["sites_mib"].items())[: args.top]:
             print(f"| {mib:,.1f} | {site} |")

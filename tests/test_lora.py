@@ -3,6 +3,7 @@ backends."""
 
 import copy
 import math
+import weakref
 
 import pytest
 import torch
@@ -471,6 +472,35 @@ def test_mlp_backward_twice_raises(backend):
     with pytest.raises(RuntimeError, match="cannot run twice"):
         y.backward()
 
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_mlp_backward_drops_h_before_dh(backend, monkeypatch, p):
+    """The recomputed h is gone when dh is formed (the allocator can hand its block to dh: three [N, intermediate]
+    buffers alive, not four) wherever the down projection's gradients can be taken apart from its dx: without
+    dropout, and with it where the skinny kernels regenerate the mask (Triton path); the fused masked pass of the
+    torch path keeps the old order. The gradients are checked against float64 in test_mlp_matches_reference."""
+    made, seen_alive = [], []
+    glu_forward, input_grad = lora_api.glu_forward, lora_api.group_input_grad
+
+    def recording_glu_forward(*args):
+        h = glu_forward(*args)
+        made.append(weakref.ref(h))
+        return h
+
+    def checking_input_grad(*args, **kwargs):
+        seen_alive.append(made[-1]() is not None)
+        return input_grad(*args, **kwargs)
+
+    monkeypatch.setattr(lora_api, "glu_forward", recording_glu_forward)
+    monkeypatch.setattr(lora_api, "group_input_grad", checking_input_grad)
+    x = torch.randn(13, IN, device=DEVICE).to(LOW).requires_grad_()
+    mlp = [_proj(IN, 100, 8, LOW, torch.float32), _proj(IN, 100, 4, LOW, torch.float32),
+           _proj(100, IN, 8, LOW, torch.float32)]
+    ops.lora_mlp(x, *mlp, dropout=p).sum().backward()
+    separable = p == 0 or backend == "triton"
+    assert seen_alive == ([False] if separable else [])
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (x, *_leaves(mlp[2])))
 
 # ------------------------------------------------------------------------------------------------- saved bytes
 def _saved_bytes(fn, params):

@@ -245,3 +245,75 @@ def test_cuda_offload_through_pinned_buffers_matches_plain_checkpointing(monkeyp
                 assert torch.allclose(grad, ref[1][name], rtol=1e-5, atol=1e-7), name
     assert offloader.packed == 2 * LAYERS and offloader.prefetched == 2 * (LAYERS - 1)
     assert offloader.pool.buffers() and all(b.is_pinned() for b in offloader.pool.buffers())
+
+
+# ------------------------------------------------------------------------------- the forced input-embedding grad
+def _embedding_outputs(model) -> list:
+    """Weak references to the embedding layer's outputs, one per forward (a hook after transformers' own)."""
+    made = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: made.append(weakref.ref(out)))
+    return made
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["checkpointing", "offloaded"])
+def test_forced_embedding_grad_dropped_under_non_reentrant_checkpointing(monkeypatch, offloaded):
+    """``gradient_checkpointing_enable`` hooks the embedding output to require grad (reentrant checkpointing needs
+    it). Under non-reentrant checkpointing leantune's forward detaches that leaf: nothing holds it once the forward
+    is done (with offload, layer 0's input then lives on the host only), and the loss and every gradient are
+    bit-identical to keeping it."""
+    from leantune.patch import forwards
+
+    model = tiny_llama_lora()
+    leantune.patch(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    if offloaded:
+        enable_offloaded_checkpoints(model, min_bytes=0)
+    made = _embedding_outputs(model)
+    input_ids = torch.randint(3, VOCAB, (2, 37))
+    with monkeypatch.context() as keep:
+        keep.setattr(forwards, "_reentrant_checkpointing", lambda module: True)  # the forced leaf kept, as HF does
+        ref = step(model, input_ids)
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=input_ids, labels=input_ids)
+        gc.collect()
+        assert made[-1]() is not None and made[-1]().requires_grad, "the control must hold the forced leaf"
+        del out
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=input_ids)
+    gc.collect()
+    assert made[-1]() is None, "the forced embedding leaf is still held after the forward"
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert_bit_identical((out.loss.detach(), grads), ref)
+
+
+def test_forced_embedding_grad_kept_for_reentrant_checkpointing_and_trainable_embeddings():
+    """Reentrant checkpointing needs the forced grad (without it layer 0's adapters would get none: ``step`` asserts
+    every gradient is non-zero); a trainable embedding is never cut off."""
+    model = tiny_llama_lora()
+    leantune.patch(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    step(model, torch.randint(3, VOCAB, (2, 37)))
+    model = tiny_llama_lora(modules_to_save=["embed_tokens"])
+    leantune.patch(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    _, grads = step(model, torch.randint(3, VOCAB, (2, 37)))
+    assert any("embed_tokens" in name for name in grads)
+
+
+def test_reentrant_checkpointing_read_from_each_layer():
+    """A checkpoint function counts as non-reentrant only when it says so (torch's default is reentrant), through
+    leantune's offload wrapper too; layers with checkpointing off do not count."""
+    from leantune.patch.forwards import _reentrant_checkpointing
+
+    model = tiny_llama_lora()
+    assert not _reentrant_checkpointing(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    assert not _reentrant_checkpointing(model)
+    enable_offloaded_checkpoints(model, min_bytes=0)
+    model(input_ids=torch.randint(3, VOCAB, (1, 9)))  # the pre-hook wraps each layer's function
+    assert not _reentrant_checkpointing(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})  # torch's checkpoint: reentrant by default
+    assert _reentrant_checkpointing(model)
+    model.gradient_checkpointing_disable()
+    assert not _reentrant_checkpointing(model)

@@ -33,6 +33,19 @@ def test_allocation_site_is_the_innermost_frame_of_ours():
     other = [{"filename": "<frozen runpy>", "line": 3, "name": "run"}]
     assert peak_breakdown.allocation_site(other) == "<frozen runpy>:3 run"
     assert peak_breakdown.allocation_site([]) == "(no frame)"
+    helper = [{"filename": "/repo/src/leantune/ops/_runtime.py", "line": 75, "name": "_torch_empty"}, *MLP[1:]]
+    assert peak_breakdown.allocation_site(helper) == "leantune/ops/glu.py:40 forward", "the helper's caller"
+
+
+def test_peak_stack_names_the_frames_of_the_peak_allocation():
+    deep = [{"filename": "/repo/src/leantune/ops/_runtime.py", "line": 75, "name": "_torch_empty"}, *MLP,
+            {"filename": "/repo/src/leantune/ops/lora/api.py", "line": 230, "name": "backward"}]
+    events = [alloc(1, 300, LOSS), free(1, 300), alloc(2, 200, deep), alloc(3, 50, LOSS), free(3, 50),
+              alloc(4, 120, MLP)]  # 1000 + 300, then 1000 + 200 + 120 = 1320: the last allocation sets the peak
+    assert peak_breakdown.peak_stack(events, 1000) == ["leantune/ops/glu.py:40 forward"]
+    assert peak_breakdown.peak_stack(events[:4], 1000) == ["leantune/ops/linear_cross_entropy.py:7 _chunked_forward"]
+    assert peak_breakdown.peak_stack(events[2:3], 0) == ["leantune/ops/glu.py:40 forward",
+                                                        "leantune/ops/lora/api.py:230 backward"]
 
 
 def test_live_set_at_the_peak():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import importlib
 import inspect
 import numbers
@@ -308,6 +309,8 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     ignore_index = kwargs.pop("ignore_index", -100)
     family = self._leantune.family
     base = getattr(self, self.base_model_prefix)
+    if inputs_embeds is None and input_ids is not None:
+        input_ids, inputs_embeds = None, _input_embeddings(base, input_ids)
     outputs = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden_states = outputs.last_hidden_state
@@ -332,6 +335,38 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     # HF's to_tuple drops None fields; keep the logits slot so that out[1] is never silently another field
     return (loss, logits, *(v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions)
                           if v is not None))
+
+
+def _input_embeddings(base, input_ids):
+    """``base``'s input embeddings of ``input_ids`` (its embedding module and hooks), without a gradient nothing
+    reads.
+
+    transformers' ``gradient_checkpointing_enable`` (and PEFT) hook the embedding layer to mark its output as
+    requiring grad, which reentrant checkpointing needs: a checkpointed layer whose inputs do not require grad gives
+    its adapters no gradient. Non-reentrant checkpointing (leantune's, the default of transformers 5) needs no such
+    thing, and there the forced tensor only costs: autograd holds it for the whole step (the first layer's input
+    stays on the card even when checkpoints are offloaded: [tokens, hidden], 8 KiB per token at Llama-3-8B) and
+    fills a [tokens, hidden] gradient nobody reads. So a forced leaf (requires grad, no graph behind it: no trainable
+    embedding) is detached unless a layer checkpoints reentrantly. The loss and every parameter's gradient are
+    unchanged."""
+    embeds = base.get_input_embeddings()(input_ids)
+    if embeds.requires_grad and embeds.grad_fn is None and not _reentrant_checkpointing(base):
+        return embeds.detach()
+    return embeds
+
+
+def _reentrant_checkpointing(model: nn.Module) -> bool:
+    """Whether a module of ``model`` with gradient checkpointing on may checkpoint reentrantly: its function is not a
+    ``functools.partial`` with ``use_reentrant=False`` (torch's checkpoint defaults to reentrant when the argument is
+    missing); leantune's offload wrapper is looked through."""
+    for module in model.modules():
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if not getattr(module, "gradient_checkpointing", False) or func is None:
+            continue
+        func = getattr(func, "inner", func)  # patch.offload's _OffloadedCheckpointFunc
+        if not (isinstance(func, functools.partial) and func.keywords.get("use_reentrant", True) is False):
+            return True
+    return False
 
 
 def _plain_linear(module) -> bool:

@@ -64,7 +64,15 @@ from .. import _runtime
 from ..glu import ACTIVATIONS, glu_backward, glu_forward
 from ..nf4 import NF4Weight, dequantize_nf4
 from .glu_lowrank import glu_forward_lowrank
-from .passes import Meta, dropout_seeds, group_backward, group_forward
+from .passes import (
+    Meta,
+    dropout_seeds,
+    group_backward,
+    group_forward,
+    group_input_grad,
+    group_param_grads,
+    input_grad_separable,
+)
 
 
 class LoraWeights(NamedTuple):
@@ -189,7 +197,9 @@ class LoraGroupFunction(torch.autograd.Function):
 
 class LoraMLPFunction(torch.autograd.Function):
     """Autograd node of :func:`lora_mlp`. Saves x (as rows), the gate and up outputs, the xa's and the seeds; h is
-    recomputed in backward and the GLU backward overwrites the saved gate/up buffers with d_gate/d_up."""
+    recomputed in backward, dropped once the down projection's parameter gradients have read it (dh then takes its
+    block: three [N, intermediate] buffers alive, not four), and the GLU backward overwrites the saved gate/up
+    buffers with d_gate/d_up."""
 
     @staticmethod
     def forward(ctx, meta_gu, meta_down, activation, x, *tensors):
@@ -238,9 +248,16 @@ class LoraMLPFunction(torch.autograd.Function):
             h = glu_forward(gate, up, ctx.activation)
             # dh is always needed: it feeds gate/up
             (down_p,) = _dequantized([down_p], meta_down.compute_dtype, first_slot=2)
-            dh, (down_grads,) = group_backward([dy], h, [xa_d], [down_p], meta_down, seeds, ctx.n_gu_lora, True,
-                                               [down_needs])
-            del h
+            if input_grad_separable(meta_down, h, seeds):  # h dies before dh is allocated, which takes its block
+                dys = [_runtime.as_rows(dy).to(meta_down.compute_dtype)]
+                (down_grads,), g_terms = group_param_grads(dys, h, [xa_d], [down_p], meta_down, seeds, ctx.n_gu_lora,
+                                                           [down_needs])
+                del h
+                dh = group_input_grad(dys, g_terms, [down_p], meta_down, seeds, ctx.n_gu_lora)
+            else:
+                dh, (down_grads,) = group_backward([dy], h, [xa_d], [down_p], meta_down, seeds, ctx.n_gu_lora, True,
+                                                   [down_needs])
+                del h
             d_gate, d_up = glu_backward(dh.to(gate.dtype), gate, up, ctx.activation, inplace=True)
             del dh
             gate_p, up_p = _dequantized([gate_p, up_p], meta_gu.compute_dtype)

@@ -156,25 +156,67 @@ def group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, need_x, proj_n
     terms first, then per adapter g = s dY B and dB, then dA and the low-rank part of dx: x read once for all
     adapters without dropout, per adapter mask with it."""
     dys = [_runtime.as_rows(dy).to(meta.compute_dtype) for dy in dys]
-    dx, grads = _frozen_backward(dys, x2d, projs, meta.compute_dtype, need_x, proj_needs)
-    lora = [j for j, proj in enumerate(projs) if proj.lora_A is not None]
-    if lora:
-        gs, g_cat = _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, seeds is None, proj_needs, grads)
-        if seeds is None:
-            dx = _lora_dA_dx(dx, g_cat, x2d, projs, meta, lora, need_x, proj_needs, grads)
-        else:
-            dx = _lora_dA_dx_dropout(dx, gs, x2d, projs, meta, lora, seeds, first_seed, need_x, proj_needs, grads)
+    if not input_grad_separable(meta, x2d, seeds):  # dx's masked low-rank pass also writes m * x for dA
+        dx, grads = _frozen_backward(dys, x2d, projs, meta.compute_dtype, need_x, proj_needs)
+        lora = [j for j, proj in enumerate(projs) if proj.lora_A is not None]
+        gs, _ = _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, False, proj_needs, grads)
+        dx = _lora_dA_dx_dropout(dx, gs, x2d, projs, meta, lora, seeds, first_seed, need_x, proj_needs, grads)
+        return (None if dx is None else dx.to(x2d.dtype)), grads
+    grads, gs = group_param_grads(dys, x2d, xas, projs, meta, seeds, first_seed, proj_needs)
+    dx = group_input_grad(dys, gs, projs, meta, seeds, first_seed) if need_x else None
     return (None if dx is None else dx.to(x2d.dtype)), grads
 
 
+def input_grad_separable(meta, x2d, seeds) -> bool:
+    """Whether a group's parameter gradients can be formed before, and apart from, its dx (:func:`group_param_grads`
+    then :func:`group_input_grad`), so that a caller can drop x in between and dx reuse its memory: always without
+    dropout, and with it where the skinny kernels regenerate the mask (no m * x buffer shared by the two)."""
+    return seeds is None or _skinny_ok(meta, x2d.dtype)
+
+
+def group_param_grads(dys, x2d, xas, projs, meta, seeds, first_seed, proj_needs):
+    """(a :class:`ProjGrads` per projection, the LoRA terms g for :func:`group_input_grad`): every gradient but dx,
+    the last reads of x. ``dys`` in the compute dtype as rows; only where :func:`input_grad_separable`."""
+    _, grads = _frozen_backward(dys, x2d, projs, meta.compute_dtype, False, proj_needs)
+    lora = [j for j, proj in enumerate(projs) if proj.lora_A is not None]
+    if not lora:
+        return grads, None
+    gs, g_cat = _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, seeds is None, proj_needs, grads)
+    if seeds is None:
+        _lora_dA(g_cat, x2d, projs, meta, lora, proj_needs, grads)
+    else:
+        for k, j in enumerate(lora):
+            if proj_needs[j].lora_A:
+                grads[j].lora_A = skinny_tn(gs[j], x2d, out_dtype=projs[j].lora_A.dtype, seeds=seeds,
+                                            index=first_seed + k, p=meta.p)
+    return grads, (gs, g_cat)
+
+
+def group_input_grad(dys, g_terms, projs, meta, seeds, first_seed):
+    """dx = sum_j dY_j W_j + the low-rank terms (m * (g_j A_j) with dropout) in the compute dtype; ``g_terms`` from
+    :func:`group_param_grads`. Reads no x: a caller may have freed it, and the allocator hands its block to dx."""
+    dx, _ = _frozen_backward(dys, None, projs, meta.compute_dtype, True, None)
+    if g_terms is None:
+        return dx
+    (gs, g_cat), ldt, cdt = g_terms, meta.lora_dtype, meta.compute_dtype
+    lora = list(gs)
+    if seeds is None:
+        return _lowrank_add(dx, g_cat, _cat_lora_A(projs, lora, ldt), 1.0, cdt, meta.impl)[0]
+    for k, j in enumerate(lora):
+        dx, _ = _lowrank_add(dx, gs[j], projs[j].lora_A.to(ldt), 1.0, cdt, meta.impl, seeds, first_seed + k, meta.p)
+    return dx
+
+
 def _frozen_backward(dys, x2d, projs, cdt, need_x, proj_needs):
-    """dx = sum_j dY_j W_j (or None) and per projection ProjGrads(dW, None, None, db) as wanted (full fine-tune,
-    biases)."""
+    """(dx = sum_j dY_j W_j or None, per projection ProjGrads(dW, None, None, db) as wanted (full fine-tune,
+    biases)); ``proj_needs`` None: dx only (no x read)."""
     dx = None
     if need_x:
         for dy, proj in zip(dys, projs):
             dx = dy @ proj.weight.to(cdt) if dx is None else dx.addmm_(dy, proj.weight.to(cdt))
     grads = [ProjGrads() for _ in projs]
+    if proj_needs is None:
+        return dx, grads
     xc = x2d.to(cdt) if any(need.weight for need in proj_needs) else None
     for j, (proj, dy, need) in enumerate(zip(projs, dys, proj_needs)):
         if need.weight:
@@ -224,24 +266,22 @@ def _scaled_product(a, b, scale, *, out=None):
     return torch.addmm(out, a, b, beta=0, alpha=scale, out=out)
 
 
-def _lora_dA_dx(dx, g_cat, x2d, projs, meta, lora, need_x, proj_needs, grads):
+def _lora_dA(g_cat, x2d, projs, meta, lora, proj_needs, grads):
     """No dropout: dA_cat = g_cat^T x (x read once for every adapter, as stored on the skinny path) split into
-    ``grads``; returns dx + g_cat A_cat."""
+    ``grads``."""
     ldt = meta.lora_dtype
-    if any(proj_needs[j].lora_A for j in lora):
-        if _skinny_ok(meta, x2d.dtype) and x2d.dtype != ldt:
-            da_cat = skinny_tn(g_cat, x2d, out_dtype=ldt)
-        else:
-            da_cat = g_cat.T @ x2d.to(ldt)
-        start = 0
-        for j in lora:
-            rank = projs[j].lora_A.shape[0]
-            if proj_needs[j].lora_A:
-                grads[j].lora_A = da_cat[start:start + rank].to(projs[j].lora_A.dtype)
-            start += rank
-    if need_x:
-        dx, _ = _lowrank_add(dx, g_cat, _cat_lora_A(projs, lora, ldt), 1.0, meta.compute_dtype, meta.impl)
-    return dx
+    if not any(proj_needs[j].lora_A for j in lora):
+        return
+    if _skinny_ok(meta, x2d.dtype) and x2d.dtype != ldt:
+        da_cat = skinny_tn(g_cat, x2d, out_dtype=ldt)
+    else:
+        da_cat = g_cat.T @ x2d.to(ldt)
+    start = 0
+    for j in lora:
+        rank = projs[j].lora_A.shape[0]
+        if proj_needs[j].lora_A:
+            grads[j].lora_A = da_cat[start:start + rank].to(projs[j].lora_A.dtype)
+        start += rank
 
 
 def _lora_dA_dx_dropout(dx, gs, x2d, projs, meta, lora, seeds, first_seed, need_x, proj_needs, grads):
