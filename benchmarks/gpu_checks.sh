@@ -118,6 +118,11 @@ part_trl() {  # TRL, 8B, 4096 x 1, checkpointing on: leantune's head vs TRL's ow
     --steps 3 --out "$OUT/trl" > "$OUT/trl-dpo.log" 2>&1; echo "trl dpo exit $?"; tail -6 "$OUT/trl-dpo.log"
 }
 
+part_trl_sft() {  # TRL SFT only, 8B 4096 x 1: leantune with and without the heap freeze, TRL, TRL + Liger
+  timeout $(bound 330) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer sft --seq 4096 --steps 10 --out "$OUT/trl" \
+    > "$OUT/trl-sft.log" 2>&1; echo "trl sft exit $?"; tail -8 "$OUT/trl-sft.log"
+}
+
 bound() {  # the part's own limit, or what is left of the call if less (at least 1: `timeout 0` means no limit)
   local l=$(( $(left) - 10 )); l=$(( l < $1 ? l : $1 )); echo $(( l < 1 ? 1 : l ))
 }

@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import reference  # noqa: E402
 import torch  # noqa: E402
 
+from leantune import heap  # noqa: E402
 from leantune.ops import _runtime  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and not _runtime.interpreting()
@@ -39,11 +40,13 @@ def poisoned_buffers():
 
 @pytest.fixture(autouse=True)
 def nothing_left_frozen():
-    """gc.freeze is process-wide: a test that leaves objects frozen (leantune.heap) fails, and the next starts clean."""
+    """gc.freeze is process-wide: a test that leaves leantune's freeze on (an open or unthawed
+    ``heap.long_lived_frozen`` block) fails, and the next test starts with nothing frozen."""
     yield
-    left = gc.get_freeze_count()
+    left, depth = gc.get_freeze_count(), heap._depth
     gc.unfreeze()
-    assert left == 0, f"{left} objects left frozen (gc.freeze)"
+    heap._depth, heap._owns = 0, False
+    assert depth == 0, f"{depth} long_lived_frozen block(s) left open, {left} objects frozen"
 
 
 @pytest.fixture(autouse=True)

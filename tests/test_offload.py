@@ -102,6 +102,18 @@ def test_layer_input_is_released_after_pack():
     assert torch.equal(x.grad, ref_x) and torch.equal(weight.grad, ref_w)
 
 
+def test_empty_tensors_stay_even_with_no_threshold():
+    """torch 2.11's non-reentrant checkpoint saves an empty dummy beside the layer inputs: it is not offloaded (no
+    buffer, no link in the prefetch chain), even with ``min_bytes=0``."""
+    offloader = CheckpointOffloader(min_bytes=0)
+    offloader.begin_forward(1)
+    dummy = torch.empty((0,), requires_grad=True)
+    assert offloader.pack(dummy) is dummy
+    assert offloader.packed == 0 and not list(offloader.pool.buffers())
+    saved = offloader.pack(torch.randn(3, 4))
+    assert offloader.packed == 1 and offloader.unpack(saved).shape == (3, 4)
+
+
 def test_host_pool_reused_across_steps():
     model = tiny_llama_lora()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)

@@ -255,7 +255,8 @@ class CheckpointOffloader:
         return self._streams[device]
 
     def pack(self, tensor: torch.Tensor):
-        if (not tensor.is_floating_point() or tensor.nbytes < self.min_bytes or not tensor.is_contiguous()
+        # an empty tensor has nothing to move (torch 2.11's checkpoint saves an empty dummy beside the inputs)
+        if (not tensor.is_floating_point() or tensor.nbytes < max(self.min_bytes, 1) or not tensor.is_contiguous()
                 or tensor.device.type not in ("cpu", "cuda") or isinstance(tensor, nn.Parameter)):
             return tensor
         pin = tensor.device.type == "cuda"
