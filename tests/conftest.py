@@ -45,7 +45,7 @@ def nothing_left_frozen():
     yield
     left, depth = gc.get_freeze_count(), heap._depth
     gc.unfreeze()
-    heap._depth, heap._owns = 0, False
+    heap._depth, heap._thaws = 0, False
     assert depth == 0, f"{depth} long_lived_frozen block(s) left open, {left} objects frozen"
 
 

@@ -59,13 +59,18 @@ def test_nested_blocks_thaw_once_at_the_outermost_end():
     assert not frozen(keep)
 
 
-def test_a_caller_who_froze_first_is_left_alone():
+def test_a_caller_who_froze_first_keeps_the_freeze():
+    """Objects frozen before the block (a launcher's, the caller's): the block still freezes what is alive at its
+    start, and thaws nothing at its end (gc cannot thaw only its own)."""
+    early = Node()
     gc.freeze()
     before = gc.get_freeze_count()
+    keep = Node()
     with long_lived_frozen():
+        assert frozen(keep) and frozen(early)
         late = Node()
-        assert not frozen(late)  # nothing frozen by the block
-    assert gc.get_freeze_count() == before  # and nothing thawed
+        assert not frozen(late)
+    assert frozen(early) and frozen(keep) and gc.get_freeze_count() > before
 
 
 def test_train_runs_its_steps_frozen_and_thaws(tiny, tmp_path, capsys, monkeypatch):  # noqa: F811

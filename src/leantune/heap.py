@@ -18,7 +18,7 @@ import contextlib
 import gc
 
 _depth = 0  # open long_lived_frozen blocks (nested calls: only the outermost freezes and thaws)
-_owns = False  # whether the outermost block froze (nothing was frozen before it)
+_thaws = False  # whether the outermost block thaws at its end (nothing was frozen before it)
 
 
 @contextlib.contextmanager
@@ -26,21 +26,23 @@ def long_lived_frozen():
     """Collect once, then freeze every object alive now until the block ends (``gc.freeze``); thaw on exit, also
     when the block raises.
 
-    ``gc.freeze`` is process-wide, so the block leaves it alone where it is not its own: a block inside another
-    does nothing, and when objects were already frozen (by the caller, on purpose) it neither freezes nor thaws.
+    ``gc.freeze`` is process-wide: a block inside another does nothing. Where objects were already frozen when the
+    block starts (the caller's choice; some launchers' interpreters start with a few hundred frozen, the H200 device
+    machine's 375) the block still freezes, and leaves everything frozen at its end: ``gc`` cannot thaw only what the
+    block added, and thawing all would undo the caller's freeze. Frozen objects are still freed by reference
+    counting; only cycles among them wait for a later ``gc.unfreeze()``.
     """
-    global _depth, _owns
+    global _depth, _thaws
     if _depth == 0:
-        _owns = gc.get_freeze_count() == 0
-        if _owns:
-            gc.collect()
-            gc.freeze()
+        _thaws = gc.get_freeze_count() == 0
+        gc.collect()
+        gc.freeze()
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
-        if _depth == 0 and _owns:
+        if _depth == 0 and _thaws:
             gc.unfreeze()
 
 
