@@ -60,9 +60,9 @@ part_nf4() {  # dequantisation against its floor and bitsandbytes' CUDA kernel
   echo "nf4 exit $?"; tail -8 "$OUT/nf4.log"
 }
 
-part_e2e_offload() {  # 8B, 4096 x 1, checkpointing on: leantune with and without offload (and tiling)
+part_e2e_offload() {  # 8B, 4096 x 1, checkpointing on: leantune with and without offload (and 2048-token tiles)
   timeout $(bound 330) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 6 \
-    --impls leantune,leantune+offload,leantune+offload+tiled --budget-s 320 --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
+    --impls leantune,leantune+offload,leantune+offload+tiled2048 --budget-s 320 --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
   echo "e2e exit $?"; tail -12 "$OUT/e2e.log"
 }
 

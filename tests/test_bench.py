@@ -370,6 +370,31 @@ def test_child_errors_are_results(tiny_config, tmp_path):
         RunSpec("hf", tiny_config, seq=8, batch=1, gc=False)
 
 
+def test_tiled_implementations_name_their_tile(tiny_config, monkeypatch):
+    """``...+tiledN`` is the tiled implementation with N-token MLP tiles (``+tiled`` alone: build.TILE_TOKENS); other
+    suffixes, tiles below 1 and untiled names with a tile are refused before anything runs."""
+    from leantune.bench import build as bench_build
+
+    assert bench_build.split_tile("leantune+offload+tiled2048") == ("leantune+offload+tiled", 2048)
+    assert bench_build.split_tile("leantune+nf4+offload+tiled") == ("leantune+nf4+offload+tiled", 4096)
+    assert bench_build.split_tile("leantune+offload") == ("leantune+offload", None)
+    for bad in ("leantune+offload+tiled0", "hf+peft+tiled2048", "leantune+tiled2048", "leantune+offload+tiledx"):
+        assert not bench_build.known_impl(bad)
+        with pytest.raises(harness.BenchError, match="unknown implementation"):
+            RunSpec(bad, tiny_config, seq=8, batch=1, gc=True)
+    import leantune
+
+    tiles = []
+    real_patch = leantune.patch
+    monkeypatch.setattr(leantune, "patch", lambda model, **kw: tiles.append(kw["tile_mlp"]) or real_patch(model, **kw))
+    for impl in ("leantune+offload+tiled16", "leantune+offload+tiled", "leantune+offload"):
+        r = step.run_one_safe(RunSpec(impl, tiny_config, seq=24, batch=1, gc=True, warmup=0, steps=1, device="cpu"))
+        assert r["status"] == "ok", r.get("error")
+    assert tiles == [16, bench_build.TILE_TOKENS, None]
+    assert sorted(["leantune+offload+tiled", "leantune+offload+tiled2048", "leantune"], key=report._impl_rank) == [
+        "leantune", "leantune+offload+tiled", "leantune+offload+tiled2048"]
+
+
 def test_child_process_protocol(tiny_config, tmp_path):
     """One real subprocess: the spec goes in as JSON, the result comes back through the file."""
     spec = RunSpec("leantune", tiny_config, seq=16, batch=1, gc=True, warmup=0, steps=1, device="cpu")

@@ -9,7 +9,8 @@ checkpointing non-reentrant with ``enable_input_require_grads``.
 Implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
 model is built; skipped when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
 ``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory),
-``leantune+offload+tiled`` (also the MLP over 4096-token tiles; both need checkpointing), and the QLoRA ones:
+``leantune+offload+tiled`` (also the MLP over 4096-token tiles, ``+tiledN`` over N-token ones; both need
+checkpointing), and the QLoRA ones:
 ``leantune+nf4`` (the decoder's frozen linears in leantune's NF4, then ``leantune.patch``; with ``+offload+tiled``
 also the long-context switches) and ``hf+peft+bnb``
 (bitsandbytes ``Linear4bit``, nf4, blocksize 64, double quantisation, bf16 compute: what
@@ -26,6 +27,7 @@ the same NF4 codes (leantune's quantiser is bit-exact with bitsandbytes'), so th
 
 from __future__ import annotations
 
+import re
 import zlib
 
 from .harness import load_config
@@ -34,7 +36,23 @@ IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+o
          "leantune+nf4+offload+tiled", "hf+peft+bnb")
 QUANTIZED = ("leantune+nf4", "leantune+nf4+offload+tiled", "hf+peft+bnb")
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
+_TILE_SUFFIX = re.compile(r"\+tiled(\d+)$")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def split_tile(impl: str) -> tuple[str, int | None]:
+    """(implementation, MLP tile in tokens or None): ``leantune+offload+tiled2048`` is ``leantune+offload+tiled``
+    with 2048-token tiles; ``...+tiled`` alone has ``TILE_TOKENS``."""
+    match = _TILE_SUFFIX.search(impl)
+    if match:
+        return impl[:match.start()] + "+tiled", int(match.group(1))
+    return impl, (TILE_TOKENS if impl.endswith("+tiled") else None)
+
+
+def known_impl(impl: str) -> bool:
+    """Whether ``impl`` is one of ``IMPLS``, a tiled one with a tile of at least 1 token included."""
+    base, tile = split_tile(impl)
+    return base in IMPLS and (tile is None or tile >= 1)
 
 
 class Skip(Exception):
@@ -53,26 +71,26 @@ def build(spec, device: str | None = None, shard=None):
     layers do not run under FSDP2 (Skip)."""
     import torch
 
+    impl, tile = split_tile(spec.impl)
     config = load_config(spec.config, spec.layers)
     device = torch.device(device or spec.device)
-    if shard is not None and spec.impl == "hf+peft+bnb":
+    if shard is not None and impl == "hf+peft+bnb":
         raise Skip("bitsandbytes' Linear4bit does not run under FSDP2 (its quant state is not sharded)")
     # Liger swaps its classes in before a build on the device; the NF4 ones are built layer by layer on the device
-    meta = shard is not None and spec.impl != "hf+peft+liger" and spec.impl not in QUANTIZED
+    meta = shard is not None and impl != "hf+peft+liger" and impl not in QUANTIZED
     if meta:
         model, names = _build_meta(spec, config)
-    elif spec.impl in QUANTIZED:
+    elif impl in QUANTIZED:
         model = _build_quantized(spec, config, device)
     else:
         model = _build_bf16(spec, config, device)
-    if spec.impl.startswith("leantune"):
+    if impl.startswith("leantune"):
         import leantune
 
-        offload = "offload" in spec.impl
+        offload = "offload" in impl
         if offload and not spec.gc:
             raise Skip("offloaded checkpoints need gradient checkpointing (--gc on)")
-        leantune.patch(model, offload_checkpoints=offload,
-                       tile_mlp=TILE_TOKENS if spec.impl.endswith("tiled") else None)
+        leantune.patch(model, offload_checkpoints=offload, tile_mlp=tile)
     if shard is not None:
         shard(model)
     if meta:  # storage for the shards, then each rank's values

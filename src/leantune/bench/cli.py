@@ -50,13 +50,14 @@ def _comma(text: str) -> list[str]:
 
 
 def _impls(text: str) -> list[str]:
+    from .build import known_impl
     from .step import IMPLS
 
     impls = _comma(text)
-    bad = [i for i in impls if i not in IMPLS]
+    bad = [i for i in impls if not known_impl(i)]
     if bad or not impls:
         raise LeantuneError(f"unknown implementation(s) {', '.join(bad) or '(none)'}; expected some of "
-                            f"{', '.join(IMPLS)}")
+                            f"{', '.join(IMPLS)} (a tiled one may name its tile: leantune+offload+tiled2048)")
     return impls
 
 

@@ -185,8 +185,11 @@ def merge_max_context(results: list[dict]) -> list[dict]:
     return merged
 
 
-def _impl_rank(impl: str) -> int:
-    return IMPL_ORDER.index(impl) if impl in IMPL_ORDER else len(IMPL_ORDER)
+def _impl_rank(impl: str) -> tuple[int, int]:
+    from .build import split_tile
+
+    base, tile = split_tile(impl)
+    return (IMPL_ORDER.index(base) if base in IMPL_ORDER else len(IMPL_ORDER)), -(tile or 0)
 
 
 def config_key(row: dict) -> tuple:

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from .build import IMPLS, Skip, build
+from .build import IMPLS, Skip, build, known_impl
 from .flops import frozen_weight_bytes, hardware_flops_per_token, matmul_params, model_flops_per_token
 from .harness import BenchError, GiB, environment, measure_ceilings, model_name
 
@@ -60,7 +60,7 @@ class RunSpec:
     memory_cap_gib: float | None = None  # torch.cuda.set_per_process_memory_fraction to this many GiB (a smaller card)
 
     def __post_init__(self):
-        if self.impl not in IMPLS:
+        if not known_impl(self.impl):
             raise BenchError(f"unknown implementation {self.impl!r}; expected one of {', '.join(IMPLS)}")
         if self.seq < 1 or self.batch < 1 or self.steps < 1 or self.warmup < 0:
             raise BenchError("seq, batch and steps must be >= 1 and warmup >= 0")
