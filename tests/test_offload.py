@@ -157,9 +157,11 @@ def test_checkpointing_off_is_an_error():
         model.train()(input_ids=input_ids)
 
 
-def test_reentrant_checkpointing_is_an_error():
+@pytest.mark.parametrize("kwargs", [{"use_reentrant": True}, {}], ids=["reentrant", "torch_default"])
+def test_reentrant_checkpointing_is_an_error(kwargs):
+    """Also when the keyword is missing: torch's checkpoint then runs reentrant."""
     model = tiny_llama_lora()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     enable_offloaded_checkpoints(model)
     input_ids = torch.randint(3, VOCAB, (2, 9))
     with pytest.raises(LeantuneError, match="non-reentrant"):
