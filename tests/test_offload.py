@@ -263,9 +263,18 @@ def test_cuda_offload_through_pinned_buffers_matches_plain_checkpointing(monkeyp
 
 # ------------------------------------------------------------------------------- the forced input-embedding grad
 def _embedding_outputs(model) -> list:
-    """Weak references to the embedding layer's outputs, one per forward (a hook after transformers' own)."""
+    """Weak references to the embedding layer's outputs, one per forward (its forward wrapped: a hook of the caller's
+    own would make leantune keep the leaf)."""
     made = []
-    model.get_input_embeddings().register_forward_hook(lambda module, args, out: made.append(weakref.ref(out)))
+    embeddings = model.get_input_embeddings()
+    forward = embeddings.forward
+
+    def recording_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        made.append(weakref.ref(out))
+        return out
+
+    embeddings.forward = recording_forward
     return made
 
 
@@ -285,7 +294,7 @@ def test_forced_embedding_grad_dropped_under_non_reentrant_checkpointing(monkeyp
     made = _embedding_outputs(model)
     input_ids = torch.randint(3, VOCAB, (2, 37))
     with monkeypatch.context() as keep:
-        keep.setattr(forwards, "_reentrant_checkpointing", lambda module: True)  # the forced leaf kept, as HF does
+        keep.setattr(forwards, "_detach_is_safe", lambda *args: False)  # the forced leaf kept, as HF does
         ref = step(model, input_ids)
         model.zero_grad(set_to_none=True)
         out = model(input_ids=input_ids, labels=input_ids)
@@ -303,10 +312,27 @@ def test_forced_embedding_grad_dropped_under_non_reentrant_checkpointing(monkeyp
 
 def test_forced_embedding_grad_kept_for_reentrant_checkpointing_and_trainable_embeddings():
     """Reentrant checkpointing needs the forced grad (without it layer 0's adapters would get none: ``step`` asserts
-    every gradient is non-zero); a trainable embedding is never cut off."""
+    every gradient is non-zero), also through torch's ``checkpoint_wrapper`` rather than transformers' switch; a
+    trainable embedding is never cut off."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
     model = tiny_llama_lora()
     leantune.patch(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    step(model, torch.randint(3, VOCAB, (2, 37)))
+    model = tiny_llama_lora()
+    model.config.use_cache = False  # a cache would grow again in the reentrant recomputation
+    model.enable_input_require_grads()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer), checkpoint_wrapper_fn=
+                                   functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT))
+    leantune.patch(model)
     step(model, torch.randint(3, VOCAB, (2, 37)))
     model = tiny_llama_lora(modules_to_save=["embed_tokens"])
     leantune.patch(model)
@@ -315,19 +341,46 @@ def test_forced_embedding_grad_kept_for_reentrant_checkpointing_and_trainable_em
     assert any("embed_tokens" in name for name in grads)
 
 
-def test_reentrant_checkpointing_read_from_each_layer():
-    """A checkpoint function counts as non-reentrant only when it says so (torch's default is reentrant), through
-    leantune's offload wrapper too; layers with checkpointing off do not count."""
-    from leantune.patch.forwards import _reentrant_checkpointing
+def test_embedding_gradient_read_through_a_hook_is_kept():
+    """A caller who keeps the embedding output in a hook (saliency, attribution) reads its gradient as with HF."""
+    input_ids = torch.randint(3, VOCAB, (2, 19))
+    grads = []
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = tiny_llama_lora()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+        if patched:
+            leantune.patch(model)
+        kept = {}
+        model.get_input_embeddings().register_forward_hook(lambda module, args, out, kept=kept: kept.update(out=out))
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        grads.append(kept["out"].grad)
+    assert grads[0] is not None and grads[1] is not None
+    assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_detach_only_where_it_is_known_safe():
+    """Detach needs transformers' checkpointing on and non-reentrant in every module that has it on (torch's
+    checkpoint defaults to reentrant when the keyword is missing; leantune's offload wrapper is looked through), no
+    forward hook on the embeddings but the requires-grad ones, and no torch checkpoint_wrapper in the model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from leantune.patch.forwards import _detach_is_safe
 
     model = tiny_llama_lora()
-    assert not _reentrant_checkpointing(model)
+    base, embeddings = model.base_model.model.model, model.get_input_embeddings()
+    assert not _detach_is_safe(base, embeddings)  # no checkpointing: not known to be safe
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
-    assert not _reentrant_checkpointing(model)
+    assert _detach_is_safe(base, embeddings)
     enable_offloaded_checkpoints(model, min_bytes=0)
     model(input_ids=torch.randint(3, VOCAB, (1, 9)))  # the pre-hook wraps each layer's function
-    assert not _reentrant_checkpointing(model)
+    assert _detach_is_safe(base, embeddings)
+    disable_offloaded_checkpoints(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})  # torch's checkpoint: reentrant by default
-    assert _reentrant_checkpointing(model)
-    model.gradient_checkpointing_disable()
-    assert not _reentrant_checkpointing(model)
+    assert not _detach_is_safe(base, embeddings)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
+    handle = embeddings.register_forward_hook(lambda module, args, out: None)
+    assert not _detach_is_safe(base, embeddings)
+    handle.remove()
+    base.layers[0].mlp = checkpoint_wrapper(base.layers[0].mlp)
+    assert not _detach_is_safe(base, embeddings)
