@@ -284,7 +284,7 @@ def test_forced_embedding_grad_dropped_under_non_reentrant_checkpointing(monkeyp
     it). Under non-reentrant checkpointing leantune's forward detaches that leaf: nothing holds it once the forward
     is done (with offload, layer 0's input then lives on the host only), and the loss and every gradient are
     bit-identical to keeping it."""
-    from leantune.patch import forwards
+    from leantune.patch import input_embeddings
 
     model = tiny_llama_lora()
     leantune.patch(model)
@@ -294,7 +294,7 @@ def test_forced_embedding_grad_dropped_under_non_reentrant_checkpointing(monkeyp
     made = _embedding_outputs(model)
     input_ids = torch.randint(3, VOCAB, (2, 37))
     with monkeypatch.context() as keep:
-        keep.setattr(forwards, "_detach_is_safe", lambda *args: False)  # the forced leaf kept, as HF does
+        keep.setattr(input_embeddings, "_detach_is_safe", lambda *args: False)  # the forced leaf kept, as HF does
         ref = step(model, input_ids)
         model.zero_grad(set_to_none=True)
         out = model(input_ids=input_ids, labels=input_ids)
@@ -365,7 +365,7 @@ def test_detach_only_where_it_is_known_safe():
     forward hook on the embeddings but the requires-grad ones, and no torch checkpoint_wrapper in the model."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from leantune.patch.forwards import _detach_is_safe
+    from leantune.patch.input_embeddings import _detach_is_safe
 
     model = tiny_llama_lora()
     base, embeddings = model.base_model.model.model, model.get_input_embeddings()

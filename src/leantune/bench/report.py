@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 from ..errors import LeantuneError
+from .build import split_tile
 from .harness import GRAPH_MAX_MS, table_cell
 
 BASELINE = "hf+peft"
@@ -186,8 +187,6 @@ def merge_max_context(results: list[dict]) -> list[dict]:
 
 
 def _impl_rank(impl: str) -> tuple[int, int]:
-    from .build import split_tile
-
     base, tile = split_tile(impl)
     return (IMPL_ORDER.index(base) if base in IMPL_ORDER else len(IMPL_ORDER)), -(tile or 0)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import functools
 import importlib
 import inspect
 import numbers
@@ -31,6 +30,7 @@ from torch import nn
 from .. import ops
 from ..ops import _runtime
 from .families import Family
+from .input_embeddings import input_embeddings
 from .lora_status import carries_fusable_lora, fusable, fused_group, has_hooks, lora_status, project
 
 
@@ -311,7 +311,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     base = getattr(self, self.base_model_prefix)
     if inputs_embeds is None and input_ids is not None:
         hidden_states_out = kwargs.get("output_hidden_states") or getattr(self.config, "output_hidden_states", False)
-        input_ids, inputs_embeds = None, _input_embeddings(base, input_ids, bool(hidden_states_out))
+        input_ids, inputs_embeds = None, input_embeddings(base, input_ids, bool(hidden_states_out))
     outputs = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden_states = outputs.last_hidden_state
@@ -336,59 +336,6 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     # HF's to_tuple drops None fields; keep the logits slot so that out[1] is never silently another field
     return (loss, logits, *(v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions)
                           if v is not None))
-
-
-# the forward hooks transformers' enable_input_require_grads and PEFT register on the input embeddings
-_REQUIRES_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
-
-
-def _input_embeddings(base, input_ids, hidden_states_out: bool):
-    """``base``'s input embeddings of ``input_ids`` (its embedding module and hooks), without a gradient nothing
-    reads.
-
-    transformers' ``gradient_checkpointing_enable`` (and PEFT) hook the embedding layer to mark its output as
-    requiring grad, which reentrant checkpointing needs: a checkpointed layer whose inputs do not require grad gives
-    its adapters no gradient. Non-reentrant checkpointing (leantune's, the default of transformers 5) needs no such
-    thing, and there the forced tensor only costs: autograd holds it for the whole step (the first layer's input
-    stays on the card even when checkpoints are offloaded: [tokens, hidden], 8 KiB per token at Llama-3-8B) and
-    fills a [tokens, hidden] gradient. The forced leaf (requires grad, no graph behind it: no trainable embedding)
-    is detached only where leantune can tell that nothing reads that gradient or needs the leaf:
-    :func:`_detach_is_safe`. The loss and every parameter's gradient are unchanged."""
-    embeddings = base.get_input_embeddings()
-    embeds = embeddings(input_ids)
-    if (embeds.requires_grad and embeds.grad_fn is None and not hidden_states_out
-            and _detach_is_safe(base, embeddings)):
-        return embeds.detach()
-    return embeds
-
-
-def _detach_is_safe(base: nn.Module, embeddings: nn.Module) -> bool:
-    """The embedding module's only forward hooks are the requires-grad ones (no caller's hook keeps the output to
-    read its gradient, e.g. for saliency), transformers' gradient checkpointing is on and non-reentrant in every
-    module that has it on, and no torch ``checkpoint_wrapper`` (which may be reentrant) is in the model."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    if any(getattr(hook, "__name__", None) not in _REQUIRES_GRAD_HOOKS for hook in embeddings._forward_hooks.values()):
-        return False
-    checkpointed = False
-    for module in base.modules():
-        if isinstance(module, CheckpointWrapper):
-            return False
-        func = module.__dict__.get("_gradient_checkpointing_func")
-        if not getattr(module, "gradient_checkpointing", False) or func is None:
-            continue
-        if _reentrant(func):
-            return False
-        checkpointed = True
-    return checkpointed
-
-
-def _reentrant(func) -> bool:
-    """Whether a module's checkpoint function may run reentrantly: it is not a ``functools.partial`` with
-    ``use_reentrant=False`` (torch's checkpoint defaults to reentrant when the argument is missing); leantune's
-    offload wrapper is looked through."""
-    func = getattr(func, "inner", func)  # patch.offload's _OffloadedCheckpointFunc
-    return not (isinstance(func, functools.partial) and func.keywords.get("use_reentrant", True) is False)
 
 
 def _plain_linear(module) -> bool:
