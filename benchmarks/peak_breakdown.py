@@ -34,12 +34,16 @@ HELPERS = ("leantune/ops/_runtime.py",)  # the allocator helper every kernel out
 MAX_ENTRIES = 2_000_000  # allocator trace entries kept (one 8B step at 4096 tokens makes tens of thousands)
 
 
+def _ours(frame) -> bool:
+    return any(part in frame["filename"] for part in OURS) and not any(h in frame["filename"] for h in HELPERS)
+
+
 def allocation_site(frames) -> str:
     """``file:line function`` of the innermost frame inside leantune, transformers, peft or torch.optim (the first
     frame when none is), past leantune's allocator helper; ``frames`` innermost first, as the allocator's trace
     gives them."""
     for frame in frames:
-        if any(part in frame["filename"] for part in OURS) and not any(h in frame["filename"] for h in HELPERS):
+        if _ours(frame):
             name = frame["filename"].split("site-packages/")[-1].split("src/")[-1]
             return f"{name}:{frame['line']} {frame['name']}"
     if frames:
@@ -96,9 +100,7 @@ def peak_stack(events, allocated_before: int, depth: int = 8) -> list[str]:
                 peak, at = current, event.get("frames", [])
         elif event["action"] == "free_requested":
             current -= sizes.pop(event["addr"], event["size"])
-    ours = [f for f in at
-            if any(part in f["filename"] for part in OURS) and not any(h in f["filename"] for h in HELPERS)]
-    return [allocation_site([f]) for f in ours[:depth]]
+    return [allocation_site([f]) for f in [f for f in at if _ours(f)][:depth]]
 
 
 def requested_bytes_allocated(snapshot) -> int:

@@ -384,3 +384,19 @@ def test_detach_only_where_it_is_known_safe():
     handle.remove()
     base.layers[0].mlp = checkpoint_wrapper(base.layers[0].mlp)
     assert not _detach_is_safe(base, embeddings)
+
+
+def test_checkpoint_reentrant_reads_transformers_partials():
+    """One reading for offload and the embedding detach: use_reentrant missing is torch's default (reentrant); the
+    offload wrapper is looked through; a callable that is not a partial cannot be read."""
+    import functools
+
+    from leantune.patch._model import checkpoint_reentrant
+    from leantune.patch.offload import _OffloadedCheckpointFunc
+
+    assert checkpoint_reentrant(functools.partial(checkpoint, use_reentrant=False)) is False
+    assert checkpoint_reentrant(functools.partial(checkpoint, use_reentrant=True)) is True
+    assert checkpoint_reentrant(functools.partial(checkpoint)) is True
+    wrapped = _OffloadedCheckpointFunc(functools.partial(checkpoint, use_reentrant=False), CheckpointOffloader())
+    assert checkpoint_reentrant(wrapped) is False
+    assert checkpoint_reentrant(checkpoint) is None

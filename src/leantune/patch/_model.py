@@ -1,6 +1,9 @@
-"""Finding the transformers causal LM inside whatever wraps it (PEFT), shared by every patch module."""
+"""What every patch module reads off a model: the transformers causal LM inside whatever wraps it (PEFT), and
+whether a layer's checkpoint function runs reentrantly."""
 
 from __future__ import annotations
+
+import functools
 
 from torch import nn
 
@@ -21,3 +24,13 @@ def hf_model(model) -> nn.Module:
             break
     raise ValueError(f"leantune.patch needs a transformers causal LM (or a PEFT wrapper of one), got "
                      f"{type(model).__name__}")
+
+
+def checkpoint_reentrant(func) -> bool | None:
+    """Whether a module's ``_gradient_checkpointing_func`` runs torch's checkpoint reentrantly: transformers sets a
+    ``functools.partial`` of it, whose missing ``use_reentrant`` means torch's default, reentrant; leantune's offload
+    wrapper (``.inner``) is looked through. None for any other callable: leantune cannot tell."""
+    func = getattr(func, "inner", func)
+    if not isinstance(func, functools.partial):
+        return None
+    return func.keywords.get("use_reentrant", True) is not False

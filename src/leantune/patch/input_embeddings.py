@@ -3,9 +3,9 @@ nothing needs it (see :func:`input_embeddings`; docs/design.md, "Memory model").
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
+
+from ._model import checkpoint_reentrant
 
 # the forward hooks transformers' enable_input_require_grads and PEFT register on the input embeddings
 _REQUIRES_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
@@ -46,15 +46,7 @@ def _detach_is_safe(base: nn.Module, embeddings: nn.Module) -> bool:
         func = module.__dict__.get("_gradient_checkpointing_func")
         if not getattr(module, "gradient_checkpointing", False) or func is None:
             continue
-        if _reentrant(func):
+        if checkpoint_reentrant(func) is not False:  # reentrant, or a function leantune cannot read
             return False
         checkpointed = True
     return checkpointed
-
-
-def _reentrant(func) -> bool:
-    """Whether a module's checkpoint function may run reentrantly: it is not a ``functools.partial`` with
-    ``use_reentrant=False`` (torch's checkpoint defaults to reentrant when the argument is missing); leantune's
-    offload wrapper is looked through."""
-    func = getattr(func, "inner", func)  # patch.offload's _OffloadedCheckpointFunc
-    return not (isinstance(func, functools.partial) and func.keywords.get("use_reentrant", True) is False)

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from ..errors import LeantuneError
-from ._model import hf_model
+from ._model import checkpoint_reentrant, hf_model
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ def _checkpoint_layers(hf: nn.Module) -> list[nn.Module]:
 
 
 def _check_checkpoint_func(func) -> None:
-    if isinstance(func, functools.partial) and func.keywords.get("use_reentrant", True):  # torch's default: reentrant
+    if checkpoint_reentrant(func):
         raise LeantuneError("offloaded checkpoints need non-reentrant gradient checkpointing: call "
                             "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
     if "gradient_checkpointing_enable" in getattr(getattr(func, "func", func), "__qualname__", ""):
