@@ -15,7 +15,7 @@ SRC = Path(leantune.__file__).parent
 LAYERS = {
     "errors": 0,
     "ops": 1,
-    "patch": 2, "quantize": 2, "assets": 2, "heap": 2,
+    "patch": 2, "quantize": 2, "assets": 2, "heap": 2, "graphs": 2,
     "leantune": 3, "distributed": 3, "integrations": 3,
     "train": 4, "bench": 4,
     "cli": 5,
