@@ -104,7 +104,7 @@ def test_device_intervals_take_the_gpu_activities_and_count_kernels():
     assert intervals == [(0, 1000)] and ops == 1
 
 
-def test_profile_pass_on_the_cpu():
+def test_profile_pass_on_the_cpu(monkeypatch):
     import torch
 
     x = torch.randn(32, 32, requires_grad=True)
@@ -115,6 +115,11 @@ def test_profile_pass_on_the_cpu():
     r = stepstats.profile_pass(step, 2, "cpu", lambda: None)
     assert r["profiled_steps"] == 2 and r["kernels_per_step"] >= 3  # at least mm, tanh, sum per step
     assert 0 < r["busy_fraction"] <= 1 and 0 < r["busy_ms_per_step"] <= r["profiled_step_ms"]
+    assert "profile_error" not in r
+    # a profiler that saw no device activity (CUPTI unavailable) gives no fraction, not 0 %
+    monkeypatch.setattr(stepstats, "device_intervals", lambda events, device: ([], 0))
+    r = stepstats.profile_pass(step, 1, "cpu", lambda: None)
+    assert r["busy_fraction"] is None and r["kernels_per_step"] is None and "no device activity" in r["profile_error"]
 
 
 def _run(tps, status="ok", p90=1.05, **kw):

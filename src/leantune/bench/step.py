@@ -189,8 +189,12 @@ def run_one(spec: RunSpec) -> dict:
         wrapped(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
 
-    profiled = (stepstats.profile_pass(train_step, spec.profile_steps, device, lambda: _sync(device))
-                if spec.profile_steps else {})
+    profiled = {}
+    if spec.profile_steps:
+        try:
+            profiled = stepstats.profile_pass(train_step, spec.profile_steps, device, lambda: _sync(device))
+        except Exception as exc:  # a profiler that cannot run loses its fraction, not the timed steps
+            profiled = {"busy_fraction": None, "profile_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if peak is not None and world.size > 1:  # the busiest GPU's
         peak = int(_max_over_ranks(peak, device))
     lora_params = sum(p.numel() for p in params)

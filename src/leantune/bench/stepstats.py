@@ -105,6 +105,7 @@ def profile_pass(step, steps: int, device: str, sync) -> dict:
     """Run ``step()`` ``steps`` times under torch.profiler (apart from the timed steps: the profiler slows the
     host) and return the busy fraction (union of device intervals / wall time of those steps), busy ms per step,
     kernels per step and the profiled wall ms per step. On the CPU the profiler records operators (device_intervals).
+    When it records nothing the numbers are None and ``profile_error`` says so.
     """
     import time
 
@@ -119,6 +120,10 @@ def profile_pass(step, steps: int, device: str, sync) -> dict:
         sync()
         wall_s = time.perf_counter() - t0
     intervals, kernels = device_intervals(prof.profiler.kineto_results.events(), device)
+    if not intervals:  # e.g. CUPTI unavailable to this process: no fraction rather than a false 0%
+        return {"busy_fraction": None, "busy_ms_per_step": None, "kernels_per_step": None,
+                "profiled_step_ms": 1e3 * wall_s / steps, "profiled_steps": steps,
+                "profile_error": "the profiler recorded no device activity"}
     busy_ns = union_length(intervals)
     return {"busy_fraction": busy_fraction(intervals, wall_s * 1e9), "busy_ms_per_step": busy_ns / 1e6 / steps,
             "kernels_per_step": kernels / steps, "profiled_step_ms": 1e3 * wall_s / steps, "profiled_steps": steps}
