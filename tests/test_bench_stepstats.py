@@ -108,12 +108,16 @@ def test_profile_pass_on_the_cpu(monkeypatch):
     import torch
 
     x = torch.randn(32, 32, requires_grad=True)
+    calls = []
 
     def step():
+        calls.append(1)
         (x @ x).tanh().sum().backward()
 
     r = stepstats.profile_pass(step, 2, "cpu", lambda: None)
     assert r["profiled_steps"] == 2 and r["kernels_per_step"] >= 3  # at least mm, tanh, sum per step
+    assert len(calls) == 3  # one more in the profiler's warm-up, not recorded: the same operators per step
+    assert stepstats.profile_pass(step, 1, "cpu", lambda: None)["kernels_per_step"] == r["kernels_per_step"]
     assert 0 < r["busy_fraction"] <= 1 and 0 < r["busy_ms_per_step"] <= r["profiled_step_ms"]
     assert "profile_error" not in r
     # a profiler that saw no device activity (CUPTI unavailable) gives no fraction, not 0 %

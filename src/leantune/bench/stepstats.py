@@ -102,18 +102,22 @@ def device_intervals(events, device: str) -> tuple[list[tuple[int, int]], int]:
 
 
 def profile_pass(step, steps: int, device: str, sync) -> dict:
-    """Run ``step()`` ``steps`` times under torch.profiler (apart from the timed steps: the profiler slows the
-    host) and return the busy fraction (union of device intervals / wall time of those steps), busy ms per step,
-    kernels per step and the profiled wall ms per step. On the CPU the profiler records operators (device_intervals).
-    When it records nothing the numbers are None and ``profile_error`` says so.
-    """
+    """Run ``step()`` once in the profiler's warm-up, then ``steps`` times recorded, under torch.profiler (apart from
+    the timed steps: the profiler slows the host); return the busy fraction (union of device intervals / wall time
+    of the recorded steps), busy ms per step, kernels per step and the profiled wall ms per step. On the CPU the
+    profiler records operators (device_intervals). When it records nothing the numbers are None and
+    ``profile_error`` says so."""
     import time
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     activity = ProfilerActivity.CUDA if device.startswith("cuda") else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:  # CUDA only: no CPU-op recording to slow the host further
+    # CUDA only: no CPU-op recording to slow the host further. One step in the profiler's warm-up phase (traced,
+    # not recorded) first, so that setting up the tracer falls outside the recorded steps.
+    with profile(activities=[activity], schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+        step()
         sync()
+        prof.step()  # recording starts here and runs until the block ends
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
