@@ -21,6 +21,7 @@ from ..errors import LeantuneError
 from .build import split_tile
 from .harness import GRAPH_MAX_MS, table_cell
 from .stepstats import STEP_FIELDS, plot_steps, steps_markdown
+from .stepstats import num_cell as _num
 
 BASELINE = "hf+peft"
 QLORA_BASELINE = "hf+peft+bnb"  # QLoRA rows agree with and compare to this one (quantised weights differ from bf16)
@@ -310,10 +311,6 @@ def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASE
 
 
 # --------------------------------------------------------------------------------------------------------- markdown
-def _num(x, fmt: str) -> str:
-    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
-
-
 def _pct(fraction) -> str:
     return "—" if fraction is None or not math.isfinite(fraction) else f"{100 * fraction:.1f}%"
 

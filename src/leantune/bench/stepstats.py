@@ -155,7 +155,8 @@ def combine_runs(runs: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------ the report
-def _num(x, fmt: str) -> str:
+def num_cell(x, fmt: str) -> str:
+    """``x`` formatted for a table cell; "—" for None and non-finite floats."""
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
@@ -181,18 +182,18 @@ def steps_markdown(rows: list[dict], key, baseline: str) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ok:
         runs = r.get("runs") or [r]
-        per_run = " / ".join(_num(x.get("tokens_per_s"), ".0f") for x in runs)
+        per_run = " / ".join(num_cell(x.get("tokens_per_s"), ".0f") for x in runs)
         worst, b = worst_tokens_per_s(r), base.get(key(r))
         ratio = worst / b if worst is not None and b else None
         busy = r.get("busy_fraction")
         busy = "—" if busy is None or not math.isfinite(busy) else f"{100 * busy:.0f}%"
         lines.append(
             f"| {r['model']} | {r['seq']} x {r['batch']} | {'on' if r['gc'] else 'off'} | {r['impl']} | "
-            f"{len(r['step_ms'])} x {len(runs)} | {per_run} | {_num(worst, '.0f')} | {_num(ratio, '.2f')} | "
-            f"{_num(r.get('median_step_ms'), '.1f')} | {_num(r.get('min_step_ms'), '.1f')} | "
-            f"{_num(r.get('p90_step_ms'), '.1f')} | {_num(r.get('p90_over_median'), '.3f')} | "
-            f"{_num(r.get('median_issue_ms'), '.1f')} | {_num(r.get('issue_over_step'), '.2f')} | {busy} | "
-            f"{_num(r.get('kernels_per_step'), '.0f')} |")
+            f"{len(r['step_ms'])} x {len(runs)} | {per_run} | {num_cell(worst, '.0f')} | {num_cell(ratio, '.2f')} | "
+            f"{num_cell(r.get('median_step_ms'), '.1f')} | {num_cell(r.get('min_step_ms'), '.1f')} | "
+            f"{num_cell(r.get('p90_step_ms'), '.1f')} | {num_cell(r.get('p90_over_median'), '.3f')} | "
+            f"{num_cell(r.get('median_issue_ms'), '.1f')} | {num_cell(r.get('issue_over_step'), '.2f')} | {busy} | "
+            f"{num_cell(r.get('kernels_per_step'), '.0f')} |")
     return lines
 
 
