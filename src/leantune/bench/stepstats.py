@@ -174,9 +174,10 @@ def steps_markdown(rows: list[dict], key, baseline: str) -> list[str]:
     ok = [r for r in rows if r.get("status") == "ok" and isinstance(r.get("step_ms"), list) and r["step_ms"]]
     if not ok:
         return []
-    lines = ["", "Step times (ms over the timed steps of each run; median of the runs' tokens/s when repeated; host "
-             "issue = the step's Python until its last op is queued, before synchronising; GPU busy = union of "
-             "kernel intervals / wall time of a separate profiled pass):", "",
+    lines = ["", "Step times (ms over the timed steps of a run; of several runs, the median run's by tokens/s, as in "
+             f"the table above; worst x HF = the worst run's tokens/s / {baseline}'s median run's; host issue = the "
+             "step's Python until its last op is queued, before synchronising; GPU busy = union of kernel intervals / "
+             "wall time, and kernels per step, of a separate profiled pass):", "",
              "| model | seq x batch | GC | impl | steps x runs | tokens/s per run | worst tok/s | worst x HF | "
              "median ms | min ms | p90 ms | p90/median | host issue ms | issue/step | GPU busy | kernels/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
