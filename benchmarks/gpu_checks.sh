@@ -3,6 +3,7 @@
 # root on the device machine (inputs: `.venv/bin/python benchmarks/make_gpu_inputs.py` here, carry .gpu and .whl):
 #   bash benchmarks/gpu_checks.sh tests fsdp1 nf4 e2e-offload max-context-offload
 # QLoRA (each about one 10-minute call or less): qlora qlora-70b, then qlora-cap, cap-262k; TRL: trl; the peak: peak
+# Host-bound steps (#25), one call each: host, host-off, host-1b
 # Every part writes under $OUT and prints a short table last.
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -122,6 +123,22 @@ part_trl_sft() {  # TRL SFT only, 8B 4096 x 1: leantune with and without the hea
   timeout $(bound 330) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer sft --seq 4096 --steps 10 --out "$OUT/trl" \
     > "$OUT/trl-sft.log" 2>&1; echo "trl sft exit $?"; tail -8 "$OUT/trl-sft.log"
 }
+
+# Issue #25's step figures: 20 timed steps per run, three runs per implementation interleaved in one call (the
+# worst quoted), step ms median / min / p90, host issue ms, GPU-busy fraction from a separate profiled pass of 3 steps.
+# One part per device call (each about 6-7 minutes for 8B: 6 children of ~10 s start + 20-40 s build + 25 steps + the
+# profiled pass; about 4 minutes for 1B): host (8B GC on), host-off (8B GC off), host-1b (1B, 8192 x 2, GC on).
+host_e2e() {  # $1: subfolder of $OUT, then the e2e options
+  local name=$1; shift
+  timeout $(bound 560) python3 -m leantune bench e2e "$@" --steps 20 --repeat 3 --impls hf+peft,leantune \
+    --matmul-tflops 700 --budget-s $(( $(bound 560) - 10 )) --compare --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+  echo "$name exit $?"; grep -E "tokens/s of 3 runs|x[0-9.]+, peak|not run" "$OUT/$name.log"
+  sed -n '/^Step times/,$p' "$OUT/$name/results.md" 2>/dev/null  # the step table (no max-context or ops here)
+}
+
+part_host() { host_e2e host-8b-gcon --configs .gpu/llama3-8b --gc on --seq 4096 --batch 1; }
+part_host_off() { host_e2e host-8b-gcoff --configs .gpu/llama3-8b --gc off --seq 4096 --batch 1; }
+part_host_1b() { host_e2e host-1b --configs .gpu/llama32-1b --gc on; }
 
 bound() {  # the part's own limit, or what is left of the call if less (at least 1: `timeout 0` means no limit)
   local l=$(( $(left) - 10 )); l=$(( l < $1 ? l : $1 )); echo $(( l < 1 ? 1 : l ))

@@ -269,7 +269,10 @@ def test_cli_needs_cuda(argv, monkeypatch, capsys, tmp_path, tiny_config):
                                            (["max-context", "--config", "x", "--lo", "300000", "--hi", "200000"],
                                             "no multiple of 4096 in [300000, 200000] (--step, --lo, --hi"),
                                            (["max-context", "--config", "x", "--memory-cap-gib", "0"],
-                                            "--memory-cap-gib must be a positive number of GiB, got 0.0")])
+                                            "--memory-cap-gib must be a positive number of GiB, got 0.0"),
+                                           (["e2e", "--configs", "x", "--repeat", "0"], "--repeat must be >= 1, got 0"),
+                                           (["e2e", "--configs", "x", "--profile-steps", "-1"],
+                                            "--profile-steps must be >= 0, got -1")])
 def test_cli_option_errors(argv, message, capsys):
     code = cli_main(["bench", *argv])
     err = capsys.readouterr().err
@@ -334,9 +337,21 @@ def test_child_dry_run_on_cpu_agrees_between_implementations(tiny_config):
     rows = []
     for impl in ("hf+peft", "leantune"):
         for gc in (False, True):
-            r = step.run_one_safe(RunSpec(impl, tiny_config, seq=24, batch=2, gc=gc, warmup=1, steps=2, device="cpu"))
+            profile = 1 if (impl, gc) == ("leantune", True) else 0  # one profiled pass: the CPU's operators
+            r = step.run_one_safe(RunSpec(impl, tiny_config, seq=24, batch=2, gc=gc, warmup=1, steps=2, device="cpu",
+                                          profile_steps=profile))
             assert r["status"] == "ok", r.get("error")
             assert len(r["step_ms"]) == 2 and r["tokens_per_s"] > 0 and math.isfinite(r["last_loss"])
+            # step statistics of the timed steps; the host issue time is part of its step
+            assert r["tokens_per_s"] == pytest.approx(2 * 2 * 24 / (sum(r["step_ms"]) / 1e3))
+            assert r["median_step_ms"] == pytest.approx(sum(r["step_ms"]) / 2) and r["min_step_ms"] == min(r["step_ms"])
+            assert r["min_step_ms"] <= r["median_step_ms"] <= r["p90_step_ms"] <= max(r["step_ms"])
+            assert len(r["issue_ms"]) == 2 and all(0 < i <= s for i, s in zip(r["issue_ms"], r["step_ms"]))
+            assert 0 < r["issue_over_step"] <= 1
+            if profile:
+                assert r["profiled_steps"] == 1 and r["kernels_per_step"] > 0 and 0 < r["busy_fraction"] <= 1
+            else:
+                assert "busy_fraction" not in r
             assert r["lora_params"] == 2 * 16 * (128 + 96 + 96 + 128 + 3 * 160)  # r=16 on all 7 projections
             rows.append(r)
     hf_off, hf_on, lt_off, lt_on = rows

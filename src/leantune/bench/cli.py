@@ -79,10 +79,11 @@ def _check_bench_args(args) -> None:
     budget = getattr(args, "budget_s", None)
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise LeantuneError(f"--budget-s must be a positive number of seconds, got {budget}")
-    for name, low in (("seq", 1), ("batch", 1), ("layers", 1), ("steps", 1), ("warmup", 0)):
+    for name, low in (("seq", 1), ("batch", 1), ("layers", 1), ("steps", 1), ("warmup", 0), ("repeat", 1),
+                      ("profile_steps", 0)):
         value = getattr(args, name, None)
         if value is not None and value < low:
-            raise LeantuneError(f"--{name} must be >= {low}, got {value}")
+            raise LeantuneError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     cap = getattr(args, "memory_cap_gib", None)
     if cap is not None and not (math.isfinite(cap) and cap > 0):
         raise LeantuneError(f"--memory-cap-gib must be a positive number of GiB, got {cap}")
@@ -141,7 +142,8 @@ def _bench_e2e(args) -> int:
     results = run_e2e(_comma(args.configs), impls, gcs, Path(args.out), seq=args.seq, batch=args.batch,
                       warmup=args.warmup, steps=args.steps, seed=args.seed, layers=args.layers,
                       budget_s=args.budget_s, matmul_tflops=args.matmul_tflops, nproc=args.nproc,
-                      distributed=args.distributed, memory_cap_gib=args.memory_cap_gib)
+                      distributed=args.distributed, memory_cap_gib=args.memory_cap_gib, repeat=args.repeat,
+                      profile_steps=args.profile_steps)
     write_report(Path(args.out), compare_ratios=args.compare)
     return _none_ok([r.get("status") for r in results], args.out)
 
@@ -237,7 +239,14 @@ def add_commands(sub) -> None:
     e2e.add_argument("--seq", type=int, default=None, help="sequence length (default: 4096 for 8B-class, 8192 below)")
     e2e.add_argument("--batch", type=int, default=None, help="batch size (default: 1 for 8B-class, 2 below)")
     e2e.add_argument("--warmup", type=int, default=2, help="untimed steps after the agreement step (default: 2)")
-    e2e.add_argument("--steps", type=int, default=5, help="timed steps (default: 5)")
+    e2e.add_argument("--steps", type=int, default=20,
+                     help="timed steps per run: step ms median, min, p90 and host issue ms over them (default: 20)")
+    e2e.add_argument("--repeat", type=int, default=1, metavar="K",
+                     help="run each implementation's child K times in this call, interleaved; the report shows "
+                          "each run and the worst and median of runs (default: 1)")
+    e2e.add_argument("--profile-steps", type=int, default=3, metavar="N",
+                     help="steps after the timed ones under torch.profiler: GPU-busy fraction and kernels per step "
+                          "(0: no profiled pass) (default: 3)")
     e2e.add_argument("--seed", type=int, default=0, help="seed of weights, adapters and tokens (default: 0)")
     e2e.add_argument("--nproc", type=int, default=1, help="GPUs per run, one process each, launched by torchrun "
                      "(needs --distributed; seq x batch is per GPU) (default: 1)")

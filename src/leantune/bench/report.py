@@ -20,6 +20,8 @@ from pathlib import Path
 from ..errors import LeantuneError
 from .build import split_tile
 from .harness import GRAPH_MAX_MS, table_cell
+from .stepstats import STEP_FIELDS, plot_steps, steps_markdown
+from .stepstats import num_cell as _num
 
 BASELINE = "hf+peft"
 QLORA_BASELINE = "hf+peft+bnb"  # QLoRA rows agree with and compare to this one (quantised weights differ from bf16)
@@ -36,7 +38,7 @@ class ReportError(LeantuneError):
 NOT_RESULTS = ("ceilings.json", "probe.json")  # scratch files of the runs (older runs wrote probe.json unhidden)
 E2E_FIELDS = {"impl": str, "model": str, "name": str, "seq": int, "batch": int, "gc": bool, "status": str}
 OK_REQUIRED = ("tokens_per_s", "first_loss", "grad_norm")  # every ok run has them (may be NaN / null)
-OK_NUMBERS = OK_REQUIRED + ("peak_gib", "peak_minus_frozen_gib", "median_step_ms", "mfu", "hfu")
+OK_NUMBERS = OK_REQUIRED + ("peak_gib", "peak_minus_frozen_gib", "mfu", "hfu") + STEP_FIELDS
 MAXCTX_FIELDS = {"impl": str, "model": str, "lo": int, "hi": int, "step": int, "probes": list}
 OPS_FIELDS = {"date": str, "gpu": str, "versions": dict, "ceilings": dict, "rows": list}
 OPS_ROW_FIELDS = {"op": str, "shape": str, "impl": str}
@@ -309,10 +311,6 @@ def format_compare(rows: list[dict], maxctx: list[dict], *, baseline: str = BASE
 
 
 # --------------------------------------------------------------------------------------------------------- markdown
-def _num(x, fmt: str) -> str:
-    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
-
-
 def _pct(fraction) -> str:
     return "—" if fraction is None or not math.isfinite(fraction) else f"{100 * fraction:.1f}%"
 
@@ -357,6 +355,7 @@ def markdown(rows: list[dict], maxctx: list[dict] | None = None, *, baseline: st
             f"{_pct(r.get('mfu'))} | {_pct(r.get('hfu'))} | "
             f"{_num(r.get('median_step_ms'), '.0f')} | {_num(r['first_loss'], '.4f')} | "
             f"{_num(r['grad_norm'], '.4g')} | {r.get('agreement') or ''} |")
+    lines += steps_markdown(rows, config_key, baseline)
     if maxctx:
         mx = compare_max_context(maxctx, baseline=baseline)
         lines += ["", "Max context (batch 1, gradient checkpointing on; bisection, one process per probe):", "",
@@ -407,7 +406,7 @@ def ops_markdown(result: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------------------ plots
 def plot(rows: list[dict], out: Path) -> list[Path]:
-    """tokens_per_s.png and peak_gib.png: bars grouped by workload, one colour per implementation."""
+    """tokens_per_s.png, peak_gib.png: bars grouped by workload, one colour per implementation; step_ms.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -438,7 +437,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)
-    return paths
+    return paths + [p for p in [plot_steps(ok, out)] if p]
 
 
 def plot_max_context(maxctx: list[dict], out: Path) -> Path | None:
@@ -474,7 +473,7 @@ def write_report(out: Path, *, compare_ratios: bool = False, log=print) -> str:
     if not out.is_dir():
         raise ReportError(f"--out {out}: {'is a file, ' if out.exists() else 'does not exist; '}expected the directory "
                           "a `leantune bench` run wrote its results to")
-    for name in ("results.md", "tokens_per_s.png", "peak_gib.png", "max_context.png"):
+    for name in ("results.md", "tokens_per_s.png", "peak_gib.png", "step_ms.png", "max_context.png"):
         if (out / name).is_dir():
             raise ReportError(f"{out / name} is a directory; the report writes a file of that name")
     rows, maxctx = load_results(out, log)

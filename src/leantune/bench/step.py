@@ -9,8 +9,14 @@ What one run measures (one implementation x one model x seq x batch x gradient c
   leantune+offload, leantune+offload+tiled, and QLoRA's leantune+nf4 and hf+peft+bnb); fused AdamW on the LoRA
   parameters.
 - the optimizer state is created up front (one AdamW step with lr 0 on zero gradients), so every step, even the
-  first, holds steady-state memory; then ``warmup`` steps, then ``steps`` timed steps (each CUDA-synchronised;
-  the same token batch every step).
+  first, holds steady-state memory; then ``warmup`` steps, then ``steps`` timed steps (the same token batch every
+  step). A timed step is forward, backward and optimizer step with no synchronisation inside (as in training),
+  CUDA-synchronised before and after: its wall time (``step_ms``; median, min, p90 in ``stepstats``) and its host
+  issue time (``issue_ms``: from the step's start until ``optimizer.step()`` returns, before the closing
+  synchronisation; close to the step time when the host paces the step).
+- then, when ``profile_steps`` > 0, that many more steps under torch.profiler (apart from the timed ones: the
+  profiler slows the host): the GPU-busy fraction (union of kernel intervals / wall time of those steps), busy ms
+  and kernels per step (``stepstats.profile_pass``).
 - first step: loss and the global L2 norm of all LoRA gradients (before the optimizer update, outside the timed
   part); same seed, same weights, same tokens in every implementation, so these must agree
   (``report.flag_agreement``).
@@ -33,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import stepstats
 from .build import IMPLS, Skip, build, known_impl
 from .flops import frozen_weight_bytes, hardware_flops_per_token, matmul_params, model_flops_per_token
 from .harness import BenchError, GiB, environment, measure_ceilings, model_name
@@ -58,12 +65,13 @@ class RunSpec:
     nproc: int = 1  # processes (one GPU each) under torchrun when ``distributed`` is set
     distributed: str = "none"  # "none" (one plain process), "ddp" or "fsdp"
     memory_cap_gib: float | None = None  # torch.cuda.set_per_process_memory_fraction to this many GiB (a smaller card)
+    profile_steps: int = 0  # steps of the profiled pass after the timed ones (0: none)
 
     def __post_init__(self):
         if not known_impl(self.impl):
             raise BenchError(f"unknown implementation {self.impl!r}; expected one of {', '.join(IMPLS)}")
-        if self.seq < 1 or self.batch < 1 or self.steps < 1 or self.warmup < 0:
-            raise BenchError("seq, batch and steps must be >= 1 and warmup >= 0")
+        if self.seq < 1 or self.batch < 1 or self.steps < 1 or self.warmup < 0 or self.profile_steps < 0:
+            raise BenchError("seq, batch and steps must be >= 1, warmup and profile_steps >= 0")
         if self.distributed not in ("none", "ddp", "fsdp") or self.nproc < 1:
             raise BenchError(f"distributed must be none, ddp or fsdp and nproc >= 1, got {self.distributed!r} x "
                              f"{self.nproc}")
@@ -151,26 +159,42 @@ def run_one(spec: RunSpec) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
-    step_s = []
+    step_s, issue_s = [], []
     for i in range(spec.warmup + spec.steps):
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         t = time.perf_counter()
         loss = wrapped(input_ids=ids, labels=ids).loss
         loss.backward()
-        _sync(device)
-        elapsed = time.perf_counter() - t
-        if i == 0:  # the agreement step (untimed part): same seed, weights, tokens in every implementation
+        paused = 0.0
+        if i == 0:  # the agreement step (its reads untimed): same seed, weights, tokens in every implementation
+            _sync(device)  # forward and backward count in the step; the reads below do not
+            pause = time.perf_counter()
             first_loss = distributed.all_reduce_sum([float(loss.detach())], world, device)[0] / world.size
             grad_norm = lora_grad_norm(model)
-        t = time.perf_counter()
+            _sync(device)
+            paused = time.perf_counter() - pause
         optimizer.step()
+        issued = time.perf_counter() - t - paused  # everything queued; the GPU may still be busy
         _sync(device)
         if i >= spec.warmup:
-            step_s.append(elapsed + time.perf_counter() - t)
+            step_s.append(time.perf_counter() - t - paused)
+            issue_s.append(issued)
     last_loss = distributed.all_reduce_sum([float(loss.detach())], world, device)[0] / world.size
     tokens_per_s = world.size * spec.steps * spec.batch * spec.seq / sum(step_s)  # global, rank 0's clock
-    peak = torch.cuda.max_memory_allocated() if cuda else None
+    peak = torch.cuda.max_memory_allocated() if cuda else None  # before the profiled pass
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    profiled = {}
+    if spec.profile_steps:
+        try:
+            profiled = stepstats.profile_pass(train_step, spec.profile_steps, device, lambda: _sync(device))
+        except Exception as exc:  # a profiler that cannot run loses its fraction, not the timed steps
+            profiled = {"busy_fraction": None, "profile_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if peak is not None and world.size > 1:  # the busiest GPU's
         peak = int(_max_over_ranks(peak, device))
     lora_params = sum(p.numel() for p in params)
@@ -178,7 +202,8 @@ def run_one(spec: RunSpec) -> dict:
         "status": "ok" if math.isfinite(first_loss) and math.isfinite(last_loss) else "nonfinite",
         **dataclasses.asdict(spec), "model": model_name(spec.config), "name": spec.name,
         "first_loss": first_loss, "grad_norm": grad_norm, "last_loss": last_loss,
-        "step_ms": [1e3 * s for s in step_s], "median_step_ms": 1e3 * sorted(step_s)[len(step_s) // 2],
+        "step_ms": [1e3 * s for s in step_s], "issue_ms": [1e3 * s for s in issue_s],
+        **stepstats.step_stats([1e3 * s for s in step_s], [1e3 * s for s in issue_s]), **profiled,
         "tokens_per_s": tokens_per_s, "build_s": build_s,
         "peak_gib": None if peak is None else peak / GiB,
         "frozen_weight_gib": frozen / GiB,
