@@ -10,7 +10,8 @@ Implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_lig
 model is built; skipped when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
 ``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory),
 ``leantune+offload+tiled`` (also the MLP over 4096-token tiles, ``+tiledN`` over N-token ones; both need
-checkpointing), and the QLoRA ones:
+checkpointing), ``leantune+graph`` and ``leantune+nf4+graph`` (the same models, each step replayed from CUDA graphs by
+``leantune.graphs.CapturedStep``: the step's loop differs, not the build), and the QLoRA ones:
 ``leantune+nf4`` (the decoder's frozen linears in leantune's NF4, then ``leantune.patch``; with ``+offload+tiled``
 also the long-context switches) and ``hf+peft+bnb``
 (bitsandbytes ``Linear4bit``, nf4, blocksize 64, double quantisation, bf16 compute: what
@@ -32,9 +33,9 @@ import zlib
 
 from .harness import load_config
 
-IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+offload", "leantune+offload+tiled", "leantune+nf4",
-         "leantune+nf4+offload+tiled", "hf+peft+bnb")
-QUANTIZED = ("leantune+nf4", "leantune+nf4+offload+tiled", "hf+peft+bnb")
+IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
+         "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb")
+QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb")
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 _TILE_SUFFIX = re.compile(r"\+tiled(\d+)$")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

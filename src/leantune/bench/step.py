@@ -154,27 +154,57 @@ def run_one(spec: RunSpec) -> dict:
     _sync(device)
     build_s = time.perf_counter() - t0
     frozen = frozen_weight_bytes(model)  # this rank's share under FSDP2
-    optimizer = adamw_with_state(params, spec.lr, fused=cuda and world.engine != "fsdp")
+    graphed = spec.impl.endswith("+graph")
+    if graphed and (not cuda or world.size > 1):
+        raise Skip("CUDA-graph steps run on one CUDA device (leantune.graphs.CapturedStep)")
+    optimizer = adamw_with_state(params, spec.lr, fused=cuda and world.engine != "fsdp", capturable=graphed)
     _sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
+    batch = {"input_ids": ids, "labels": ids}
+    if graphed:  # the captured step and its eager warm-up run on a stream of their own (leantune.graphs)
+        from leantune.graphs import CapturedStep
+
+        captured = CapturedStep(wrapped, optimizer, warmup=max(1, spec.warmup - 1))
+        with torch.cuda.stream(captured.stream):  # the agreement step: eager, on the step's stream, not applied
+            captured.stream.wait_stream(torch.cuda.current_stream())
+            loss = wrapped(**batch).loss
+            loss.backward()
+            first_loss, grad_norm = float(loss.detach()), lora_grad_norm(model)
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.current_stream().wait_stream(captured.stream)
+
+        def train_step():
+            return captured.step(batch)[0]
+    else:
+        def train_step():
+            optimizer.zero_grad(set_to_none=True)
+            loss = wrapped(**batch).loss
+            loss.backward()
+            optimizer.step()
+            return loss
+
     step_s, issue_s = [], []
     for i in range(spec.warmup + spec.steps):
-        optimizer.zero_grad(set_to_none=True)
+        if not graphed:
+            optimizer.zero_grad(set_to_none=True)
         _sync(device)
         t = time.perf_counter()
-        loss = wrapped(input_ids=ids, labels=ids).loss
-        loss.backward()
         paused = 0.0
-        if i == 0:  # the agreement step (its reads untimed): same seed, weights, tokens in every implementation
-            _sync(device)  # forward and backward count in the step; the reads below do not
-            pause = time.perf_counter()
-            first_loss = distributed.all_reduce_sum([float(loss.detach())], world, device)[0] / world.size
-            grad_norm = lora_grad_norm(model)
-            _sync(device)
-            paused = time.perf_counter() - pause
-        optimizer.step()
+        if graphed:
+            loss = train_step()
+        else:
+            loss = wrapped(**batch).loss
+            loss.backward()
+            if i == 0:  # the agreement step (its reads untimed): same seed, weights, tokens in every implementation
+                _sync(device)  # forward and backward count in the step; the reads below do not
+                pause = time.perf_counter()
+                first_loss = distributed.all_reduce_sum([float(loss.detach())], world, device)[0] / world.size
+                grad_norm = lora_grad_norm(model)
+                _sync(device)
+                paused = time.perf_counter() - pause
+            optimizer.step()
         issued = time.perf_counter() - t - paused  # everything queued; the GPU may still be busy
         _sync(device)
         if i >= spec.warmup:
@@ -183,11 +213,6 @@ def run_one(spec: RunSpec) -> dict:
     last_loss = distributed.all_reduce_sum([float(loss.detach())], world, device)[0] / world.size
     tokens_per_s = world.size * spec.steps * spec.batch * spec.seq / sum(step_s)  # global, rank 0's clock
     peak = torch.cuda.max_memory_allocated() if cuda else None  # before the profiled pass
-
-    def train_step():
-        optimizer.zero_grad(set_to_none=True)
-        wrapped(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
 
     profiled = {}
     if spec.profile_steps:
@@ -212,20 +237,32 @@ def run_one(spec: RunSpec) -> dict:
         "world_size": world.size, "engine": world.engine,
         "model_flops_per_token": model_flops_per_token(config, spec.seq),
         "hardware_flops_per_token": hardware_flops_per_token(config, spec.seq, spec.gc),
-        "leantune_summary": _summary(model) if spec.impl == "leantune" else None,
+        "leantune_summary": _summary(model) if spec.impl in ("leantune", "leantune+graph") else None,
+        "graph_eager_reason": captured.eager_reason if graphed else None,
         **environment(spec.device),
     }
 
 
-def adamw_with_state(params: list, lr: float, *, fused: bool):
+def adamw_with_state(params: list, lr: float, *, fused: bool, capturable: bool = False):
     """AdamW on ``params`` with its state allocated up front (one step with lr 0 on zero gradients: weights
     unchanged, decoupled weight decay included), so that every step, the first included, holds steady-state memory
-    and a one-step max-context probe is a fair test; gradients left unset."""
+    and a one-step max-context probe is a fair test; gradients left unset. ``capturable``: the CUDA-graph form
+    (``capturable=True``, the learning rate a device tensor; leantune.graphs)."""
     import torch
 
-    optimizer = torch.optim.AdamW(params, lr=lr, fused=fused)
+    if capturable:
+        optimizer = torch.optim.AdamW(params, lr=torch.tensor(float(lr), device=params[0].device), fused=fused,
+                                      capturable=True)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=lr, fused=fused)
     for p in params:
         p.grad = torch.zeros_like(p)
+    if capturable:
+        optimizer.param_groups[0]["lr"].fill_(0.0)
+        optimizer.step()
+        optimizer.param_groups[0]["lr"].fill_(float(lr))
+        optimizer.zero_grad(set_to_none=True)
+        return optimizer
     optimizer.param_groups[0]["lr"] = 0.0
     optimizer.step()
     optimizer.param_groups[0]["lr"] = lr
