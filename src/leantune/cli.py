@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+from pathlib import Path
 
 # Demo defaults: measured to finish within 10 minutes on 2 CPU cores including the one-time GGUF conversion,
 # with the held-out loss falling (see README). Everything else is TrainConfig's default.
@@ -67,7 +68,8 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
             metavar = {"gradient_checkpointing": "on|off", "patch": "on|off",
-                       "distributed": "auto|ddp|fsdp"}.get(field.name, field.name.upper())
+                       "distributed": "auto|ddp|fsdp",
+                       "divergence": "stop|warn", "report_to": "NAMES"}.get(field.name, field.name.upper())
             parser.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_text)
 
 
@@ -80,6 +82,10 @@ def _config_from_args(args, defaults: dict):
     if asked.get("resume") and "overwrite" not in asked:  # the demo's overwrite default yields to an asked --resume
         defaults = {k: v for k, v in defaults.items() if k != "overwrite"}
     base = TrainConfig(**{**dataclasses.asdict(TrainConfig()), **defaults})
+    if asked.get("resume"):  # precedence: defaults < the resumed run's run.json < --config TOML < flags
+        from .train.run_folder import resume_base
+
+        base = resume_base(Path(asked.get("output", base.output)), base)
     return make_config(file_values, flags, base=base)
 
 
@@ -121,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="LoRA fine-tuning of a causal LM (defaults: the embedded model and data)",
                            description="LoRA fine-tuning of a Hugging Face causal LM. Precedence: defaults < "
-                                       "--config TOML < flags.")
+                                       "(with --resume: the run's own run.json) < --config TOML < flags.")
     _add_train_options(train, {})
     train.set_defaults(func=_train, defaults={})
 
