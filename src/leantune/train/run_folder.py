@@ -147,16 +147,16 @@ def release_lock(output: Path) -> None:
 
 def resume_base(output: Path, base: TrainConfig) -> TrainConfig:
     """``base`` with the settings of the run in ``output`` (its run.json), for ``--resume`` without retyping them:
-    every option but ``resume`` and ``overwrite``, the model and data as the absolute paths the run recorded.
-    Options run.json does not know (an older leantune) keep ``base``'s value; ``base`` itself when there is no
-    leantune run.json (``check_output`` then says there is nothing to resume)."""
+    every option but ``output``, ``resume`` and ``overwrite``, the model and data as the absolute paths the run
+    recorded. Options run.json does not know (an older leantune) keep ``base``'s value; ``base`` itself when there is
+    no leantune run.json (``check_output`` then says there is nothing to resume)."""
     info = read_run_info(Path(output))
     if info is None:
         return base
     values = base.to_dict()
     label = f"run.json of the run being resumed ({Path(output) / 'run.json'})"
     for name, value in info["config"].items():
-        if name in FIELDS and name not in ("resume", "overwrite"):
+        if name in FIELDS and name not in ("output", "resume", "overwrite"):  # the folder may have been moved
             values[name] = coerce(name, value, f"{name} in {label}")
     for name in ("model", "data"):  # None: the embedded model or data, resolved again
         if values[name] is not None and isinstance(info.get(f"{name}_path"), str):
