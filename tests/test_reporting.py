@@ -52,7 +52,7 @@ def test_report_to_names_and_missing_libraries(tiny, tmp_path, capsys, monkeypat
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(LeantuneError, match="the wandb package is not installed; pip install wandb"):
-        check_installed(("wandb",))
+        check_installed("wandb")
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--report-to", "wandb"))
     assert_error(code, err, "--report-to wandb: the wandb package is not installed; pip install wandb")
     assert not (tmp_path / "out").exists()

@@ -376,25 +376,25 @@ def test_a_stop_while_moving_the_replaced_run_aside_puts_all_of_it_back(tiny, tm
     assert files_of(out) == finished and not list(out.glob(".replaced-*"))
 
 
-@pytest.mark.parametrize("name", ["adapter_model.safetensors", "optimizer.pt", "state.json", "rng.pt"])
-def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_earlier_one(tiny, tmp_path, capsys, monkeypatch,
-                                                                              name):
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_earlier_one(tiny, tmp_path, capsys, monkeypatch):
     """Truncated (half its bytes) or, for state.json, garbage: --resume refuses in one line that names the file
     and the checkpoint kept before it, leaves every file as it was, and the advice given works."""
     import hashlib
     import shutil
 
-    out = tmp_path / "out"
-    stopped_run(capsys, monkeypatch, train_args(tiny, out, "--save-every", "1", "--max-steps", "3"))
-    damaged = out / "checkpoints" / "step-000002" / name
-    raw = damaged.read_bytes()
-    damaged.write_bytes(b"\x00garbage{" if name == "state.json" else raw[:len(raw) // 2])
-    digests = lambda: {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}  # noqa: E731
-    before = digests()
-    code, err = run_cli(capsys, "train", "--output", out, "--resume")
-    assert_error(code, err, f"checkpoint file {damaged} is truncated or corrupt", "(kept: step-000001)",
-                 f"move {damaged.parent} out of", "nothing was deleted")
-    assert digests() == before
-    shutil.move(damaged.parent, tmp_path / "step-000002")  # as the message says
+    stopped = tmp_path / "stopped"
+    stopped_run(capsys, monkeypatch, train_args(tiny, stopped, "--save-every", "1", "--max-steps", "3"))
+    for name in ("adapter_model.safetensors", "optimizer.pt", "state.json", "rng.pt"):
+        out = tmp_path / name
+        shutil.copytree(stopped, out)
+        damaged = out / "checkpoints" / "step-000002" / name
+        raw = damaged.read_bytes()
+        damaged.write_bytes(b"\x00garbage{" if name == "state.json" else raw[:len(raw) // 2])
+        digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}
+        code, err = run_cli(capsys, "train", "--output", out, "--resume")
+        assert_error(code, err, f"checkpoint file {damaged} is truncated or corrupt", "(kept: step-000001)",
+                     f"move {damaged.parent} out of", "nothing was deleted")
+        assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()} == digests
+    shutil.move(damaged.parent, tmp_path / "moved-away")  # as the message says
     code, err = run_cli(capsys, "train", "--output", out, "--resume")
     assert code == 0 and "resuming from" in err and "step 1 of 3" in err, err

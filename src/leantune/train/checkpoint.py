@@ -201,12 +201,14 @@ def read_checkpoint(path: Path) -> dict:
             "rng": _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))}
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, world: World = World()) -> dict:
-    """Restore everything saved by ``save_checkpoint`` in place (every rank reads the files); returns
-    ``state.json``'s dict. The world size must be the one that saved it (checked by the caller from run.json).
-    Raises LeantuneError for a damaged file or an adapter of another shape."""
+def load_checkpoint(path: Path, model, optimizer, scheduler, world: World = World(),
+                    stored: dict | None = None) -> dict:
+    """Restore everything saved by ``save_checkpoint`` in place (every rank reads the files, or passes what
+    ``read_checkpoint`` returned as ``stored``); returns ``state.json``'s dict. The world size must be the one that
+    saved it (checked by the caller from run.json). Raises LeantuneError for a damaged file or an adapter of
+    another shape."""
     path = Path(path)
-    stored = read_checkpoint(path)
+    stored = stored if stored is not None else read_checkpoint(path)
     names = _peft_names(model)
     missing = sorted(set(names) - set(stored["adapter"]))
     if missing:

@@ -81,13 +81,13 @@ class TrainConfig:
     # run management: what --resume reads back, checkpoints kept, the divergence guard, metric reporters
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in --output/checkpoints, the "
                                   "newest N (an earlier one to go back to if the newest is damaged)"})
-    divergence: str = field(default="stop", metadata={"help": "stop|warn: what a diverging run does (a non-finite "
-                            "loss or gradient norm, a loss above --divergence-factor x the initial eval loss, or "
-                            "--zero-grad-steps logged steps in a row with a zero gradient norm)"})
+    divergence: str = field(default="stop", metadata={"help": "stop|warn: what a run does when it diverges (a "
+                            "NaN or inf loss or gradient norm, an exploding loss, a zero gradient norm for several "
+                            "steps in a row)"})
     divergence_factor: float = field(default=4.0, metadata={"help": "a train loss above this many times the "
                                      "initial eval loss counts as divergence (0: off)"})
     zero_grad_steps: int = field(default=3, metadata={"help": "logged steps in a row with a zero gradient norm "
-                                 "that count as divergence (0: off; the norm is measured by --max-grad-norm > 0)"})
+                                 "that count as divergence (0: off; measured only with gradient clipping on)"})
     report_to: str = field(default="none", metadata={"help": "tensorboard, wandb, mlflow (a comma list) or none: "
                            "where the metrics go besides metrics.jsonl (offline, into --output, unless WANDB_MODE "
                            "or MLFLOW_TRACKING_URI say otherwise)"})

@@ -217,7 +217,7 @@ def _prepare(config: TrainConfig) -> _Run:
         raise LeantuneError("--device cuda: no CUDA device is available")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     size = launch.size if launch is not None else 1
-    reporting.check_installed(reporting.parse_report_to(config.report_to))
+    reporting.check_installed(config.report_to)
     if launch is not None:
         speak(launch.main)
         device = distributed.init(launch, device)
@@ -238,8 +238,10 @@ def _prepare(config: TrainConfig) -> _Run:
                             f"than one step's --batch-size x --grad-accum{processes} = {rows_per_step}")
     total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, round(0.05 * total_steps))
+    stored = None
     if resumed is not None:
         run_folder.check_resume_steps(resumed, resume_from, total_steps)
+        stored = checkpoint.read_checkpoint(resume_from)  # a damaged file: one error line, before the model loads
         if resumed.get("world_size", 1) != size:  # the global batch, the ranks' RNG states: another run
             raise LeantuneError(f"--resume: this run has {size} process(es), the run being resumed had "
                                 f"{resumed.get('world_size', 1)}; resume with the same number (its global batch and "
@@ -281,8 +283,9 @@ def _prepare(config: TrainConfig) -> _Run:
     run.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
                                       fused=device.startswith("cuda") and run.world.engine != "fsdp")
     run.scheduler = cosine_schedule(run.optimizer, total_steps, warmup, config.min_lr_ratio)
-    if resume_from is not None:  # read and checked before the folder is claimed: a damaged file leaves it as it was
-        run.resume_state = checkpoint.load_checkpoint(resume_from, run.model, run.optimizer, run.scheduler, run.world)
+    if resume_from is not None:  # applied before the folder is claimed: a mismatch leaves it as it was
+        run.resume_state = checkpoint.load_checkpoint(resume_from, run.model, run.optimizer, run.scheduler, run.world,
+                                                      stored)
         run.initial_eval_loss = run.resume_state.get("initial_eval_loss")
     return run
 
@@ -343,8 +346,7 @@ def _claim(run: _Run, replaced: list) -> None:
             run.metrics.reset()
         torch.manual_seed(config.seed + world.rank)  # ranks draw independent dropout masks; rank 0 as one process
     if world.main:
-        run.reporters = reporting.Reporters(reporting.parse_report_to(config.report_to), output, run.start_step,
-                                            config.to_dict())
+        run.reporters = reporting.Reporters(config.report_to, output, run.start_step, config.to_dict())
         run.metrics.forward = run.reporters.log  # every record logged from here on goes to them too
     if run.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

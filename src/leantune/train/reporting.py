@@ -48,9 +48,10 @@ def parse_report_to(value: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def check_installed(names: tuple[str, ...]) -> None:
-    """A LeantuneError naming the package to install for the first reporter whose library is missing."""
-    for name in names:
+def check_installed(report_to: str) -> None:
+    """A LeantuneError naming the package to install for the first reporter of ``report_to`` (the option's string)
+    whose library is missing."""
+    for name in parse_report_to(report_to):
         if importlib.util.find_spec(name) is None:
             raise LeantuneError(f"--report-to {name}: the {name} package is not installed; pip install {name}")
 
@@ -119,14 +120,15 @@ _CLASSES = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
 
 
 class Reporters:
-    """The reporters of ``--report-to`` for one session of a run (rank 0): ``log(record)`` takes the metrics.jsonl
-    record (it carries its ``type`` and ``step``), ``close()`` flushes them. Nothing when ``names`` is empty."""
+    """The reporters of ``--report-to`` (``report_to``: the option's string) for one session of a run (rank 0):
+    ``log(record)`` takes the metrics.jsonl record (it carries its ``type`` and ``step``), ``close()`` flushes
+    them. Nothing for ``none``."""
 
-    def __init__(self, names: tuple[str, ...], output: Path, start_step: int, config: dict):
-        check_installed(names)
+    def __init__(self, report_to: str, output: Path, start_step: int, config: dict):
+        check_installed(report_to)
         self.active = []
         try:
-            for name in names:
+            for name in parse_report_to(report_to):
                 self.active.append(_CLASSES[name](Path(output), start_step, config))
         except BaseException:
             self.close()
