@@ -86,9 +86,13 @@ def test_a_diverged_run_stops_with_one_line_and_warn_goes_on_with_strict_json(ti
     assert [r["loss"] for r in records if r["type"] == "train"][-1] is None
     assert not (out / "adapter").exists() and not (out / "checkpoints").exists()  # no diverged weights saved
     out = tmp_path / "warned"
-    code, err = run_cli(capsys, *train_args(tiny, out, "--max-steps", "2", "--lr", "1e308", "--divergence", "warn"))
+    code, err = run_cli(capsys, *train_args(tiny, out, "--max-steps", "2", "--lr", "1e308", "--divergence", "warn",
+                                            "--eval-size", "1000"))
     assert code == 0, err
     assert err.count("leantune: warning: the run diverged at step 2") == 1
+    clamped = [line for line in err.splitlines() if "--eval-size 1000 clamped to" in line]
+    rows = strict_json((out / "run.json").read_text())["data"]["eval_rows"]
+    assert len(clamped) == 1 and f"clamped to {rows}:" in clamped[0], err
     records = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records if r["type"] == "train"][-1] is None
     summary = strict_json((out / "summary.json").read_text())
@@ -184,6 +188,17 @@ def test_resume_reads_the_runs_settings_and_refuses_every_differing_flag_at_once
     assert (config["lora_r"], config["max_steps"], config["device"], config["patch"]) == (4, 3, "cpu", "off")
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
+    # --config RUN/run.json: a new run with that run's settings (flags still override)
+    code, err = run_cli(capsys, "train", "--config", out / "run.json", "--output", tmp_path / "again",
+                        "--max-steps", "1")
+    assert code == 0, err
+    again = json.loads((tmp_path / "again" / "run.json").read_text())["config"]
+    assert {k: v for k, v in again.items() if k not in ("output", "max_steps", "resume")} == {
+        k: v for k, v in config.items() if k not in ("output", "max_steps", "resume")} | {
+        "model": str(tiny["model"].resolve()), "data": str(tiny["data"].resolve())}
+    (tmp_path / "settings.json").write_text('{"lr": 1e-3}')
+    code, err = run_cli(capsys, "train", "--config", tmp_path / "settings.json", "--output", tmp_path / "x")
+    assert_error(code, err, "not the run.json of a leantune run")
 
 
 def test_output_path_below_a_file_is_refused_before_any_work(tiny, tmp_path, capsys):

@@ -56,8 +56,8 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
     from .train.config import NONE_DEFAULTS, TrainConfig, field_type
 
     parser.add_argument("--config", metavar="TOML", default=None,
-                        help="TOML file with any of the options below (keys as the option names); flags override it "
-                             "(default: none)")
+                        help="TOML file with any of the options below (keys as the option names), or an earlier "
+                             "run's run.json (its settings); flags override it (default: none)")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = defaults.get(field.name, field.default)
@@ -73,10 +73,25 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
             parser.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_text)
 
 
-def _config_from_args(args, defaults: dict):
-    from .train.config import FIELDS, TrainConfig, load_toml, make_config
+def _config_file(path: str) -> dict:
+    """``--config``: a TOML file, or the run.json of an earlier run (its settings, to start a new run with them)."""
+    from .errors import LeantuneError
+    from .train.config import load_toml
+    from .train.run_folder import run_settings
 
-    file_values = load_toml(args.config) if args.config else {}
+    if not path.endswith(".json"):
+        return load_toml(path)
+    values = run_settings(Path(path))
+    if values is None:
+        raise LeantuneError(f"--config {path}: not the run.json of a leantune run (--config takes a TOML file or "
+                            "a run's run.json)")
+    return values
+
+
+def _config_from_args(args, defaults: dict):
+    from .train.config import FIELDS, TrainConfig, make_config
+
+    file_values = _config_file(args.config) if args.config else {}
     flags = {name: getattr(args, name) for name in FIELDS}
     asked = {**file_values, **{k: v for k, v in flags.items() if v is not None}}
     if asked.get("resume") and "overwrite" not in asked:  # the demo's overwrite default yields to an asked --resume

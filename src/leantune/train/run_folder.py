@@ -145,23 +145,31 @@ def release_lock(output: Path) -> None:
 # What a run may do with the folder
 
 
-def resume_base(output: Path, base: TrainConfig) -> TrainConfig:
-    """``base`` with the settings of the run in ``output`` (its run.json), for ``--resume`` without retyping them:
-    every option but ``output``, ``resume`` and ``overwrite``, the model and data as the absolute paths the run
-    recorded. Options run.json does not know (an older leantune) keep ``base``'s value; ``base`` itself when there is
-    no leantune run.json (``check_output`` then says there is nothing to resume)."""
-    info = read_run_info(Path(output))
+def run_settings(run_json: Path) -> dict | None:
+    """The settings a leantune ``run.json`` holds, as ``{option: value}``: every option but ``output``, ``resume``
+    and ``overwrite``, the model and data as the absolute paths the run recorded (None for the embedded ones: they
+    are resolved again). Options it does not know (an older leantune) are absent. None when ``run_json`` is not a
+    leantune run.json."""
+    run_json = Path(run_json)
+    info = read_run_info(run_json.parent) if run_json.name == "run.json" else None
     if info is None:
-        return base
-    values = base.to_dict()
-    label = f"run.json of the run being resumed ({Path(output) / 'run.json'})"
+        return None
+    values = {}
     for name, value in info["config"].items():
         if name in FIELDS and name not in ("output", "resume", "overwrite"):  # the folder may have been moved
-            values[name] = coerce(name, value, f"{name} in {label}")
-    for name in ("model", "data"):  # None: the embedded model or data, resolved again
-        if values[name] is not None and isinstance(info.get(f"{name}_path"), str):
+            values[name] = coerce(name, value, f"{name} in {run_json}")
+    for name in ("model", "data"):
+        if values.get(name) is not None and isinstance(info.get(f"{name}_path"), str):
             values[name] = info[f"{name}_path"]
-    return TrainConfig(**values)
+    return values
+
+
+def resume_base(output: Path, base: TrainConfig) -> TrainConfig:
+    """``base`` with the settings of the run in ``output`` (``run_settings`` of its run.json), so that ``--resume``
+    needs no option retyped; ``base`` itself without a leantune run.json (``check_output`` then says there is
+    nothing to resume)."""
+    values = run_settings(Path(output) / "run.json")
+    return base if values is None else TrainConfig(**{**base.to_dict(), **values})
 
 
 def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path: Path) -> dict:
