@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..distributed import World, barrier, gather_objects
 from ..errors import LeantuneError
-from .metrics import one_line
+from .metrics import finite_or_none, one_line
 
 CHECKPOINTS = "checkpoints"
 
@@ -112,7 +112,8 @@ def save_checkpoint(output: Path, step: int, model, optimizer, scheduler, metric
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({**(extra or {}), "step": step, "metrics_lines": metrics_lines}))
+    state = {**(extra or {}), "step": step, "metrics_lines": metrics_lines}
+    (tmp / "state.json").write_text(json.dumps(finite_or_none(state), allow_nan=False))  # strict JSON
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

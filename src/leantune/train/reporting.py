@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 from ..errors import LeantuneError
+from .metrics import one_line
 
 REPORTERS = ("tensorboard", "wandb", "mlflow")
 FOLDERS = ("tensorboard", "wandb", "mlruns")  # what the reporters write into the run folder (leantune's files)
@@ -127,9 +128,13 @@ class Reporters:
     def __init__(self, report_to: str, output: Path, start_step: int, config: dict):
         check_installed(report_to)
         self.active = []
+        name = None
         try:
             for name in parse_report_to(report_to):
                 self.active.append(_CLASSES[name](Path(output), start_step, config))
+        except Exception as exc:  # each library has its own errors (a bad WANDB_MODE, an unreachable server)
+            self.close()
+            raise LeantuneError(f"--report-to {name}: cannot start it: {one_line(exc)[:300]}") from None
         except BaseException:
             self.close()
             raise
