@@ -65,3 +65,68 @@ def test_scalars_skip_non_finite_and_unknown_values():
               "step_seconds": 0.5}
     assert scalars(record) == {"train/learning_rate": 1e-3, "train/step_seconds": 0.5}
     assert scalars({"type": "eval", "step": 0, "eval_loss": 2.5}) == {"eval/loss": 2.5}
+
+
+def _fake_module(monkeypatch, name, **attributes):
+    import importlib.machinery
+    import sys
+    import types
+
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_wandb_and_mlflow_stay_offline_in_the_run_folder_by_default(tmp_path, monkeypatch):
+    """Stand-ins for the two libraries record what leantune asks of them: wandb in offline mode into the run folder,
+    MLflow on a file store inside it; WANDB_MODE / MLFLOW_TRACKING_URI, when set, are the user's choice."""
+    from leantune.train.reporting import Reporters
+
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("wandb.log", step, values))
+
+        def finish(self):
+            calls.append(("wandb.finish",))
+
+    _fake_module(monkeypatch, "wandb", init=lambda **kw: calls.append(("wandb.init", kw)) or Run())
+    _fake_module(monkeypatch, "mlflow", set_tracking_uri=lambda uri: calls.append(("mlflow.uri", uri)),
+                 set_experiment=lambda name: calls.append(("mlflow.experiment", name)),
+                 start_run=lambda **kw: calls.append(("mlflow.start", kw)),
+                 log_params=lambda params: calls.append(("mlflow.params", params)),
+                 log_metrics=lambda values, step: calls.append(("mlflow.log", step, values)),
+                 end_run=lambda: calls.append(("mlflow.end",)))
+    for name in ("WANDB_MODE", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    reporters = Reporters("wandb,mlflow", out, 0, {"lr": 1e-3})
+    reporters.log({"type": "train", "step": 1, "loss": 2.0, "lr": 1e-3, "tokens": 9})
+    reporters.close()
+    init = calls[0][1]
+    assert init["mode"] == "offline" and init["dir"] == str(out) and init["config"] == {"lr": 1e-3}
+    assert ("mlflow.uri", (out / "mlruns").resolve().as_uri()) in calls
+    expected = {"train/loss": 2.0, "train/learning_rate": 1e-3}
+    assert ("wandb.log", 1, expected) in calls and ("mlflow.log", 1, expected) in calls
+    assert calls[-2:] == [("mlflow.end",), ("wandb.finish",)]  # closed in reverse order
+
+    calls.clear()
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example")
+    Reporters("wandb,mlflow", out, 0, {}).close()
+    assert calls[0][1]["mode"] == "online" and not [c for c in calls if c[0] == "mlflow.uri"]
+
+
+def test_a_reporter_that_fails_to_start_is_one_error_line(tmp_path, monkeypatch):
+    from leantune.train.reporting import Reporters
+
+    def refuse(**kwargs):
+        raise RuntimeError("api key\nmissing")
+
+    _fake_module(monkeypatch, "wandb", init=refuse)
+    with pytest.raises(LeantuneError, match="--report-to wandb: cannot start it: api key missing"):
+        Reporters("wandb", tmp_path, 0, {})
