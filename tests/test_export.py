@@ -394,3 +394,66 @@ def test_export_of_a_run_stopped_before_its_first_checkpoint_says_so(tiny, tmp_p
     code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
     assert_error(code, err, f"no adapter in {run}", "stopped before its first checkpoint")
     assert not (tmp_path / "merged").exists()
+
+
+def test_a_damaged_adapter_or_checkpoint_is_one_line_and_an_earlier_checkpoint_exports(tiny, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """A truncated adapter file, in adapter/ or in the newest checkpoint of a stopped run, or a garbage state.json:
+    one line naming the file and the checkpoint to export instead (as --adapter), every file left as it was; that
+    checkpoint then exports and matches its tensors."""
+    import hashlib
+
+    run = tmp_path / "run"
+    stopped_run(capsys, monkeypatch, train_args(tiny, run, "--max-steps", "3", "--save-every", "1"))
+    digests = lambda: {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.rglob("*") if p.is_file()}  # noqa: E731
+    newest, earlier = run / "checkpoints" / "step-000002", run / "checkpoints" / "step-000001"
+    for name, damage in (("adapter_model.safetensors", lambda raw: raw[:len(raw) // 2]),
+                         ("state.json", lambda raw: b"{not json")):
+        file = newest / name
+        raw = file.read_bytes()
+        file.write_bytes(damage(raw))
+        before = digests()
+        code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
+        assert_error(code, err, f"checkpoint file {file} is truncated or corrupt", f"--adapter {earlier}",
+                     "nothing was deleted")
+        assert digests() == before and not (tmp_path / "merged").exists()
+        file.write_bytes(raw)
+    code, err = run_cli(capsys, "export", "--adapter", earlier, "--out", tmp_path / "merged")
+    assert code == 0, err
+    assert json.loads((tmp_path / "merged" / "leantune_export.json").read_text())["adapter"] == str(earlier)
+
+    done = tmp_path / "done"
+    code, err = run_cli(capsys, *train_args(tiny, done, "--max-steps", "2", "--save-every", "1"))
+    assert code == 0, err
+    adapter_file = done / "adapter" / "adapter_model.safetensors"
+    raw = adapter_file.read_bytes()
+    adapter_file.write_bytes(raw[:len(raw) // 3])
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in done.rglob("*") if p.is_file()}
+    code, err = run_cli(capsys, "export", "--adapter", done, "--out", tmp_path / "merged2")
+    assert_error(code, err, f"adapter file {adapter_file} is truncated or corrupt",
+                 f"--adapter {done / 'checkpoints' / 'step-000002'}")
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in done.rglob("*") if p.is_file()} == before
+
+
+def test_a_truncated_gguf_model_is_one_line(tiny, tmp_path, capsys):
+    """A GGUF file cut short (a download that stopped): one line naming the file, not numpy's reshape error."""
+    import hashlib
+
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "model.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) - 4096])  # half of the tensor's 8 KiB
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", model=path))
+    assert_error(code, err, f"model file {path} is truncated or corrupt", f"{len(raw) - 4096} bytes",
+                 "download or convert it again")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest and not (tmp_path / "out").exists()

@@ -77,16 +77,75 @@ def test_run_that_crashed_before_its_first_checkpoint_can_be_rerun(tiny, tmp_pat
     assert_error(code, err, "already holds a run")
 
 
-def test_diverged_run_writes_strict_json_and_warns(tiny, tmp_path, capsys):
+def test_a_diverged_run_stops_with_one_line_and_warn_goes_on_with_strict_json(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     code, err = run_cli(capsys, *train_args(tiny, out, "--max-steps", "2", "--lr", "1e308"))
+    assert_error(code, err, "training diverged at step 2", "is nan", "no checkpoint was saved before it",
+                 "--divergence warn")
+    records = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records if r["type"] == "train"][-1] is None
+    assert not (out / "adapter").exists() and not (out / "checkpoints").exists()  # no diverged weights saved
+    out = tmp_path / "warned"
+    code, err = run_cli(capsys, *train_args(tiny, out, "--max-steps", "2", "--lr", "1e308", "--divergence", "warn",
+                                            "--eval-size", "1000"))
     assert code == 0, err
-    assert "leantune: warning: the training loss became non-finite" in err
+    assert err.count("leantune: warning: the run diverged at step 2") == 1
+    clamped = [line for line in err.splitlines() if "--eval-size 1000 clamped to" in line]
+    rows = strict_json((out / "run.json").read_text())["data"]["eval_rows"]
+    assert len(clamped) == 1 and f"clamped to {rows}:" in clamped[0], err
     records = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records if r["type"] == "train"][-1] is None
     summary = strict_json((out / "summary.json").read_text())
     assert summary["final_eval_loss"] is None and summary["initial_eval_loss"] > 0
     strict_json((out / "run.json").read_text())
+
+
+def test_a_huge_lr_stuck_at_zero_gradient_norm_stops(tiny, tmp_path, capsys):
+    """--lr 1e6 saturates the softmax: the loss sits at ln(vocab) and the gradient norm is 0.0 from step 2 on."""
+    import math
+
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out, "--max-steps", "8", "--lr", "1e6", "--save-every", "1"))
+    assert_error(code, err, "training diverged at step 4", "zero for 3 logged steps in a row",
+                 "no checkpoint was saved before it")
+    train = [r for r in map(strict_json, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and [r["grad_norm"] for r in train[1:]] == [0.0] * 3
+    assert abs(train[-1]["loss"] - math.log(259)) < 1e-3  # the tiny tokenizer's 259 tokens: a uniform guess
+
+
+def test_divergence_keeps_the_last_good_checkpoint(tiny, tmp_path, capsys, monkeypatch):
+    """Zero norms from step 3: the weights of step 2 are the first measured bad (at step 3), so step 1's checkpoint
+    is the last good one; it is kept past --keep-checkpoints 2 while steps 3 and 4 are saved, and named."""
+    from leantune.train import loop
+
+    out = tmp_path / "out"
+    real_clip, calls = loop._clip, []
+
+    def zero_from_step_3(params, max_norm):
+        calls.append(real_clip(params, max_norm))
+        return 0.0 if len(calls) >= 3 else calls[-1]
+
+    monkeypatch.setattr(loop, "_clip", zero_from_step_3)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--max-steps", "8", "--save-every", "1"))
+    assert_error(code, err, "training diverged at step 5", f"last good checkpoint is {out / 'checkpoints'}"
+                 "/step-000001", "leantune export --adapter")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001", "step-000003", "step-000004"]
+
+
+def test_divergence_guard_rules():
+    from leantune.train.divergence import DivergenceGuard
+
+    guard = DivergenceGuard(factor=4.0, zero_grad_steps=2, reference=2.0)
+    assert guard.observe(1, 2.5, 1.0) is None and guard.observe(2, 7.9, 1.0) is None
+    assert "above --divergence-factor 4 x the initial loss 2" in guard.observe(3, 8.1, 1.0)
+    assert guard.last_healthy == 2 and guard.trusted(1) and not guard.trusted(2)
+    guard = DivergenceGuard(factor=0.0, zero_grad_steps=2)
+    assert guard.observe(1, 100.0, 0.0) is None and guard.observe(2, 1e9, 3.0) is None  # factor off; streak broken
+    assert guard.observe(3, 1.0, 1e-39) is None and "zero for 2" in guard.observe(4, 1.0, 0.0)
+    assert guard.last_healthy == 2
+    assert "gradient norm is inf" in DivergenceGuard(4.0, 3).observe(1, 1.0, float("inf"))
+    assert DivergenceGuard(4.0, 3).observe(1, 1.0, None) is None  # not measured (clipping off)
+    assert DivergenceGuard(4.0, 0).observe(1, 1.0, 0.0) is None
 
 
 def test_a_users_run_json_is_not_taken_for_a_leantune_run(tiny, tmp_path, capsys):
@@ -103,26 +162,43 @@ def test_a_users_run_json_is_not_taken_for_a_leantune_run(tiny, tmp_path, capsys
     assert files_of(out) == before
 
 
-def test_resume_refuses_other_settings_and_a_step_count_below_the_checkpoint(tiny, tmp_path, capsys,
-                                                                             monkeypatch):
+def test_resume_reads_the_runs_settings_and_refuses_every_differing_flag_at_once(tiny, tmp_path, capsys,
+                                                                                  monkeypatch):
     out = tmp_path / "out"
-    stopped_run(capsys, monkeypatch, train_args(tiny, out, "--save-every", "1", "--max-steps", "3"))
+    stopped_run(capsys, monkeypatch, train_args(tiny, out, "--save-every", "1", "--max-steps", "3", "--lora-r", "4"))
     before = files_of(out)
-    for flag, value in (("--lora-r", "8"), ("--lora-alpha", "1.0"), ("--seq-len", "32"), ("--seed", "3"),
-                        ("--target-modules", "q_proj,v_proj")):
-        code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "3", flag, value))
-        assert_error(code, err, f"--resume: {flag} {value} differs from the run being resumed", "run.json")
     other = write_chat_jsonl(tmp_path / "other.jsonl", seed=1)
-    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "3", data=other))
-    assert_error(code, err, "--resume: --data", "differs")
-    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "1"))
-    assert_error(code, err, "step-000002 is at step 2, past this run's 1 steps")
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "5", "--lora-r", "8",
+                                            "--seq-len", "32", "--seed", "3", "--lr", "1e-2",
+                                            "--target-modules", "q_proj,v_proj", data=other))
+    assert_error(code, err, "--resume: --data ", "--seq-len 32 (saved: 64)", "--lora-r 8 (saved: 4)",
+                 "--target-modules q_proj,v_proj (saved: all-linear)", "--seed 3 (saved: 0)",
+                 "--lr 0.01 (saved: 0.0002)", "--max-steps 5 (saved: 3 steps)", "differ from the run being resumed",
+                 "leave them out")
+    code, err = run_cli(capsys, "train", "--output", out, "--resume", "--lora-alpha", "1.0")
+    assert_error(code, err, "--resume: --lora-alpha 1.0 (saved: 32.0) differs from the run being resumed",
+                 "leave it out")
     assert files_of(out) == before  # nothing rewritten by a refused resume
     (out / "checkpoints" / ".tmp-step-000003").mkdir()  # a save cut short by a kill
-    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "3", "--save-every", "1"))
+    code, err = run_cli(capsys, "train", "--output", out, "--resume")  # every other setting from run.json
     assert code == 0, err
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
     assert not (out / ".leantune.lock").exists()
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert (config["lora_r"], config["max_steps"], config["device"], config["patch"]) == (4, 3, "cpu", "off")
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    # --config RUN/run.json: a new run with that run's settings (flags still override)
+    code, err = run_cli(capsys, "train", "--config", out / "run.json", "--output", tmp_path / "again",
+                        "--max-steps", "1")
+    assert code == 0, err
+    again = json.loads((tmp_path / "again" / "run.json").read_text())["config"]
+    assert {k: v for k, v in again.items() if k not in ("output", "max_steps", "resume")} == {
+        k: v for k, v in config.items() if k not in ("output", "max_steps", "resume")} | {
+        "model": str(tiny["model"].resolve()), "data": str(tiny["data"].resolve())}
+    (tmp_path / "settings.json").write_text('{"lr": 1e-3}')
+    code, err = run_cli(capsys, "train", "--config", tmp_path / "settings.json", "--output", tmp_path / "x")
+    assert_error(code, err, "not the run.json of a leantune run")
 
 
 def test_output_path_below_a_file_is_refused_before_any_work(tiny, tmp_path, capsys):
@@ -233,15 +309,6 @@ def test_a_users_own_replaced_folder_is_the_users_and_kept(tiny, tmp_path, capsy
     assert (out / ".replaced-mine" / "k.txt").read_text() == "precious"
 
 
-def test_resume_refuses_another_lr(tiny, tmp_path, capsys):
-    """The checkpoint's optimizer state holds the lr: --resume --lr would be silently ignored, so it is refused."""
-    out = tmp_path / "out"
-    code, err = run_cli(capsys, *train_args(tiny, out, "--save-every", "1"))
-    assert code == 0, err
-    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "2", "--lr", "1e-2"))
-    assert_error(code, err, "--resume: --lr 0.01 differs from the run being resumed")
-
-
 def test_resume_refuses_another_step_count(tiny, tmp_path, capsys, monkeypatch):
     """The warmup and cosine decay are laid out over the step count: resuming with a larger --max-steps used to
     make the learning rate jump back up at the resumed step, so another count is refused, naming the run's."""
@@ -249,7 +316,7 @@ def test_resume_refuses_another_step_count(tiny, tmp_path, capsys, monkeypatch):
     stopped_run(capsys, monkeypatch, train_args(tiny, out, "--max-steps", "4", "--save-every", "1"))
     before = files_of(out)
     code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "8"))
-    assert_error(code, err, "--resume: this run would have 8 steps", "has 4", "--max-steps 4")
+    assert_error(code, err, "--resume: --max-steps 8 (saved: 4 steps) differs")
     assert files_of(out) == before
     code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "4"))
     assert code == 0, err
@@ -322,3 +389,27 @@ def test_a_stop_while_moving_the_replaced_run_aside_puts_all_of_it_back(tiny, tm
     monkeypatch.setattr(os, "replace", real_replace)
     assert code == 130 and "is back in" in err, err
     assert files_of(out) == finished and not list(out.glob(".replaced-*"))
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_earlier_one(tiny, tmp_path, capsys, monkeypatch):
+    """Truncated (half its bytes) or, for state.json, garbage: --resume refuses in one line that names the file
+    and the checkpoint kept before it, leaves every file as it was, and the advice given works."""
+    import hashlib
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    stopped_run(capsys, monkeypatch, train_args(tiny, stopped, "--save-every", "1", "--max-steps", "3"))
+    for name in ("adapter_model.safetensors", "optimizer.pt", "state.json", "rng.pt"):
+        out = tmp_path / name
+        shutil.copytree(stopped, out)
+        damaged = out / "checkpoints" / "step-000002" / name
+        raw = damaged.read_bytes()
+        damaged.write_bytes(b"\x00garbage{" if name == "state.json" else raw[:len(raw) // 2])
+        digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()}
+        code, err = run_cli(capsys, "train", "--output", out, "--resume")
+        assert_error(code, err, f"checkpoint file {damaged} is truncated or corrupt", "(kept: step-000001)",
+                     f"move {damaged.parent} out of", "nothing was deleted")
+        assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*") if p.is_file()} == digests
+    shutil.move(damaged.parent, tmp_path / "moved-away")  # as the message says
+    code, err = run_cli(capsys, "train", "--output", out, "--resume")
+    assert code == 0 and "resuming from" in err and "step 1 of 3" in err, err

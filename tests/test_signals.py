@@ -120,10 +120,10 @@ def test_sigterm_during_the_last_checkpoint_finishes_the_run(tiny, tmp_path, cap
 
     real_save = checkpoint.save_checkpoint
 
-    def terminated_in_the_last_save(output, step, *args):
+    def terminated_in_the_last_save(output, step, *args, **kwargs):
         if step == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_save(output, step, *args)
+        return real_save(output, step, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", terminated_in_the_last_save)
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "last", "--save-every", "0"))

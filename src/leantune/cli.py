@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+from pathlib import Path
 
 # Demo defaults: measured to finish within 10 minutes on 2 CPU cores including the one-time GGUF conversion,
 # with the held-out loss falling (see README). Everything else is TrainConfig's default.
@@ -55,8 +56,8 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
     from .train.config import NONE_DEFAULTS, TrainConfig, field_type
 
     parser.add_argument("--config", metavar="TOML", default=None,
-                        help="TOML file with any of the options below (keys as the option names); flags override it "
-                             "(default: none)")
+                        help="TOML file with any of the options below (keys as the option names), or an earlier "
+                             "run's run.json (its settings); flags override it (default: none)")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = defaults.get(field.name, field.default)
@@ -67,19 +68,39 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
             metavar = {"gradient_checkpointing": "on|off", "patch": "on|off",
-                       "distributed": "auto|ddp|fsdp"}.get(field.name, field.name.upper())
+                       "distributed": "auto|ddp|fsdp",
+                       "divergence": "stop|warn", "report_to": "NAMES"}.get(field.name, field.name.upper())
             parser.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_text)
 
 
-def _config_from_args(args, defaults: dict):
-    from .train.config import FIELDS, TrainConfig, load_toml, make_config
+def _config_file(path: str) -> dict:
+    """``--config``: a TOML file, or the run.json of an earlier run (its settings, to start a new run with them)."""
+    from .errors import LeantuneError
+    from .train.config import load_toml
+    from .train.run_folder import run_settings
 
-    file_values = load_toml(args.config) if args.config else {}
+    if not path.endswith(".json"):
+        return load_toml(path)
+    values = run_settings(Path(path))
+    if values is None:
+        raise LeantuneError(f"--config {path}: not the run.json of a leantune run (--config takes a TOML file or "
+                            "a run's run.json)")
+    return values
+
+
+def _config_from_args(args, defaults: dict):
+    from .train.config import FIELDS, TrainConfig, make_config
+
+    file_values = _config_file(args.config) if args.config else {}
     flags = {name: getattr(args, name) for name in FIELDS}
     asked = {**file_values, **{k: v for k, v in flags.items() if v is not None}}
     if asked.get("resume") and "overwrite" not in asked:  # the demo's overwrite default yields to an asked --resume
         defaults = {k: v for k, v in defaults.items() if k != "overwrite"}
     base = TrainConfig(**{**dataclasses.asdict(TrainConfig()), **defaults})
+    if asked.get("resume"):  # precedence: defaults < the resumed run's run.json < --config TOML < flags
+        from .train.run_folder import resume_base
+
+        base = resume_base(Path(asked.get("output", base.output)), base)
     return make_config(file_values, flags, base=base)
 
 
@@ -121,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="LoRA fine-tuning of a causal LM (defaults: the embedded model and data)",
                            description="LoRA fine-tuning of a Hugging Face causal LM. Precedence: defaults < "
-                                       "--config TOML < flags.")
+                                       "(with --resume: the run's own run.json) < --config TOML < flags.")
     _add_train_options(train, {})
     train.set_defaults(func=_train, defaults={})
 

@@ -1,9 +1,13 @@
 """Atomic training checkpoints: adapter weights, optimizer, scheduler, RNG states and the data position.
 
 Layout: ``OUTPUT/checkpoints/step-000123/`` with ``adapter_model.safetensors``, ``optimizer.pt``, ``scheduler.pt``,
-``rng.pt`` and ``state.json`` (``step``, ``metrics_lines``: the metrics.jsonl lines written up to this step). A
-checkpoint is written into a temporary sibling directory and renamed into place, so a crash never leaves a partial
-one under a final name; older checkpoints are deleted after the new one is in place.
+``rng.pt`` and ``state.json`` (``step``, ``metrics_lines``: the metrics.jsonl lines written up to this step, and
+``initial_eval_loss`` for the divergence guard). A checkpoint is written into a temporary sibling directory and
+renamed into place, so a crash never leaves a partial one under a final name; once the new one is in place the
+oldest beyond ``--keep-checkpoints`` are deleted (never the ``protected`` one: the divergence guard's last good one).
+
+A damaged file (truncated, garbage, missing) is a one-line LeantuneError naming it and the earlier checkpoints kept
+(``damaged``); every file is read and checked before a resumed run writes anything, and nothing is deleted.
 
 Several processes (``distributed.py``): every rank takes part in gathering the full adapter and optimizer state
 (``torch.distributed.checkpoint.state_dict``: whole tensors, whatever the engine sharded), rank 0 writes them, and
@@ -32,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..distributed import World, barrier, gather_objects
+from ..errors import LeantuneError
+from .metrics import finite_or_none, one_line
 
 CHECKPOINTS = "checkpoints"
 
@@ -84,9 +90,11 @@ def _peft_names(model) -> dict:
 
 
 def save_checkpoint(output: Path, step: int, model, optimizer, scheduler, metrics_lines: int,
-                    world: World = World()) -> Path:
-    """Write the checkpoint for ``step`` atomically; returns its directory. With several processes every rank
-    calls it (the state is gathered collectively) and rank 0 writes."""
+                    world: World = World(), *, keep: int = 1, protected: Path | None = None,
+                    extra: dict | None = None) -> Path:
+    """Write the checkpoint for ``step`` atomically; returns its directory. Then only the newest ``keep`` (and
+    ``protected``) remain; ``extra`` goes into state.json. With several processes every rank calls it (the state is
+    gathered collectively) and rank 0 writes."""
     adapter = adapter_state(model)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=_FULL)
     rng = gather_objects(_rng_state(), world)
@@ -104,44 +112,122 @@ def save_checkpoint(output: Path, step: int, model, optimizer, scheduler, metric
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "metrics_lines": metrics_lines}))
+    state = {**(extra or {}), "step": step, "metrics_lines": metrics_lines}
+    (tmp / "state.json").write_text(json.dumps(finite_or_none(state), allow_nan=False))  # strict JSON
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in root.glob("step-*"):
-        if old != final:
+    older = [p for p in sorted(root.glob("step-*")) if p != final]
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        if protected is None or old != Path(protected):
             shutil.rmtree(old)
     barrier(world)
     return final
 
 
+def checkpoints(output: Path) -> list[Path]:
+    """The complete checkpoints under ``output``, oldest first."""
+    return sorted((Path(output) / CHECKPOINTS).glob("step-*"))
+
+
 def latest_checkpoint(output: Path) -> Path | None:
     """The newest complete checkpoint under ``output``, or None."""
-    found = sorted((Path(output) / CHECKPOINTS).glob("step-*"))
+    found = checkpoints(output)
     return found[-1] if found else None
 
 
-def checkpoint_step(path: Path) -> int:
-    """The optimizer step a checkpoint was saved at (its ``state.json``)."""
-    return int(json.loads((Path(path) / "state.json").read_text())["step"])
-
-
-def load_checkpoint(path: Path, model, optimizer, scheduler, world: World = World()) -> dict:
-    """Restore everything saved by ``save_checkpoint`` in place (every rank reads the files); returns
-    ``state.json``'s dict. The world size must be the one that saved it (checked by the caller from run.json)."""
-    stored = load_file(str(path / "adapter_model.safetensors"))
-    names = _peft_names(model)
-    missing = sorted(set(names) - set(stored))
-    if missing:
-        raise ValueError(f"{path / 'adapter_model.safetensors'} lacks {len(missing)} adapter tensors ({missing[0]}, "
-                         "...): it was saved for another adapter")
-    set_model_state_dict(model, {names[key]: stored[key] for key in names}, options=_LOAD)
-    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    if all(isinstance(key, int) for key in optimizer_state["state"]):  # written by leantune 0.1 (one process)
-        optimizer.load_state_dict(optimizer_state)
+def damaged(file: Path, reason: str, *, export: bool = False) -> LeantuneError:
+    """The one-line error for a damaged checkpoint file: which file, why, and the earlier checkpoints to go back to
+    (``export``: the message of ``leantune export``, which takes a checkpoint folder as ``--adapter``)."""
+    folder = Path(file).parent
+    earlier = [p for p in checkpoints(folder.parent.parent) if p.name < folder.name]
+    if earlier and export:
+        todo = (f"export an earlier checkpoint with --adapter {earlier[-1]} (kept: "
+                f"{', '.join(p.name for p in earlier)})")
+    elif earlier:
+        todo = (f"to resume from an earlier checkpoint (kept: {', '.join(p.name for p in earlier)}), move {folder} "
+                f"out of {folder.parent}: --resume continues from the newest one left")
     else:
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=_LOAD)
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    _set_rng_state(rng[world.rank] if isinstance(rng, list) else rng)  # a dict: saved by one plain process
-    return json.loads((path / "state.json").read_text())
+        todo = "no earlier checkpoint is kept (--keep-checkpoints); start the run again"
+    return LeantuneError(f"checkpoint file {file} is truncated or corrupt ({reason}); {todo}; nothing was deleted")
+
+
+def _read(file: Path, reader, *, export: bool = False):
+    """``reader(file)``, any failure to read or decode it a ``damaged`` error (the reader only reads)."""
+    if not file.is_file():
+        raise damaged(file, "missing", export=export)
+    try:
+        return reader(file)
+    except Exception as exc:  # safetensors, torch's zip reader, pickle and json each raise their own kinds
+        raise damaged(file, one_line(exc)[:200], export=export) from None
+
+
+def _state(file: Path) -> dict:
+    state = json.loads(file.read_text(encoding="utf-8"))
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int)
+            and isinstance(state.get("metrics_lines"), int) and state["step"] >= 0):
+        raise ValueError("not a leantune state.json: expected integer step and metrics_lines")
+    return state
+
+
+def read_state(path: Path, *, export: bool = False) -> dict:
+    """A checkpoint's ``state.json`` (``step``, ``metrics_lines``, ...); a damaged one is a LeantuneError."""
+    return _read(Path(path) / "state.json", _state, export=export)
+
+
+def checkpoint_step(path: Path, *, export: bool = False) -> int:
+    """The optimizer step a checkpoint was saved at (its ``state.json``)."""
+    return read_state(path, export=export)["step"]
+
+
+def read_adapter(path: Path, *, export: bool = False) -> dict:
+    """The adapter tensors of a checkpoint (PEFT's keys); a damaged file is a LeantuneError."""
+    return _read(Path(path) / "adapter_model.safetensors", lambda f: load_file(str(f)), export=export)
+
+
+def _optimizer(file: Path) -> dict:
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    if not (isinstance(state, dict) and isinstance(state.get("state"), dict) and "param_groups" in state):
+        raise ValueError("not an optimizer state dict")
+    return state
+
+
+def read_checkpoint(path: Path) -> dict:
+    """Every file of a checkpoint, read and checked (nothing applied yet): ``adapter``, ``optimizer``,
+    ``scheduler``, ``rng``, ``state``. Raises the ``damaged`` LeantuneError for the first unreadable file."""
+    path = Path(path)
+    return {"state": read_state(path), "adapter": read_adapter(path),
+            "optimizer": _read(path / "optimizer.pt", _optimizer),
+            "scheduler": _read(path / "scheduler.pt", lambda f: torch.load(f, weights_only=True)),
+            "rng": _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))}
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler, world: World = World(),
+                    stored: dict | None = None) -> dict:
+    """Restore everything saved by ``save_checkpoint`` in place (every rank reads the files, or passes what
+    ``read_checkpoint`` returned as ``stored``); returns ``state.json``'s dict. The world size must be the one that
+    saved it (checked by the caller from run.json). Raises LeantuneError for a damaged file or an adapter of
+    another shape."""
+    path = Path(path)
+    stored = stored if stored is not None else read_checkpoint(path)
+    names = _peft_names(model)
+    missing = sorted(set(names) - set(stored["adapter"]))
+    if missing:
+        raise LeantuneError(f"{path / 'adapter_model.safetensors'} lacks {len(missing)} adapter tensors "
+                            f"({missing[0]}, ...): it was saved for another adapter")
+    try:
+        set_model_state_dict(model, {names[key]: stored["adapter"][key] for key in names}, options=_LOAD)
+    except RuntimeError as exc:  # a tensor of another shape
+        raise damaged(path / "adapter_model.safetensors", one_line(exc)[:200]) from None
+    optimizer_state = stored["optimizer"]
+    try:
+        if all(isinstance(key, int) for key in optimizer_state["state"]):  # written by leantune 0.1 (one process)
+            optimizer.load_state_dict(optimizer_state)
+        else:
+            set_optimizer_state_dict(model, optimizer, optimizer_state, options=_LOAD)
+        scheduler.load_state_dict(stored["scheduler"])
+        rng = stored["rng"]
+        _set_rng_state(rng[world.rank] if isinstance(rng, list) else rng)  # a dict: saved by one plain process
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+        raise damaged(path / "optimizer.pt", f"its state does not fit this run: {one_line(exc)[:200]}") from None
+    return stored["state"]

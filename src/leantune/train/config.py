@@ -60,7 +60,9 @@ class TrainConfig:
                                                                 "always written: at the last step and on Ctrl-C)"})
     max_examples: int | None = field(default=None, metadata={"help": "use at most N examples of the data file "
                                      "(after a seeded shuffle)"})
-    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in --output"})
+    resume: bool = field(default=False, metadata={"help": "continue the run in --output from its last "
+                                                          "checkpoint, with its settings (read from its run.json; "
+                                                          "options given must agree)"})
     overwrite: bool = field(default=False, metadata={"help": "replace a run already in --output (kept in "
                                                                  "--output/.replaced-* until the new run finishes)"})
     seed: int = field(default=0, metadata={"help": "seed for init, data order and dropout"})
@@ -76,6 +78,19 @@ class TrainConfig:
     distributed: str = field(default="auto", metadata={"help": "auto|ddp|fsdp: the engine when launched by torchrun "
                              "(WORLD_SIZE set; --batch-size is per process); auto: FSDP2 when the frozen weights "
                              "take more than half of one device, else DDP"})
+    # run management: what --resume reads back, checkpoints kept, the divergence guard, metric reporters
+    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in --output/checkpoints, the "
+                                  "newest N (an earlier one to go back to if the newest is damaged)"})
+    divergence: str = field(default="stop", metadata={"help": "stop|warn: what a run does when it diverges (a "
+                            "NaN or inf loss or gradient norm, an exploding loss, a zero gradient norm for several "
+                            "steps in a row)"})
+    divergence_factor: float = field(default=4.0, metadata={"help": "a train loss above this many times the "
+                                     "initial eval loss counts as divergence (0: off)"})
+    zero_grad_steps: int = field(default=3, metadata={"help": "logged steps in a row with a zero gradient norm "
+                                 "that count as divergence (0: off; measured only with gradient clipping on)"})
+    report_to: str = field(default="none", metadata={"help": "tensorboard, wandb, mlflow (a comma list) or none: "
+                           "where the metrics go besides metrics.jsonl (offline, into --output, unless WANDB_MODE "
+                           "or MLFLOW_TRACKING_URI say otherwise)"})
 
     def validate(self) -> None:
         """Raise LeantuneError for values no run can use (types are checked by ``make_config``)."""
@@ -133,6 +148,17 @@ class TrainConfig:
             raise LeantuneError("--offload-checkpoints and --tile-mlp are part of leantune.patch: they need --patch on")
         if self.distributed not in ("auto", "ddp", "fsdp"):
             raise LeantuneError(f"--distributed must be auto, ddp or fsdp, got {self.distributed!r}")
+        if self.keep_checkpoints < 1:
+            raise LeantuneError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.divergence not in ("stop", "warn"):
+            raise LeantuneError(f"--divergence must be stop or warn, got {self.divergence!r}")
+        if self.divergence_factor != 0 and not self.divergence_factor > 1:
+            raise LeantuneError(f"--divergence-factor must be > 1 (0: off), got {self.divergence_factor}")
+        if self.zero_grad_steps < 0:
+            raise LeantuneError(f"--zero-grad-steps must be >= 0 (0: off), got {self.zero_grad_steps}")
+        from .reporting import parse_report_to
+
+        parse_report_to(self.report_to)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -28,7 +28,8 @@ ranks save the same checkpoint and stop together.
 Reproducibility: on CPU (fp32) a run, and a run resumed from any checkpoint, ends with bit-identical weights for the
 same thread count. On CUDA, bf16 results are reproducible up to the run-to-run noise of atomic adds (weight-gradient
 reductions in the Triton kernels and in cuBLAS split-K) and of SDPA's backward; the data order and LoRA init stay
-exact. Non-finite losses are recorded as null (strict JSON) with a warning.
+exact. Non-finite losses are recorded as null (strict JSON); a diverging run stops (``divergence``). Metrics also
+go to ``--report-to`` (``reporting``).
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ from ..errors import LeantuneError
 from ..heap import long_lived_frozen
 from ..patch import is_patched
 from ..patch.document_attention import use_document_attention
-from . import checkpoint, run_folder
+from . import checkpoint, reporting, run_folder
 from .config import TrainConfig
 from .data import PackedData, chitchat_path, load_dataset
+from .divergence import DivergenceGuard, good_checkpoints, react
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
 from .model import load_model, load_tokenizer, resolve_model, wrap_lora
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
@@ -164,6 +166,10 @@ class _Run:
     train_seconds: float = 0.0
     world: World = World()
     wrapped: object = None  # what the forward runs: the DDP wrapper, else ``model`` itself (FSDP2 shards in place)
+    resume_state: dict | None = None  # state.json of the checkpoint restored in _prepare
+    initial_eval_loss: float | None = None  # the divergence guard's reference (kept in each state.json)
+    reporters: reporting.Reporters | None = None  # rank 0's --report-to
+    guard: DivergenceGuard | None = None
 
 
 def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunResult:
@@ -174,6 +180,7 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
     folder holds a lock file with this process's pid: a second run into it is refused.
     """
     replaced: list = []  # (the .replaced-* folder, the names of the previous run) once this run starts moving it
+    run = None  # once prepared: its reporters are closed whatever happens
     output = Path(config.output)
     # long sequences fragment the caching allocator (a 319,488-token probe failed with 12 GiB reserved but unused);
     # read at the first CUDA allocation, so it applies unless the caller chose otherwise or already used CUDA
@@ -192,6 +199,8 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
                         run_folder.put_back(output, *replaced[0])
                 raise
     finally:
+        if run is not None and run.reporters is not None:
+            run.reporters.close()
         run_folder.release_lock(output)
         speak(True)
     distributed.barrier(run.world)  # rank 0 has released the folder when any rank returns
@@ -208,6 +217,7 @@ def _prepare(config: TrainConfig) -> _Run:
         raise LeantuneError("--device cuda: no CUDA device is available")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     size = launch.size if launch is not None else 1
+    reporting.check_installed(config.report_to)
     if launch is not None:
         speak(launch.main)
         device = distributed.init(launch, device)
@@ -228,8 +238,10 @@ def _prepare(config: TrainConfig) -> _Run:
                             f"than one step's --batch-size x --grad-accum{processes} = {rows_per_step}")
     total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, round(0.05 * total_steps))
+    stored = None
     if resumed is not None:
         run_folder.check_resume_steps(resumed, resume_from, total_steps)
+        stored = checkpoint.read_checkpoint(resume_from)  # a damaged file: one error line, before the model loads
         if resumed.get("world_size", 1) != size:  # the global batch, the ranks' RNG states: another run
             raise LeantuneError(f"--resume: this run has {size} process(es), the run being resumed had "
                                 f"{resumed.get('world_size', 1)}; resume with the same number (its global batch and "
@@ -271,6 +283,10 @@ def _prepare(config: TrainConfig) -> _Run:
     run.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
                                       fused=device.startswith("cuda") and run.world.engine != "fsdp")
     run.scheduler = cosine_schedule(run.optimizer, total_steps, warmup, config.min_lr_ratio)
+    if resume_from is not None:  # applied before the folder is claimed: a mismatch leaves it as it was
+        run.resume_state = checkpoint.load_checkpoint(resume_from, run.model, run.optimizer, run.scheduler, run.world,
+                                                      stored)
+        run.initial_eval_loss = run.resume_state.get("initial_eval_loss")
     return run
 
 
@@ -307,6 +323,9 @@ def _claim(run: _Run, replaced: list) -> None:
         if info["truncated"]:
             say(f"leantune: warning: {info['truncated']} of {info['examples']} examples were longer than --seq-len "
                 f"{config.seq_len} and were truncated")
+        if info["eval_rows"] < config.eval_size:
+            say(f"leantune: --eval-size {config.eval_size} clamped to {info['eval_rows']}: the held-out split takes "
+                f"at most a tenth of the {info['train_rows'] + info['eval_rows']} packed sequences")
         # absolute paths: export and --resume may run from another working directory
         run_info = {"tool": "leantune", "config": config.to_dict(), "model_kind": run.kind,
                     "model_path": str(run.model_path.resolve()), "data_path": str(run.data_path.resolve()),
@@ -317,7 +336,7 @@ def _claim(run: _Run, replaced: list) -> None:
     distributed.barrier(world)  # the folder is claimed before any rank goes on
 
     if run.resume_from is not None:
-        state = checkpoint.load_checkpoint(run.resume_from, run.model, run.optimizer, run.scheduler, world)
+        state = run.resume_state
         run.start_step = state["step"]
         if world.main:
             run.metrics.truncate(state["metrics_lines"])
@@ -326,8 +345,20 @@ def _claim(run: _Run, replaced: list) -> None:
         if world.main:
             run.metrics.reset()
         torch.manual_seed(config.seed + world.rank)  # ranks draw independent dropout masks; rank 0 as one process
+    if world.main:
+        run.reporters = reporting.Reporters(config.report_to, output, run.start_step, config.to_dict())
+        run.metrics.forward = run.reporters.log  # every record logged from here on goes to them too
     if run.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+
+
+def _save(run: _Run, step: int) -> None:
+    """The checkpoint of ``step`` (every rank), keeping ``--keep-checkpoints`` and the guard's last good one."""
+    good = good_checkpoints(run.output, run.guard)
+    lines = run.metrics.lines if run.world.main else 0
+    checkpoint.save_checkpoint(run.output, step, run.model, run.optimizer, run.scheduler, lines, run.world,
+                               keep=run.config.keep_checkpoints, protected=good[-1] if good else None,
+                               extra={"initial_eval_loss": run.initial_eval_loss})
 
 
 def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
@@ -338,9 +369,11 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
     local_rows = config.batch_size * config.grad_accum
     if run.start_step == 0:
         eval_loss = evaluate(model, run.eval_data, config.batch_size, device)
+        run.initial_eval_loss = eval_loss
         if world.main:
             metrics.log({"type": "eval", "step": 0, "eval_loss": eval_loss})
-    diverged = False
+    run.guard = guard = DivergenceGuard(config.divergence_factor, config.zero_grad_steps, run.initial_eval_loss)
+    warned = False
     bar = tqdm(total=run.total_steps, initial=run.start_step, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
     done = run.start_step
@@ -367,12 +400,17 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
             run.train_seconds += seconds
             done = step + 1
             if world.main:
-                metrics.log({"type": "train", "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                             "tokens": tokens, "tokens_per_s": tokens / seconds})
-            if not math.isfinite(loss) and not diverged:
-                diverged = True
-                say(f"leantune: warning: the training loss became non-finite ({loss}) at step {done}; the run "
-                    "diverged (try a lower --lr or --max-grad-norm); metrics record it as null")
+                record = {"type": "train", "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          "tokens": tokens, "tokens_per_s": tokens / seconds, "step_seconds": seconds}
+                if device.startswith("cuda"):  # the allocator's counters: read on the host, no sync
+                    record["gpu_memory_gib"] = torch.cuda.memory_allocated() / 2**30
+                    record["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                metrics.log(record)
+            # the guard reads the values just logged (already on the host): it adds no sync of its own
+            why = guard.observe(done, loss, grad_norm if config.max_grad_norm > 0 else None)
+            if why is not None:
+                bar.close()
+                warned = react(config, run.output, guard, done, why, warned)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
             if config.eval_every and done % config.eval_every == 0 and done < run.total_steps:
@@ -382,14 +420,13 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
                 say(f"step {done}: eval loss {eval_loss:.4f}")
             if on_step is not None:
                 on_step(done)
-            lines = metrics.lines if world.main else 0
             if distributed.any_rank(interrupt.requested, world, device):  # every rank stops after the same step
                 interrupt.requested = True
                 interrupt.signum = interrupt.signum or signal.SIGTERM  # a peer's signal (torchrun forwards SIGTERM)
-                checkpoint.save_checkpoint(run.output, done, model, run.optimizer, run.scheduler, lines, world)
+                _save(run, done)
                 break
             if config.save_every and done % config.save_every == 0 and done < run.total_steps:
-                checkpoint.save_checkpoint(run.output, done, model, run.optimizer, run.scheduler, lines, world)
+                _save(run, done)
     bar.close()
     if not interrupt.requested:
         return None
@@ -405,8 +442,7 @@ def _finish(run: _Run, replaced: list) -> RunResult:
     # the last step saved before the final eval (a kill during it loses no step); a first Ctrl-C / SIGTERM from here
     # on lets the run finish its eval and files, a second aborts
     with GracefulInterrupt():
-        lines = run.metrics.lines if world.main else 0
-        checkpoint.save_checkpoint(output, total_steps, model, run.optimizer, run.scheduler, lines, world)
+        _save(run, total_steps)
         final_eval = evaluate(model, run.eval_data, config.batch_size, run.device)
         checkpoint.save_adapter(model, output / "adapter", world)
         if not world.main:

@@ -23,7 +23,7 @@ import torch
 from ..errors import LeantuneError
 from . import checkpoint
 from .config import TrainConfig
-from .metrics import say
+from .metrics import one_line, say
 from .model import load_model, load_tokenizer, lora_config
 from .run_folder import nearest_existing, read_run_info, remove
 from .signals import SignalsDeferred, TerminateAborts
@@ -121,7 +121,13 @@ def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
 
 def _adapter_source(src: Path) -> tuple[Path, Path, Path | None]:
     """``(run folder, adapter folder, checkpoint)`` of ``--adapter``: the checkpoint is set (and the adapter folder
-    absent) for a run that stopped before writing its adapter."""
+    absent) for a run that stopped before writing its adapter, or for a checkpoint folder named as ``--adapter``
+    (``RUN/checkpoints/step-N``: an earlier checkpoint, or the last good one of a diverged run)."""
+    if src.parent.name == checkpoint.CHECKPOINTS and src.name.startswith("step-") and src.is_dir():
+        if read_run_info(src.parent.parent) is None:
+            raise LeantuneError(f"no leantune run.json in {src.parent.parent}: export needs the run of {src}")
+        checkpoint.checkpoint_step(src, export=True)  # a damaged state.json: one error line
+        return src.parent.parent, src / "adapter", src
     run_dir = src if (src / "run.json").is_file() else src.parent
     adapter_dir = src / "adapter" if (src / "adapter").is_dir() else src
     if (adapter_dir / "adapter_config.json").is_file():
@@ -135,16 +141,31 @@ def _adapter_source(src: Path) -> tuple[Path, Path, Path | None]:
     if found is None:
         raise LeantuneError(f"no adapter in {src}: the run was stopped before its first checkpoint, so there is "
                             "nothing to export; run it again")
-    step = checkpoint.checkpoint_step(found)
+    step = checkpoint.checkpoint_step(found, export=True)
     say(f"leantune: the run in {src} was stopped at step {step} of {info.get('total_steps', '?')} before writing "
         f"its adapter; exporting its last checkpoint (step {step}); 'leantune train --resume' with the run's "
         "settings continues it")
     return run_dir, src / "adapter", found
 
 
+def _check_adapter_file(run_dir: Path, adapter_dir: Path) -> None:
+    """A damaged ``adapter_model.safetensors`` of the adapter folder as one error line that names the run's
+    checkpoints, which hold the same tensors (the last one is the finished adapter)."""
+    from safetensors.torch import load_file
+
+    file = adapter_dir / "adapter_model.safetensors"
+    try:
+        load_file(str(file))
+    except Exception as exc:  # safetensors' own error kinds, or OSError
+        kept = checkpoint.checkpoints(run_dir)
+        todo = (f"export a checkpoint with --adapter {kept[-1]} (kept: {', '.join(p.name for p in kept)})" if kept
+                else "no checkpoint of the run is kept to export instead; train it again")
+        raise LeantuneError(f"adapter file {file} is truncated or corrupt ({one_line(exc)[:200]}); {todo}; nothing "
+                            "was deleted") from None
+
+
 def _export(adapter: str, out: str, overwrite: bool) -> Path:
     from peft import PeftModel, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     run_dir, adapter_dir, saved = _adapter_source(Path(adapter))
     if not str(out).strip():
@@ -154,7 +175,10 @@ def _export(adapter: str, out: str, overwrite: bool) -> Path:
     target = Path(os.path.abspath(out))
     if target.is_symlink():  # replace the folder it points to, not the link
         target = target.resolve()
-    run = json.loads((run_dir / "run.json").read_text())
+    run = read_run_info(run_dir)
+    if run is None:
+        raise LeantuneError(f"{run_dir / 'run.json'} is damaged or not a leantune run's: export needs it to rebuild "
+                            "the base model")
     kind, model_path = run["model_kind"], Path(run["model_path"])
     _check_export_target(target, overwrite, model_path)
     if not model_path.exists():
@@ -166,10 +190,12 @@ def _export(adapter: str, out: str, overwrite: bool) -> Path:
     if run["config"].get("quantize") == "nf4":  # the adapter learnt on the NF4 base: merge into that base
         _dequantised_base(base, getattr(torch, run["dtype"].removeprefix("torch.")))
     if saved is None:
+        _check_adapter_file(run_dir, adapter_dir)
         peft_model = PeftModel.from_pretrained(base, adapter_dir)
     else:  # a checkpoint holds the adapter's tensors; its shape and targets are the run's settings
+        stored = checkpoint.read_adapter(saved, export=True)
         peft_model = get_peft_model(base, lora_config(base, TrainConfig(**run["config"])))
-        set_peft_model_state_dict(peft_model, load_file(str(saved / "adapter_model.safetensors")))
+        set_peft_model_state_dict(peft_model, stored)
     _untie_embeddings(peft_model)
     merged = peft_model.merge_and_unload()  # in fp32, then stored in the base checkpoint's own 16-bit dtype
     saved_dtype = _checkpoint_dtype(kind, model_path) or torch.float32

@@ -56,6 +56,7 @@ class MetricsLog:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.lines = len(self.read()) if self.path.exists() else 0
+        self.forward = None  # also called with each record logged (the --report-to reporters)
 
     def reset(self) -> None:
         self.path.write_text("")
@@ -71,6 +72,8 @@ class MetricsLog:
         with self.path.open("a") as fh:
             fh.write(to_json(record) + "\n")
         self.lines += 1
+        if self.forward is not None:
+            self.forward(record)
 
     def read(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

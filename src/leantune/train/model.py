@@ -46,6 +46,23 @@ def resolve_model(spec: str | None) -> tuple[str, Path]:
     raise LeantuneError(f"unsupported model path {spec}: expected a Hugging Face folder, a .gguf file or a config.json")
 
 
+def _damaged_gguf(path: Path) -> LeantuneError | None:
+    """The error for a GGUF file that gguf's own reader cannot take apart (truncated or corrupt), else None (the
+    file is whole: the load failed for another reason). Only called after a load failed: the reader parses every
+    metadata entry (seconds for a 49k-token vocabulary)."""
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(path)
+    except ImportError:
+        return None
+    except Exception as reader_exc:  # numpy's reshape, struct or UnicodeDecodeError of a cut-off file
+        size = path.stat().st_size
+        return LeantuneError(f"model file {path} is truncated or corrupt ({size} bytes; the GGUF reader says: "
+                             f"{one_line(reader_exc)[:200]}); download or convert it again")
+    return None
+
+
 def _unsupported(path: Path, exc: BaseException) -> LeantuneError:
     return LeantuneError(f"unsupported model type in {path}: {str(exc).splitlines()[0]}")
 
@@ -108,6 +125,8 @@ def load_tokenizer(kind: str, path: Path):
     except Exception as exc:  # transformers raises many kinds here; none of them is worth a traceback
         if kind != "gguf" and not has_files:
             raise LeantuneError(missing) from None
+        if kind == "gguf" and (damaged := _damaged_gguf(path)) is not None:
+            raise damaged from None
         raise LeantuneError(f"cannot load the tokenizer of {path}: {one_line(exc)}") from None
     if len(tokenizer) < 2:
         if kind == "gguf":
@@ -151,6 +170,8 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
                 transformers_logging.set_verbosity(verbosity)
             _check_loading_info(path, info)
     except (ValueError, KeyError) as exc:
+        if kind == "gguf" and (damaged := _damaged_gguf(path)) is not None:
+            raise damaged from None
         raise _unsupported(path, exc) from None
     except (OSError, RuntimeError, SafetensorError) as exc:  # missing, truncated or mismatched weights
         raise LeantuneError(f"cannot load model {path}: {one_line(exc)[:400]}") from None

@@ -11,8 +11,9 @@
 - A replaced run is moved into ``.replaced-*`` (``set_aside``), put back (``put_back``) if the new run fails or is
   stopped before its first checkpoint, and deleted only when the new run finishes; a kill keeps it, and a later run
   deletes it only with ``--overwrite`` or ``--resume``.
-- ``--resume`` continues only the same run: the settings in ``RESUME_FIXED`` and the step count (which fixes the
-  learning-rate schedule) must match run.json, and the checkpoint may not be past the requested steps.
+- ``--resume`` continues only the same run and reads its settings from run.json (``resume_base``): an option not
+  given is the run's own; the settings in ``RESUME_FIXED`` and the step count (which fixes the learning-rate
+  schedule) that are given must match, and every one that differs is named in one error (``check_resume``).
 - A lock file holding the pid (``LOCK``) keeps a second run out of a folder in use; a dead run's lock is stale.
 """
 
@@ -27,10 +28,12 @@ from pathlib import Path
 
 from ..errors import LeantuneError
 from . import checkpoint
-from .config import TrainConfig
+from .config import FIELDS, TrainConfig, coerce
 from .metrics import say
+from .reporting import FOLDERS as REPORT_FOLDERS
 
-RUN_FILES = ("adapter", "tokenizer", "checkpoints", "metrics.jsonl", "loss.png", "summary.json", "run.json")
+RUN_FILES = ("adapter", "tokenizer", "checkpoints", "metrics.jsonl", "loss.png", "summary.json", "run.json",
+             *REPORT_FOLDERS)
 LOCK = ".leantune.lock"  # pid of the run writing into the folder
 REPLACED = ".replaced-"  # prefix of the folder that keeps a replaced run until the new one finishes
 # settings a resumed run must share with the run it continues: the adapter's shape and scaling, the base weights,
@@ -142,14 +145,43 @@ def release_lock(output: Path) -> None:
 # What a run may do with the folder
 
 
+def run_settings(run_json: Path) -> dict | None:
+    """The settings a leantune ``run.json`` holds, as ``{option: value}``: every option but ``output``, ``resume``
+    and ``overwrite``, the model and data as the absolute paths the run recorded (None for the embedded ones: they
+    are resolved again). Options it does not know (an older leantune) are absent. None when ``run_json`` is not a
+    leantune run.json."""
+    run_json = Path(run_json)
+    info = read_run_info(run_json.parent) if run_json.name == "run.json" else None
+    if info is None:
+        return None
+    values = {}
+    for name, value in info["config"].items():
+        if name in FIELDS and name not in ("output", "resume", "overwrite"):  # the folder may have been moved
+            values[name] = coerce(name, value, f"{name} in {run_json}")
+    for name in ("model", "data"):
+        if values.get(name) is not None and isinstance(info.get(f"{name}_path"), str):
+            values[name] = info[f"{name}_path"]
+    return values
+
+
+def resume_base(output: Path, base: TrainConfig) -> TrainConfig:
+    """``base`` with the settings of the run in ``output`` (``run_settings`` of its run.json), so that ``--resume``
+    needs no option retyped; ``base`` itself without a leantune run.json (``check_output`` then says there is
+    nothing to resume)."""
+    values = run_settings(Path(output) / "run.json")
+    return base if values is None else TrainConfig(**{**base.to_dict(), **values})
+
+
 def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path: Path) -> dict:
-    """The run being resumed (its run.json) when ``config`` keeps every ``RESUME_FIXED`` setting; else a
-    LeantuneError naming the first that differs. Checked before the model is loaded or anything is written."""
+    """The run being resumed (its run.json) when ``config`` keeps every ``RESUME_FIXED`` setting and its step
+    count; else one LeantuneError naming every setting that differs (this run's value and the saved one). Checked
+    before the model is loaded or anything is written."""
     info = read_run_info(output)
     if info is None:
         raise LeantuneError(f"--resume: {output / 'run.json'} is missing or not a leantune run's; cannot check that "
                             "this run continues it")
     before, now = info["config"], config.to_dict()
+    differ, hint = [], ""
     for name in RESUME_FIXED:
         old, new = before.get(name), now.get(name)
         if name in ("model", "data"):  # the files, however they were spelled (relative, absolute, ..)
@@ -158,12 +190,20 @@ def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path:
         else:
             same = old == new
         if not same:
-            flag = "--" + name.replace("_", "-")
-            relative = name in ("model", "data") and old is not None and not Path(old).is_absolute()
-            hint = ("; run.json of an older leantune holds it relative to where that run started: resume from there"
-                    if relative else "")
-            raise LeantuneError(f"--resume: {flag} {new} differs from the run being resumed ({old}, in "
-                                f"{output / 'run.json'}{hint}); resume with the run's settings or start a new --output")
+            differ.append(f"--{name.replace('_', '-')} {new} (saved: {old})")
+            if name in ("model", "data") and old is not None and not Path(old).is_absolute():
+                hint = ("; run.json of an older leantune holds the paths relative to where that run started: "
+                        "resume from there")
+    planned = info.get("total_steps")
+    if config.max_steps is not None and planned is not None and config.max_steps != planned:
+        differ.append(f"--max-steps {config.max_steps} (saved: {planned} steps)")
+    elif config.max_steps is None and before.get("max_steps") is None and before.get("epochs") != config.epochs:
+        differ.append(f"--epochs {config.epochs} (saved: {before.get('epochs')})")
+    if differ:
+        verb, pronoun = ("differs", "it") if len(differ) == 1 else ("differ", "them")
+        raise LeantuneError(f"--resume: {', '.join(differ)} {verb} from the run being resumed (in "
+                            f"{output / 'run.json'}{hint}); leave {pronoun} out (--resume reads the run's own "
+                            "settings) or start a new --output")
     return info
 
 
@@ -171,7 +211,7 @@ def check_resume_steps(info: dict, resume_from: Path, total_steps: int) -> int:
     """The step ``resume_from`` was saved at, when this run's step count is the resumed run's: the warmup and the
     cosine decay are laid out over the step count, so another count would make the learning rate jump at the
     resumed step. Raises LeantuneError for a checkpoint past ``total_steps`` or any other step count."""
-    saved_step = checkpoint.checkpoint_step(resume_from)
+    saved_step = checkpoint.checkpoint_step(resume_from)  # a damaged state.json: one error line
     if saved_step > total_steps:
         raise LeantuneError(f"--resume: the checkpoint {resume_from.name} is at step {saved_step}, past this run's "
                             f"{total_steps} steps (--max-steps / --epochs); ask for at least {saved_step}")
