@@ -157,3 +157,19 @@ def grads64(fn, inputs, grad_out):
     grads = torch.autograd.grad(out, wanted, grad_out.to(F64), allow_unused=True)
     it = iter(grads)
     return out.detach(), [None if t is None or not t.requires_grad else next(it) for t in leaves]
+
+
+def log_probs_ref(hidden, weight, tokens, bias=None, temperature=1.0, softcap=None, ignore_index=-100):
+    """(logp, entropy) per row in float64: z = softcap(h W^T + b) / T, logp = z_y - lse(z), H = -sum p log p; both 0
+    at ignored rows (ops.linear_log_probs' docstring)."""
+    x = hidden.to(F64) @ weight.to(F64).T
+    if bias is not None:
+        x = x + bias.to(F64)
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    log_p = torch.log_softmax(x / temperature, dim=-1)
+    valid = tokens != ignore_index
+    picked = log_p.gather(-1, torch.where(valid, tokens, 0)[..., None]).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    zero = torch.zeros((), dtype=F64, device=picked.device)
+    return torch.where(valid, picked, zero), torch.where(valid, entropy, zero)
