@@ -10,6 +10,7 @@ validated ``LEANTUNE_BACKEND`` setting, so callers (the CLI) check the setting u
 
 from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
+from .distillation import linear_distillation_loss
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs
@@ -27,6 +28,7 @@ __all__ = [
     "dequantize_nf4",
     "geglu",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "linear_log_probs",
     "lora_linear",
     "lora_mlp",
