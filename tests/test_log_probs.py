@@ -1,5 +1,5 @@
 """ops.linear_log_probs vs float64 log_softmax((hidden @ weight.T + bias) / T)[token]: values, entropy, gradients
-for arbitrary upstream gradients, chunking, memory, errors."""
+for arbitrary upstream gradients on both, chunking, memory, errors."""
 
 import pytest
 import torch
@@ -28,8 +28,7 @@ def _check(h, w, b, tokens, n_chunks=3, **kwargs):
     chunk = max(-(-rows // n_chunks) * vocab, rows * -(-vocab // n_chunks)) * itemsize
     log_probs, entropy = ops.linear_log_probs(h, w, tokens, b, entropy=True, chunk_bytes=chunk, **kwargs)
     assert log_probs.dtype == entropy.dtype == torch.float32 and log_probs.shape == tokens.shape
-    assert not entropy.requires_grad
-    g = torch.randn_like(log_probs)
+    g, e = torch.randn_like(log_probs), torch.randn_like(entropy)  # upstream gradients of logp and H
     inputs = [h, w, b]
     wanted = [t for t in inputs if t is not None and t.requires_grad]
     ref, ref_entropy = log_probs_ref(h, w, tokens, b, **kwargs)
@@ -40,11 +39,16 @@ def _check(h, w, b, tokens, n_chunks=3, **kwargs):
     if not wanted:
         return
     _, ref_grads = grads64(lambda a, c, d: log_probs_ref(a, c, tokens, d, **kwargs)[0], inputs, g)
-    grads = torch.autograd.grad(log_probs, wanted, g)
+    grads = torch.autograd.grad(log_probs, wanted, g, retain_graph=True)
+    _, ref_both = grads64(lambda a, c, d: torch.stack(log_probs_ref(a, c, tokens, d, **kwargs)), inputs,
+                          torch.stack([g, e]))
+    both = torch.autograd.grad([log_probs, entropy], wanted, [g, e])  # an entropy bonus: through H too
     names = [n for n, t in zip(["dhidden", "dweight", "dbias"], inputs) if t is not None and t.requires_grad]
     for name, got, r, t in zip(names, grads, [x for x in ref_grads if x is not None], wanted):
         assert got.dtype == t.dtype and got.shape == t.shape
         assert_close(name, got, r, torch.float32)
+    for name, got, r in zip(names, both, [x for x in ref_both if x is not None]):
+        assert_close(f"{name} (logp and entropy)", got, r, torch.float32)
 
 
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.7}, {"temperature": 1.3, "softcap": 3.0}],
@@ -59,7 +63,7 @@ def test_matches_reference_torch(monkeypatch, options):
 def test_matches_reference_triton(monkeypatch):
     """The kernels (interpreter on the CPU): temperature and softcap, 3 chunks, a vocab of 150 (two 128-blocks)."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
-    h, w, b, tokens = _inputs(torch.float32, shape=(3, 4), vocab=150)
+    h, w, b, tokens = _inputs(torch.float32, shape=(2, 4), vocab=150, ignored=2)
     _check(h, w, b, tokens, temperature=1.3, softcap=3.0)
 
 

@@ -136,10 +136,12 @@ def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad
     return loss, lse, dhidden, dweight, dbias
 
 
-def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, chunk_bytes, wants, alpha=1.0):
+def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, chunk_bytes, wants, alpha=1.0,
+                        rows_fn=gradient_rows):
     """dhidden/dweight/dbias from recomputed logits (memory="low", and "none" reductions); ``scale``: 0-dim or [N].
     ``alpha``: the logits the kernels read are alpha (h W^T + b) (ops.linear_log_probs' 1 / temperature); the
-    caller folds alpha into ``scale`` for the chain rule."""
+    caller folds alpha into ``scale`` for the chain rule. ``rows_fn``: the gradient of a tile, with
+    ``gradient_rows``' arguments (``scale`` may then carry more per-row values: [N, k], sliced by rows)."""
     want_h, want_w, want_b = wants
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
     device, dtype, itemsize = hidden.device, hidden.dtype, hidden.element_size()
@@ -160,7 +162,7 @@ def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, ch
             weight_t = weight[start:end]
             logits = _logits_into(buffer[: n_rows * (end - start)].view(n_rows, end - start), hidden, weight_t,
                                   None if bias is None else bias[start:end], alpha)
-            gradient_rows(impl, logits, labels, lse, scale, opts, logits, col_offset=start, n_vocab=n_vocab)
+            rows_fn(impl, logits, labels, lse, scale, opts, logits, col_offset=start, n_vocab=n_vocab)
             if want_w:
                 torch.mm(logits.t(), hidden, out=dweight[start:end])
             if want_b:
@@ -177,7 +179,7 @@ def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, ch
             end = min(start + rows, n_rows)
             logits = _logits_into(buffer[: end - start], hidden[start:end], weight, bias, alpha)
             scale_c = scale if scale.dim() == 0 else scale[start:end]
-            gradient_rows(impl, logits, labels[start:end], lse[start:end], scale_c, opts, logits)
+            rows_fn(impl, logits, labels[start:end], lse[start:end], scale_c, opts, logits)
             torch.mm(logits, weight, out=dhidden[start:end])
     return dhidden, dweight, dbias
 
