@@ -315,11 +315,12 @@ def _grpo_trainer(folder, tmp_path, seed, **overrides):
 
 
 def test_grpo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, tmp_path, fresh_seed):
-    """GRPOTrainer (fp32, LoRA, beta > 0: the reference is the model with adapters disabled, temperature 0.9): per
-    step the logged loss, KL, entropy, rewards and gradient norm equal plain TRL's, and every fused_lm_head call
-    (policy with gradient, reference without) went to leantune's log-prob head."""
-    ref_logs = _train(_grpo_trainer(tiny_folder, tmp_path, fresh_seed), fresh_seed)
-    trainer = patch_trainer(_grpo_trainer(tiny_folder, tmp_path, fresh_seed))
+    """GRPOTrainer (fp32, LoRA, beta > 0: the reference is the model with adapters disabled, temperature 0.9, an
+    entropy bonus: the entropy's gradient too): per step the logged loss, KL, entropy, rewards and gradient norm
+    equal plain TRL's, and every fused_lm_head call (policy with gradient, reference without) went to leantune's
+    log-prob head."""
+    ref_logs = _train(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, entropy_coef=0.01), fresh_seed)
+    trainer = patch_trainer(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, entropy_coef=0.01))
     hf = trainer.model.get_base_model()
     assert "ops.linear_log_probs at temperature 0.9" in hf.leantune_summary["loss_runs"]
     logs = _train(trainer, fresh_seed)
@@ -334,11 +335,8 @@ def test_grpo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, 
     assert loss_head_calls(trainer.model) == 2 * STEPS
 
 
-def test_grpo_entropy_bonus_keeps_trl_head_and_metrics_off_are_not_logged(tiny_folder, tmp_path, fresh_seed):
-    """The entropy bonus differentiates the entropy (leantune's has no gradient): TRL's head stays. metrics=False:
-    the entropy is neither computed nor logged (not logged as 0)."""
-    trainer = patch_trainer(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, entropy_coef=0.01, max_steps=1))
-    assert "entropy bonus" in trainer.model.get_base_model().leantune_summary["loss_runs"]
+def test_grpo_metrics_off_are_not_logged(tiny_folder, tmp_path, fresh_seed):
+    """metrics=False without an entropy bonus or token mask: the entropy is neither computed nor logged (not 0)."""
     trainer = patch_trainer(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, max_steps=1), metrics=False)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]

@@ -34,9 +34,8 @@ computed either way.
 
 GRPOTrainer (policy and a separate reference model): its ``fused_lm_head=True`` calls (TRL's
 ``_get_per_token_logps_and_entropies``, with and without gradient) are served by ``ops.linear_log_probs`` at TRL's
-temperature: log softmax(z / T)[label] per target row, and the entropy of softmax(z / T) (without gradient) for
-TRL's entropy metric and high-entropy token mask. TRL's head is kept when the entropy bonus is on (it
-differentiates the entropy).
+temperature: log softmax(z / T)[label] per target row, and the entropy of softmax(z / T), differentiable, for
+TRL's entropy metric, high-entropy token mask and entropy bonus.
 
 TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
 SFTTrainer, DPOTrainer or GRPOTrainer (RLOO, KTO: not yet routed), for SFT/DPO a temperature other than 1, a logit
@@ -189,9 +188,8 @@ def _take_head(model, metrics: bool, trainer) -> str:
     hf = hf_model(model)
     forward = hf.__dict__.get("forward")
     if isinstance(forward, FusedLMHead):
-        # GRPO's high-entropy token mask reads the entropy whatever the metrics
-        forward.metrics = metrics or (forward.temperature is not None
-                                      and getattr(trainer, "top_entropy_quantile", 1.0) < 1.0)
+        # GRPO's token mask and entropy bonus read the entropy whatever the metrics
+        forward.metrics = metrics or (forward.temperature is not None and _grpo_reads_entropy(trainer))
         return "leantune"
     settings = _trl_head_settings(forward)
     if settings is None:  # TRL <= 1.14 (or a plain Trainer): outputs.logits may be read in training
@@ -218,9 +216,6 @@ def _grpo_head(trainer, settings: dict):
 
     if not isinstance(trainer, GRPOTrainer):
         return None
-    if getattr(trainer, "_entropy_bonus_enabled", False):
-        return ("GRPO's entropy bonus differentiates the entropy, which leantune's log-prob head returns without "
-                "gradient")
     if settings.get("logit_scale", 1.0) != 1.0:
         return f"logit scale {settings['logit_scale']} (leantune's head has none)"
     if settings.get("cast_lm_head_to_fp32"):
@@ -228,13 +223,18 @@ def _grpo_head(trainer, settings: dict):
     return ""
 
 
+def _grpo_reads_entropy(trainer) -> bool:
+    """Whether GRPO's loss reads the entropy: its high-entropy token mask, or its entropy bonus (differentiated)."""
+    return getattr(trainer, "top_entropy_quantile", 1.0) < 1.0 or bool(getattr(trainer, "_entropy_bonus_enabled",
+                                                                                False))
+
+
 def _take_grpo_head(hf, forward, settings: dict, metrics: bool, trainer, why: str) -> str:
     """Put leantune's log-prob head (ops.linear_log_probs at TRL's temperature, with the entropy) in front of
-    GRPOTrainer's fused head on ``hf``; the entropy is computed with metrics off too when the high-entropy token
-    mask (``top_entropy_quantile < 1``) reads it."""
+    GRPOTrainer's fused head on ``hf``; the entropy is computed with metrics off too when the trainer reads it."""
     if why:
         return f"TRL's fused head kept: {why}"
-    needs_entropy = getattr(trainer, "top_entropy_quantile", 1.0) < 1.0
+    needs_entropy = _grpo_reads_entropy(trainer)
     temperature = settings.get("temperature", 1.0)
     head = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics or needs_entropy,
                        temperature=temperature)
@@ -297,7 +297,7 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
         trainer: a ``trl`` trainer after construction (its model may already be patched, or not).
         metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit) inside the loss op's pass
             (module docstring); False leaves them out of the logs (GRPO's entropy is still computed when its
-            high-entropy token mask needs it).
+            token mask or entropy bonus reads it).
         freeze_heap: while ``trainer.train()`` runs, keep the Python objects alive at its start out of the garbage
             collector's full collections (:func:`leantune.heap.long_lived_frozen`: a full collection walks the
             model's ~500k objects, a host pause of 0.2-0.3 s every few steps), as ``leantune train`` does; False
