@@ -322,6 +322,7 @@ def test_grpo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, 
     ref_logs = _train(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, entropy_coef=0.01), fresh_seed)
     trainer = patch_trainer(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, entropy_coef=0.01))
     hf = trainer.model.get_base_model()
+    assert trainer._entropy_bonus_enabled  # TRL's loss differentiates the entropy
     assert "ops.linear_log_probs at temperature 0.9" in hf.leantune_summary["loss_runs"]
     logs = _train(trainer, fresh_seed)
     _compare(ref_logs, logs, ("grad_norm", "entropy", "reward", "reward_std"))
