@@ -176,7 +176,8 @@ def log_probs_ref(hidden, weight, tokens, bias=None, temperature=1.0, softcap=No
 
 
 # ------------------------------------------------------------------------------------- RL and preference losses
-def grpo_ref(lp, mask, adv, old, ref, loss_type, beta, eps_low, eps_high, level="token", max_len=None, delta=None):
+def grpo_ref(lp, mask, adv, old, ref, loss_type, beta, eps_low, eps_high, level="token", max_len=None, delta=None,
+             sampler_weights=None):
     """GRPO (ops.preference's docstring; TRL 1.16's loss types) in float64, written token by token."""
     lp, mask, adv, old = (t.to(F64) for t in (lp, mask, adv, old))
     ratio = torch.exp(lp - old)
@@ -185,7 +186,7 @@ def grpo_ref(lp, mask, adv, old, ref, loss_type, beta, eps_low, eps_high, level=
     adv = adv[:, None] if adv.dim() == 1 else adv
     capped = ratio if delta is None else ratio.clamp(max=delta)
     surrogate = torch.minimum(capped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
-    loss = -surrogate
+    loss = -surrogate if sampler_weights is None else -surrogate * sampler_weights.to(F64)
     if beta:
         ref = ref.to(F64)
         loss = loss + beta * (torch.exp(ref - lp) - (ref - lp) - 1)

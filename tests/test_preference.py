@@ -41,25 +41,28 @@ def _fake_accelerator():
                                  gather_for_metrics=lambda x: x, reduce=lambda x, reduction="sum": x)
 
 
-GRPO_CASES = [("grpo", 0.0, "token", None), ("bnpo", 0.04, "token", 1.5), ("dr_grpo", 0.04, "sequence", None),
-              ("dapo", 0.1, "token", None), ("dapo", 0.0, "sequence", 1.2)]
+GRPO_CASES = [("grpo", 0.0, "token", None, False), ("bnpo", 0.04, "token", 1.5, True),
+              ("dr_grpo", 0.04, "sequence", None, False), ("dapo", 0.1, "token", None, True),
+              ("dapo", 0.0, "sequence", 1.2, False)]
 
 
-@pytest.mark.parametrize("loss_type,beta,level,delta", GRPO_CASES)
-def test_grpo_matches_reference_and_trl(loss_type, beta, level, delta):
+@pytest.mark.parametrize("loss_type,beta,level,delta,sampler", GRPO_CASES)
+def test_grpo_matches_reference_and_trl(loss_type, beta, level, delta, sampler):
     """Loss, dL/dlogp and logged KL / clip ratios against float64 and against TRL's GRPOTrainer._compute_loss run on
-    the same log-probs (its model call replaced by them)."""
+    the same log-probs (its model call replaced by them); ``sampler``: vLLM's importance-sampling correction."""
     from trl import GRPOTrainer
 
     lp, mask = _log_probs(B, T), _mask()
     old = (lp.detach() + 0.3 * torch.randn(B, T, device=DEVICE))  # ratios on both sides of the clip range
     ref = lp.detach() + 0.2 * torch.randn(B, T, device=DEVICE)
     adv = torch.randn(B, device=DEVICE)
+    weights = torch.rand(B, T, device=DEVICE) + 0.5 if sampler else None
     options = {"loss_type": loss_type, "beta": beta, "epsilon_low": 0.2, "epsilon_high": 0.28, "delta": delta,
-               "importance_sampling_level": level, "max_completion_length": T + 2}
+               "importance_sampling_level": level, "max_completion_length": T + 2,
+               "importance_sampling_ratio": weights}
     loss, metrics = preference.grpo_loss(lp, mask, adv, old, ref, **options)
-    expected = grads64(lambda x: grpo_ref(x, mask, adv, old, ref, loss_type, beta, 0.2, 0.28, level, T + 2, delta),
-                       [lp], torch.tensor(1.0))
+    expected = grads64(lambda x: grpo_ref(x, mask, adv, old, ref, loss_type, beta, 0.2, 0.28, level, T + 2, delta,
+                                          weights), [lp], torch.tensor(1.0))
     _grad_check("grpo", loss, expected, [lp])
 
     trl_lp = lp.detach().clone().requires_grad_()
@@ -67,14 +70,15 @@ def test_grpo_matches_reference_and_trl(loss_type, beta, level, delta):
         _get_per_token_logps_and_entropies=lambda *a, **k: (trl_lp, torch.zeros_like(trl_lp), None),
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
-        use_vllm=False, model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        use_vllm=sampler, vllm_importance_sampling_correction=sampler, model=types.SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
         accelerator=_fake_accelerator(), max_completion_length=T + 2, _entropy_bonus_enabled=False,
         args=types.SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=1),
         _metrics={"train": collections.defaultdict(list)})
     inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
               "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
+              "num_items_in_batch": mask.sum(), "importance_sampling_ratio": weights}
     trl_loss = GRPOTrainer._compute_loss(fake, None, inputs)
     (trl_grad,) = torch.autograd.grad(trl_loss, [trl_lp])
     (grad,) = torch.autograd.grad(preference.grpo_loss(lp, mask, adv, old, ref, **options)[0], [lp])

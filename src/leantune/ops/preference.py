@@ -10,7 +10,8 @@ completion mask, sigma = the logistic sigmoid, and for pairs d = (lp_c - ref_c) 
 GRPO (Shao et al. 2024, DeepSeekMath; loss types, clipping and k3 KL as TRL 1.16's GRPOTrainer._compute_loss):
     w = lp - old per token ("token"), or the masked mean of lp - old per sequence ("sequence", GSPO); rho = exp(w)
     rho_clip = clamp(rho, 1 - eps_low, 1 + eps_high); rho = min(rho, delta) with ``delta`` (two-sided clipping)
-    l_t = -min(rho A, rho_clip A) + beta kl_t,  kl_t = exp(ref - lp) - (ref - lp) - 1    (k3; Schulman 2020)
+    l_t = -min(rho A, rho_clip A) s_t + beta kl_t,  kl_t = exp(ref - lp) - (ref - lp) - 1  (k3; Schulman 2020)
+    s_t: the sampler's importance weights (vLLM correction), 1 without
     grpo:    mean_b [sum_t m l / max(1, sum_t m)]       bnpo: sum m l / max(1, sum m)
     dr_grpo: sum m l / (B L_max) (Liu et al. 2025)      dapo: sum m l / max(1, num_items) (Yu et al. 2025)
 DPO (Rafailov et al. 2023): sigmoid -log sigma(beta d) (1 - eps) - log sigma(-beta d) eps (eps: cDPO smoothing);
@@ -73,7 +74,7 @@ def _masked_mean(x, mask):
 
 def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=None, *, loss_type="dapo", beta=0.0,
               epsilon_low=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
-              max_completion_length=None, num_items=None, bias_correction_kl=False):
+              max_completion_length=None, num_items=None, bias_correction_kl=False, importance_sampling_ratio=None):
     """GRPO's clipped surrogate with TRL's loss types (module docstring), from policy log-probs ``[B, T]``.
 
     Args:
@@ -92,6 +93,8 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
         num_items: ``"dapo"``'s divisor (int or 0-dim tensor; TRL passes the valid tokens of one accumulation
             window); default ``sum(mask)``.
         bias_correction_kl: multiply kl_t by the importance ratio (TRL's ``use_bias_correction_kl``).
+        importance_sampling_ratio: ``[B, T]`` or ``[B, 1]`` weights (no gradient) of the clipped surrogate before the
+            KL term: TRL's correction for completions sampled by another engine (vLLM), pi_train / pi_sampler.
 
     Returns:
         ``(loss, metrics)``: 0-dim float32 loss, and detached masked means ``{"kl", "clip_ratio/low_mean",
@@ -128,6 +131,8 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     unclipped = ratio if delta is None else torch.clamp(ratio, max=_runtime.check_real("delta", delta))
     per_token = -torch.min(unclipped * adv, clipped * adv)
+    if importance_sampling_ratio is not None:
+        per_token = per_token * _as_float("importance_sampling_ratio", importance_sampling_ratio).detach()
     metrics = {}
     if beta != 0.0:
         if ref_log_probs is None:
