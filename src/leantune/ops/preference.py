@@ -155,7 +155,7 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
         divisor = m.sum() if num_items is None else torch.as_tensor(num_items, dtype=torch.float32,
                                                                       device=lp.device)
         loss = per_token.sum() / divisor.clamp_min(1.0)
-    ratio = ratio.detach()
+    ratio = unclipped.detach()  # after the delta cap, as TRL counts its clipped tokens
     low = ((ratio < 1.0 - epsilon_low) & (adv < 0)).float()
     high = ((ratio > 1.0 + epsilon_high) & (adv > 0)).float()
     shape_mask = m if low.shape == m.shape else torch.ones_like(low)
