@@ -160,3 +160,27 @@ def test_error_cases(backend):
         ops.linear_log_probs(h, w, tokens, chunk_bytes=0)
     with pytest.raises(ValueError, match="softcap must be"):
         ops.linear_log_probs(h, w, tokens, softcap=0.0)
+
+
+def test_under_autocast_matches_hf_lm_head(monkeypatch):
+    """fp32 hidden and lm_head under bf16 autocast (TRL's GRPO under accelerate's autocast): the logits are rounded
+    to bf16 as nn.Linear's would be; gradients come back in fp32."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    h, w, b, tokens = _inputs(torch.float32, shape=(20,), vocab=120)
+    lm_head = torch.nn.Linear(40, 120).to(DEVICE)
+    with torch.no_grad():
+        lm_head.weight.copy_(w)
+        lm_head.bias.copy_(b)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        log_probs = ops.linear_log_probs(h, w, tokens, b, temperature=0.8, chunk_bytes=7 * 120 * 2)
+        logits = lm_head(h)
+    assert logits.dtype == torch.bfloat16
+    ref = torch.log_softmax(logits.float() / 0.8, -1).gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
+    ref = torch.where(tokens != -100, ref, 0.0)
+    assert_close("log_probs", log_probs, ref, torch.bfloat16)
+    g = torch.randn_like(log_probs)
+    grads = torch.autograd.grad(log_probs, [h, w, b], g)
+    ref_grads = torch.autograd.grad(ref, [h, lm_head.weight, lm_head.bias], g)
+    for name, got, r in zip(["dhidden", "dweight", "dbias"], grads, ref_grads):
+        assert got.dtype == torch.float32
+        assert_close(name, got, r, torch.bfloat16)
