@@ -157,3 +157,100 @@ def grads64(fn, inputs, grad_out):
     grads = torch.autograd.grad(out, wanted, grad_out.to(F64), allow_unused=True)
     it = iter(grads)
     return out.detach(), [None if t is None or not t.requires_grad else next(it) for t in leaves]
+
+
+def log_probs_ref(hidden, weight, tokens, bias=None, temperature=1.0, softcap=None, ignore_index=-100):
+    """(logp, entropy) per row in float64: z = softcap(h W^T + b) / T, logp = z_y - lse(z), H = -sum p log p; both 0
+    at ignored rows (ops.linear_log_probs' docstring)."""
+    x = hidden.to(F64) @ weight.to(F64).T
+    if bias is not None:
+        x = x + bias.to(F64)
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    log_p = torch.log_softmax(x / temperature, dim=-1)
+    valid = tokens != ignore_index
+    picked = log_p.gather(-1, torch.where(valid, tokens, 0)[..., None]).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    zero = torch.zeros((), dtype=F64, device=picked.device)
+    return torch.where(valid, picked, zero), torch.where(valid, entropy, zero)
+
+
+# ------------------------------------------------------------------------------------- RL and preference losses
+def grpo_ref(lp, mask, adv, old, ref, loss_type, beta, eps_low, eps_high, level="token", max_len=None, delta=None,
+             sampler_weights=None):
+    """GRPO (ops.preference's docstring; TRL 1.16's loss types) in float64, written token by token."""
+    lp, mask, adv, old = (t.to(F64) for t in (lp, mask, adv, old))
+    ratio = torch.exp(lp - old)
+    if level == "sequence":
+        ratio = torch.exp(((lp - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1))
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    capped = ratio if delta is None else ratio.clamp(max=delta)
+    surrogate = torch.minimum(capped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    loss = -surrogate if sampler_weights is None else -surrogate * sampler_weights.to(F64)
+    if beta:
+        ref = ref.to(F64)
+        loss = loss + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
+    loss = loss * mask
+    if loss_type == "grpo":
+        return (loss.sum(1) / mask.sum(1).clamp_min(1)).mean()
+    if loss_type == "dr_grpo":
+        return loss.sum() / (loss.shape[0] * (max_len or loss.shape[1]))
+    return loss.sum() / mask.sum().clamp_min(1)  # bnpo, and dapo with num_items = sum(mask)
+
+
+def dpo_ref(c, r, rc, rr, beta, loss_type, label_smoothing=0.0, len_c=None, len_r=None):
+    d = (c.to(F64) - rc.to(F64)) - (r.to(F64) - rr.to(F64))
+    if loss_type == "sigmoid":
+        loss = -(1 - label_smoothing) * torch.log(torch.sigmoid(beta * d)) \
+            - label_smoothing * torch.log(torch.sigmoid(-beta * d))
+    elif loss_type == "hinge":
+        loss = torch.clamp(1 - beta * d, min=0)
+    else:
+        d = (c.to(F64) - rc.to(F64)) / len_c.to(F64) - (r.to(F64) - rr.to(F64)) / len_r.to(F64)
+        loss = (d - 1 / (2 * beta)) ** 2
+    return loss.mean()
+
+
+def orpo_ref(c, r, beta, nll):
+    c, r = c.to(F64), r.to(F64)
+    odds = torch.log(torch.exp(c) / (1 - torch.exp(c))) - torch.log(torch.exp(r) / (1 - torch.exp(r)))
+    return nll.to(F64) - beta * torch.log(torch.sigmoid(odds)).mean()
+
+
+def simpo_ref(c, r, beta, gamma, label_smoothing=0.0):
+    x = beta * (c.to(F64) - r.to(F64)) - gamma
+    loss = -(1 - label_smoothing) * torch.log(torch.sigmoid(x)) - label_smoothing * torch.log(torch.sigmoid(-x))
+    return loss.mean()
+
+
+def kto_ref(c, r, rc, rr, kl_lp, ref_kl, beta, w_d, w_u):
+    z = (kl_lp.to(F64) - ref_kl.to(F64)).mean().clamp_min(0).detach()
+    chosen = w_d * (1 - torch.sigmoid(beta * ((c.to(F64) - rc.to(F64)) - z)))
+    rejected = w_u * (1 - torch.sigmoid(beta * (z - (r.to(F64) - rr.to(F64)))))
+    return torch.cat([chosen, rejected]).mean()
+
+
+def distillation_ref(hidden, weight, teacher_hidden, teacher_weight, labels=None, bias=None, beta=0.5,
+                     temperature=1.0, reduction="batchmean"):
+    """Generalised JSD between softmax(student / T) and softmax(teacher / T) (ops.distillation), float64, from
+    the probabilities themselves: beta 0 KL(Q||P), 1 KL(P||Q), else beta KL(Q||M) + (1 - beta) KL(P||M)."""
+    s = hidden.to(F64) @ weight.to(F64).T + (0 if bias is None else bias.to(F64))
+    t = teacher_hidden.to(F64) @ teacher_weight.to(F64).T
+    p, q = torch.softmax(s / temperature, -1), torch.softmax(t / temperature, -1)
+
+    def kl(a, b):
+        return (a * torch.log(a / b)).sum(-1)
+
+    if beta == 0:
+        rows = kl(q, p)
+    elif beta == 1:
+        rows = kl(p, q)
+    else:
+        mix = beta * q + (1 - beta) * p
+        rows = beta * kl(q, mix) + (1 - beta) * kl(p, mix)
+    if labels is not None:
+        rows = rows * (labels != -100)
+    if reduction == "sum":
+        return rows.sum()
+    count = rows.shape[0] if labels is None else int((labels != -100).sum())
+    return rows.sum() / max(count, 1)

@@ -247,13 +247,12 @@ def test_trainer_without_fused_head_gets_logits_in_training(tiny_folder, tmp_pat
 
 
 def test_trainer_that_may_differentiate_statistics_keeps_trl_head(tiny_folder, tmp_path, fresh_seed):
-    """leantune's statistics carry no gradient: a trainer outside SFT/DPO (GRPO's entropy bonus) keeps TRL's head."""
-    GRPOLike = type("GRPOLike", (), {})  # noqa: N806 - a trainer class that is neither SFTTrainer nor DPOTrainer
-    trainer = GRPOLike()
+    """leantune's statistics carry no gradient: a TRL trainer outside SFT/DPO/GRPO (RLOO) keeps TRL's head."""
+    trainer = object.__new__(trl.RLOOTrainer)  # not built: only its class and model are read
     trainer.model = _sft_trainer(tiny_folder, tmp_path, fresh_seed).model  # carries TRL's fused head
     patch_trainer(trainer)
     hf = trainer.model.get_base_model()
-    assert "GRPOLike is not an SFTTrainer or DPOTrainer" in hf.leantune_summary["loss_runs"]
+    assert "RLOOTrainer is not an SFTTrainer, DPOTrainer or GRPOTrainer" in hf.leantune_summary["loss_runs"]
     input_ids = torch.randint(0, 259, (2, 15))
     out = hf.train()(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
     assert loss_head_calls(hf) == 0 and torch.isfinite(out.loss)
@@ -297,3 +296,77 @@ def test_patch_trainer_freezes_the_heap_while_training(tiny_folder, tmp_path, fr
     failing.add_callback(counter)
     failing.train()
     assert counter.seen and set(counter.seen) == {0}
+
+
+def _grpo_trainer(folder, tmp_path, seed, **overrides):
+    model, tok = _lora_model(folder, seed)
+    rng = random.Random(2)
+    prompts = [{"prompt": _phrase(rng)} for _ in range(8)]
+    settings = dict(max_completion_length=6, num_generations=4, per_device_train_batch_size=4, beta=0.1,
+                    temperature=0.9, logging_steps=1)
+    settings.update(overrides)
+    args = trl.GRPOConfig(**_common(tmp_path, **settings))
+
+    def reward(completions, **kwargs):  # longer completions with more "a" score higher: a spread of advantages
+        return [float(len(c)) / 10 + c.count("a") for c in completions]
+
+    return trl.GRPOTrainer(model=model, args=args, reward_funcs=reward, processing_class=tok,
+                           train_dataset=datasets.Dataset.from_list(prompts))
+
+
+def test_grpo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, tmp_path, fresh_seed):
+    """GRPOTrainer (fp32, LoRA, beta > 0: the reference is the model with adapters disabled, temperature 0.9, an
+    entropy bonus: the entropy's gradient too): per step the logged loss, KL, entropy, rewards and gradient norm
+    equal plain TRL's, and every fused_lm_head call (policy with gradient, reference without) went to leantune's
+    log-prob head."""
+    ref_logs = _train(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, entropy_coef=0.01), fresh_seed)
+    trainer = patch_trainer(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, entropy_coef=0.01))
+    hf = trainer.model.get_base_model()
+    assert trainer._entropy_bonus_enabled  # TRL's loss differentiates the entropy
+    assert "ops.linear_log_probs at temperature 0.9" in hf.leantune_summary["loss_runs"]
+    logs = _train(trainer, fresh_seed)
+    _compare(ref_logs, logs, ("grad_norm", "entropy", "reward", "reward_std"))
+    for step, (ref, out) in enumerate(zip(ref_logs, logs)):
+        # both are differences that cancel in fp32, so their rounding is absolute: the surrogate sums
+        # advantage-weighted ratios of 1 to ~0 (advantages centred per group), leaving beta KL ~1e-6; TRL's k3
+        # exp(d) - d - 1 at d ~ 1e-3 is formed from terms ~1 (fp32 eps 1.2e-7 each)
+        assert abs(float(out["loss"]) - float(ref["loss"])) <= 1e-6, (step, out["loss"], ref["loss"])
+        assert abs(float(out["kl"]) - float(ref["kl"])) <= 5e-7, (step, out["kl"], ref["kl"])
+    # per step: the reference pass and the policy pass (old log-probs are the policy's detached: one update each)
+    assert loss_head_calls(trainer.model) == 2 * STEPS
+
+
+def test_grpo_metrics_off_are_not_logged(tiny_folder, tmp_path, fresh_seed):
+    """metrics=False without an entropy bonus or token mask: the entropy is neither computed nor logged (not 0)."""
+    trainer = patch_trainer(_grpo_trainer(tiny_folder, tmp_path, fresh_seed, max_steps=1), metrics=False)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged and all("entropy" not in h for h in logged) and loss_head_calls(trainer.model) == 2
+
+
+def test_patch_trainer_names_what_it_takes(tiny_folder, tmp_path, fresh_seed):
+    from transformers import Trainer, TrainingArguments
+
+    model, _ = _lora_model(tiny_folder, fresh_seed)
+    with pytest.raises(ValueError, match=r"patch_trainer takes a built TRL trainer .*leantune\.patch\(model\)"):
+        patch_trainer(model)
+    with pytest.raises(ValueError, match=r"takes a built TRL trainer .*got torch\.nn\.modules\.linear\.Linear"):
+        patch_trainer(torch.nn.Linear(2, 2))
+    plain = Trainer(model=model, args=TrainingArguments(**_common(tmp_path)))
+    with pytest.raises(ValueError, match=r"got transformers\.trainer\.Trainer.*leantune\.patch\(trainer\.model\)"):
+        patch_trainer(plain)
+
+
+def test_summary_after_unpatch_says_unpatched(tiny_folder, tmp_path, fresh_seed):
+    trainer = patch_trainer(_sft_trainer(tiny_folder, tmp_path, fresh_seed))
+    hf = trainer.model.get_base_model()
+    leantune.unpatch(trainer.model)
+    assert "unpatched" in hf.leantune_summary["loss_runs"] and hf.leantune_summary["counts"]["loss"] == 0
+
+
+def test_sft_metrics_off_are_left_out_of_the_logs(tiny_folder, tmp_path, fresh_seed):
+    trainer = patch_trainer(_sft_trainer(tiny_folder, tmp_path, fresh_seed), metrics=False)
+    logs = _train(trainer, fresh_seed)
+    assert all("entropy" not in h and "mean_token_accuracy" not in h for h in logs)
+    patch_trainer(trainer)  # metrics on again: the wrapper is taken off
+    assert "log" not in trainer.__dict__

@@ -1,4 +1,5 @@
-"""TRL's SFTTrainer and DPOTrainer with leantune's loss head: ``patch_trainer(trainer)`` after building the trainer.
+"""TRL's SFTTrainer, DPOTrainer and GRPOTrainer with leantune's loss head: ``patch_trainer(trainer)`` after building
+the trainer.
 
 Design: docs/design.md, "TRL's trainers" (and "Patch seams" for the wrappers and ``unpatch``).
 
@@ -27,13 +28,20 @@ only as labels, positions and ``num_items_in_batch``, which it takes as TRL's he
 
 The statistics (entropy, top-1 agreement, mean logit, log sum p^2) are for logging only (TRL detaches or never
 differentiates them): the same op call returns them (``statistics=``), read from each logits chunk right after its
-loss, one more pass over the chunk and no extra matmul. ``metrics=False`` skips that pass and reports zeros.
+loss, one more pass over the chunk and no extra matmul. ``metrics=False`` skips that pass and leaves those metrics
+out of the trainer's logs (not zeros); ``log_sum_sq_probs``, which DPO's ``use_weighting`` reads in its loss, is
+computed either way.
+
+GRPOTrainer (policy and a separate reference model): its ``fused_lm_head=True`` calls (TRL's
+``_get_per_token_logps_and_entropies``, with and without gradient) are served by ``ops.linear_log_probs`` at TRL's
+temperature: log softmax(z / T)[label] per target row, and the entropy of softmax(z / T), differentiable, for
+TRL's entropy metric, high-entropy token mask and entropy bonus.
 
 TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
-SFTTrainer or DPOTrainer (GRPO differentiates the entropy), a temperature or logit scale other than 1,
-``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks, FSDP2's sharded
-weight), MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call gives TRL's head
-back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which.
+SFTTrainer, DPOTrainer or GRPOTrainer (RLOO, KTO: not yet routed), for SFT/DPO a temperature other than 1, a logit
+scale other than 1, ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks,
+FSDP2's sharded weight), MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call
+gives TRL's head back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which.
 :func:`loss_head_calls` counts the calls served.
 
 TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
@@ -59,6 +67,10 @@ from ..patch.lora_status import has_hooks
 
 IGNORE_INDEX = -100  # TRL's label for "no target", fixed in its fused head
 STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+LOSS_STATS = ("log_sum_sq_probs",)  # read by a loss (DPO's use_weighting), so computed even with metrics off
+# the trainers' logged metrics each statistic feeds (left out of the logs when it is not computed)
+LOGGED_FROM = {"entropy": ("entropy",), "is_top1": ("mean_token_accuracy",),
+               "mean_logits": ("logits/chosen", "logits/rejected")}
 
 
 class FusedLMHead:
@@ -75,8 +87,10 @@ class FusedLMHead:
 
     leantune_loss = "ops.linear_cross_entropy per token (TRL's fused_lm_head calls, leantune.integrations.trl)"
 
-    def __init__(self, model: nn.Module, previous, outputs: tuple[str, ...], metrics: bool = True):
+    def __init__(self, model: nn.Module, previous, outputs: tuple[str, ...], metrics: bool = True,
+                 temperature: float | None = None):
         self.model, self.previous, self.outputs, self.metrics = model, previous, tuple(outputs), metrics
+        self.temperature = temperature  # set: GRPO's head (ops.linear_log_probs at that temperature)
         self.calls = 0
 
     @property
@@ -85,6 +99,10 @@ class FusedLMHead:
 
     def __repr__(self):
         return f"<leantune FusedLMHead of {type(self.model).__name__}, {self.calls} calls>"
+
+    def computes(self, name: str) -> bool:
+        """Whether statistic ``name`` is computed (asked for by TRL, and metrics on or a loss reads it)."""
+        return name in self.outputs and (self.metrics or name in LOSS_STATS)
 
     def _serves(self) -> bool:
         state = self.model.__dict__.get(STATE_ATTR)
@@ -116,10 +134,8 @@ class FusedLMHead:
         rows, targets = hidden[mask], labels[mask]
         family = model.__dict__[STATE_ATTR].family
         softcap = getattr(model.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
-        wanted = tuple(name for name in STATS if name in self.outputs) if self.metrics else ()
-        out = ops.linear_cross_entropy(rows, head.weight, targets, head.bias, softcap=softcap, reduction="none",
-                                       ignore_index=IGNORE_INDEX, statistics=wanted)
-        nll, found = out if wanted else (out, {})
+        wanted = tuple(name for name in STATS if self.computes(name))
+        nll, found = self._rows(rows, head, targets, softcap, wanted)
         self.calls += 1
         # masked_scatter keeps an all-ignored micro-batch connected to the graph (a zero with a gradient), as TRL's
         log_probs = nll.new_zeros(mask.shape).masked_scatter(mask, -nll)
@@ -130,6 +146,19 @@ class FusedLMHead:
                                        device=mask.device))
         divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, label_mask=mask, **stats)
+
+    def _rows(self, rows, head, targets, softcap, wanted):
+        """(-log p of each target row, {statistic: [rows]}) from leantune's head: ops.linear_cross_entropy with its
+        statistics (SFT, DPO), or ops.linear_log_probs at TRL's temperature with the entropy (GRPO)."""
+        if self.temperature is None:
+            out = ops.linear_cross_entropy(rows, head.weight, targets, head.bias, softcap=softcap, reduction="none",
+                                           ignore_index=IGNORE_INDEX, statistics=wanted)
+            return out if wanted else (out, {})
+        with_entropy = "entropy" in wanted
+        out = ops.linear_log_probs(rows, head.weight, targets, head.bias, temperature=self.temperature,
+                                   softcap=softcap, entropy=with_entropy, ignore_index=IGNORE_INDEX)
+        log_probs, entropy = out if with_entropy else (out, None)
+        return -log_probs, ({"entropy": entropy} if with_entropy else {})
 
 
 def _trl_head_settings(forward) -> dict | None:
@@ -159,29 +188,116 @@ def _take_head(model, metrics: bool, trainer) -> str:
     hf = hf_model(model)
     forward = hf.__dict__.get("forward")
     if isinstance(forward, FusedLMHead):
-        forward.metrics = metrics
+        # GRPO's token mask and entropy bonus read the entropy whatever the metrics
+        forward.metrics = metrics or (forward.temperature is not None and _grpo_reads_entropy(trainer))
         return "leantune"
     settings = _trl_head_settings(forward)
     if settings is None:  # TRL <= 1.14 (or a plain Trainer): outputs.logits may be read in training
         return "no fused head"
     from trl import DPOTrainer, SFTTrainer
 
-    # GRPO's entropy bonus differentiates the entropy, which leantune's head computes without gradient
+    grpo = _grpo_head(trainer, settings)
+    if grpo is not None:
+        return _take_grpo_head(hf, forward, settings, metrics, trainer, grpo)
+    # RLOO and the rest may differentiate the statistics, which leantune's head computes without gradient
     why = _why_not_served(settings) if isinstance(trainer, (SFTTrainer, DPOTrainer)) else (
-        f"{type(trainer).__name__} is not an SFTTrainer or DPOTrainer (it may differentiate the statistics)")
+        f"{type(trainer).__name__} is not an SFTTrainer, DPOTrainer or GRPOTrainer (it may differentiate the "
+        "statistics)")
     if why is not None:
         return f"TRL's fused head kept: {why}"
     hf.forward = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics)
     return "leantune"
 
 
+def _grpo_head(trainer, settings: dict):
+    """None for a trainer other than TRL's GRPOTrainer; for one, why TRL's head stays ("" when leantune's
+    log-prob head serves it)."""
+    from trl import GRPOTrainer
+
+    if not isinstance(trainer, GRPOTrainer):
+        return None
+    if settings.get("logit_scale", 1.0) != 1.0:
+        return f"logit scale {settings['logit_scale']} (leantune's head has none)"
+    if settings.get("cast_lm_head_to_fp32"):
+        return "cast_lm_head_to_fp32 (leantune's head runs in the model's dtype)"
+    return ""
+
+
+def _grpo_reads_entropy(trainer) -> bool:
+    """Whether GRPO's loss reads the entropy: its high-entropy token mask, or its entropy bonus (differentiated)."""
+    return getattr(trainer, "top_entropy_quantile", 1.0) < 1.0 or bool(getattr(trainer, "_entropy_bonus_enabled",
+                                                                                False))
+
+
+def _take_grpo_head(hf, forward, settings: dict, metrics: bool, trainer, why: str) -> str:
+    """Put leantune's log-prob head (ops.linear_log_probs at TRL's temperature, with the entropy) in front of
+    GRPOTrainer's fused head on ``hf``; the entropy is computed with metrics off too when the trainer reads it."""
+    if why:
+        return f"TRL's fused head kept: {why}"
+    needs_entropy = _grpo_reads_entropy(trainer)
+    temperature = settings.get("temperature", 1.0)
+    head = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics or needs_entropy,
+                       temperature=temperature)
+    head.leantune_loss = (f"ops.linear_log_probs at temperature {temperature:g} per token (GRPO's fused_lm_head "
+                          "calls, leantune.integrations.trl)")
+    hf.forward = head
+    return "leantune"
+
+
+def _check_trainer(trainer) -> None:
+    """ValueError unless ``trainer`` is a built TRL trainer, naming what :func:`patch_trainer` takes."""
+    from_trl = any(getattr(cls, "__module__", "").startswith("trl.") for cls in type(trainer).__mro__)
+    if from_trl and isinstance(getattr(trainer, "model", None), nn.Module):
+        return
+    name = f"{type(trainer).__module__}.{type(trainer).__qualname__}"
+    if isinstance(trainer, nn.Module):
+        hint = "; for a model, call leantune.patch(model)"
+    elif isinstance(getattr(trainer, "model", None), nn.Module):
+        hint = "; for another trainer, call leantune.patch(trainer.model) (its loss then comes from the model forward)"
+    else:
+        hint = ""
+    raise ValueError(f"patch_trainer takes a built TRL trainer (trl.SFTTrainer, DPOTrainer or GRPOTrainer after "
+                     f"construction), got {name}{hint}")
+
+
+def _leave_out_of_logs(trainer, names: tuple[str, ...]) -> None:
+    """With ``names``, drop those metrics from the trainer's pending metrics before each ``log`` (statistics not
+    computed under ``metrics=False`` are left out, not logged as 0); without, take that wrapper off again."""
+    if getattr(trainer.__dict__.get("log"), "leantune_left_out", None) is not None:
+        del trainer.__dict__["log"]
+    if not names or not callable(getattr(trainer, "log", None)):
+        return
+    log = trainer.log
+
+    @functools.wraps(log)
+    def log_measured(logs, *args, **kwargs):
+        for pending in getattr(trainer, "_metrics", {}).values():  # TRL's {"train": {...}, "eval": {...}}
+            for name in names:
+                pending.pop(name, None)
+        return log(logs, *args, **kwargs)
+
+    log_measured.leantune_left_out = names
+    trainer.log = log_measured
+
+
+def _not_computed(trainer) -> tuple[str, ...]:
+    """The logged metrics whose statistic the policy's leantune head does not compute."""
+    forward = hf_model(trainer.model).__dict__.get("forward")
+    if not isinstance(forward, FusedLMHead):
+        return ()
+    return tuple(metric for stat, metrics in LOGGED_FROM.items() if stat in forward.outputs
+                 and not forward.computes(stat) for metric in metrics)
+
+
 def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **patch_kwargs):
-    """Make a built TRL trainer (SFTTrainer, DPOTrainer) train with leantune's ops and loss head; returns ``trainer``.
+    """Make a built TRL trainer (SFTTrainer, DPOTrainer, GRPOTrainer) train with leantune's ops and loss head;
+    returns ``trainer``.
 
     Args:
         trainer: a ``trl`` trainer after construction (its model may already be patched, or not).
         metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit) inside the loss op's pass
-            (module docstring); False reports zeros for them.
+            (module docstring); False leaves them out of the logs (GRPO's entropy is still computed when its
+            token mask or entropy bonus reads it).
         freeze_heap: while ``trainer.train()`` runs, keep the Python objects alive at its start out of the garbage
             collector's full collections (:func:`leantune.heap.long_lived_frozen`: a full collection walks the
             model's ~500k objects, a host pause of 0.2-0.3 s every few steps), as ``leantune train`` does; False
@@ -193,8 +309,11 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
         kept, the patch summary's ``loss_runs`` says why (module docstring).
 
     Raises:
-        ValueError: as :func:`leantune.patch` (unsupported family, not a transformers model).
+        ValueError: ``trainer`` is not a TRL trainer with a model (a model, a PEFT wrapper, a plain
+            ``transformers.Trainer``: the message says what to call instead), and as :func:`leantune.patch`
+            (unsupported family, not a transformers model).
     """
+    _check_trainer(trainer)
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:
             continue
@@ -208,6 +327,7 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
             hf.leantune_summary["loss_runs"] += "; logits formed in training too (no fused head: TRL <= 1.14)"
         elif head.startswith("TRL's"):
             hf.leantune_summary["loss_runs"] = head
+    _leave_out_of_logs(trainer, _not_computed(trainer))
     _freeze_heap_in_train(trainer, freeze_heap)
     return trainer
 

@@ -10,8 +10,10 @@ validated ``LEANTUNE_BACKEND`` setting, so callers (the CLI) check the setting u
 
 from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
+from .distillation import linear_distillation_loss
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
+from .log_probs import linear_log_probs
 from .lora import LoraWeights, lora_linear, lora_mlp, lora_qkv
 from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from .rms_norm import rms_norm
@@ -26,6 +28,8 @@ __all__ = [
     "dequantize_nf4",
     "geglu",
     "linear_cross_entropy",
+    "linear_distillation_loss",
+    "linear_log_probs",
     "lora_linear",
     "lora_mlp",
     "lora_qkv",

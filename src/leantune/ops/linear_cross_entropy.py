@@ -59,12 +59,18 @@ def chunk_length(chunk_bytes: int, bytes_per_item: int, total: int, granule: int
     return length
 
 
-def _logits_into(out, hidden, weight, bias):
-    """out = hidden @ weight.T (+ bias), written into leantune's buffer (cuBLAS, fp32 accumulation inside)."""
-    if bias is None:
-        torch.mm(hidden, weight.t(), out=out)
+def _logits_into(out, hidden, weight, bias, alpha=1.0):
+    """out = alpha (hidden @ weight.T (+ bias)), written into leantune's buffer (cuBLAS, fp32 accumulation inside;
+    ``alpha`` is applied to the fp32 accumulator, so a temperature costs no pass and no extra rounding)."""
+    if alpha == 1.0:
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=out)
+        else:
+            torch.addmm(bias, hidden, weight.t(), out=out)
+    elif bias is None:  # beta=0: addmm ignores its input (the buffer's old contents, NaN included)
+        torch.addmm(out, hidden, weight.t(), beta=0.0, alpha=alpha, out=out)
     else:
-        torch.addmm(bias, hidden, weight.t(), out=out)
+        torch.addmm(bias, hidden, weight.t(), beta=alpha, alpha=alpha, out=out)
     return out
 
 
@@ -130,8 +136,12 @@ def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad
     return loss, lse, dhidden, dweight, dbias
 
 
-def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, chunk_bytes, wants):
-    """dhidden/dweight/dbias from recomputed logits (memory="low", and "none" reductions); ``scale``: 0-dim or [N]."""
+def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, chunk_bytes, wants, alpha=1.0,
+                        rows_fn=gradient_rows):
+    """dhidden/dweight/dbias from recomputed logits (memory="low", and "none" reductions); ``scale``: 0-dim or [N].
+    ``alpha``: the logits the kernels read are alpha (h W^T + b) (ops.linear_log_probs' 1 / temperature); the
+    caller folds alpha into ``scale`` for the chain rule. ``rows_fn``: the gradient of a tile, with
+    ``gradient_rows``' arguments (``scale`` may then carry more per-row values: [N, k], sliced by rows)."""
     want_h, want_w, want_b = wants
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
     device, dtype, itemsize = hidden.device, hidden.dtype, hidden.element_size()
@@ -151,8 +161,8 @@ def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, ch
             end = min(start + cols, n_vocab)
             weight_t = weight[start:end]
             logits = _logits_into(buffer[: n_rows * (end - start)].view(n_rows, end - start), hidden, weight_t,
-                                  None if bias is None else bias[start:end])
-            gradient_rows(impl, logits, labels, lse, scale, opts, logits, col_offset=start, n_vocab=n_vocab)
+                                  None if bias is None else bias[start:end], alpha)
+            rows_fn(impl, logits, labels, lse, scale, opts, logits, col_offset=start, n_vocab=n_vocab)
             if want_w:
                 torch.mm(logits.t(), hidden, out=dweight[start:end])
             if want_b:
@@ -167,9 +177,9 @@ def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, ch
         buffer = _runtime.empty((rows, n_vocab), dtype=dtype, device=device)
         for start in range(0, n_rows, rows):
             end = min(start + rows, n_rows)
-            logits = _logits_into(buffer[: end - start], hidden[start:end], weight, bias)
+            logits = _logits_into(buffer[: end - start], hidden[start:end], weight, bias, alpha)
             scale_c = scale if scale.dim() == 0 else scale[start:end]
-            gradient_rows(impl, logits, labels[start:end], lse[start:end], scale_c, opts, logits)
+            rows_fn(impl, logits, labels[start:end], lse[start:end], scale_c, opts, logits)
             torch.mm(logits, weight, out=dhidden[start:end])
     return dhidden, dweight, dbias
 

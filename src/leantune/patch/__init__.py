@@ -216,7 +216,8 @@ def unpatch(model):
     Returns:
         ``model``, with HF's own forwards (and PEFT's) again; harmless on a model that was never patched. A wrapper
         that still holds one of leantune's forwards (TRL's fused LM head) then reaches HF's forward through it, and a
-        later :func:`patch` revives it.
+        later :func:`patch` revives it. A model that was patched keeps a ``leantune_summary`` saying it is unpatched
+        (no counts, ``loss_runs`` naming ``leantune.unpatch``).
 
     Raises:
         ValueError: ``model`` is neither a transformers model nor a PEFT wrapper of one.
@@ -227,8 +228,16 @@ def unpatch(model):
     for module in hf.modules():
         if STATE_ATTR in module.__dict__:
             unbind(module)
-    hf.__dict__.pop(_MODEL_ATTR, None)
-    hf.__dict__.pop(SUMMARY_ATTR, None)
+    was_patched = hf.__dict__.pop(_MODEL_ATTR, None) is not None
+    if was_patched or SUMMARY_ATTR in hf.__dict__:
+        # the summary stays readable and says so (reading it raised AttributeError before)
+        hf.__dict__[SUMMARY_ATTR] = {
+            "family": None, "counts": dict.fromkeys(("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv",
+                                                      "lora_mlp"), 0),
+            "off": list(KINDS), "offload_checkpoints": False, "tile_mlp": None,
+            "loss_runs": "not leantune's: the model is unpatched (leantune.unpatch)",
+            "unpatched": {"model": "leantune.unpatch"},
+        }
     return model
 
 
