@@ -8,6 +8,7 @@ RuntimeError ("trying to differentiate twice") rather than silently dropping the
 validated ``LEANTUNE_BACKEND`` setting, so callers (the CLI) check the setting up front without private names.
 """
 
+from ._loss import raise_deferred_errors
 from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
 from .glu import geglu, swiglu
@@ -30,6 +31,7 @@ __all__ = [
     "lora_mlp",
     "lora_qkv",
     "quantize_nf4",
+    "raise_deferred_errors",
     "rms_norm",
     "rope",
     "swiglu",
