@@ -16,7 +16,8 @@ memory="fast" (default): everything happens in the forward, token chunk by token
     summed in an fp32 [V, H] buffer (only when the weight requires grad) and cast once at the end, so its error does
     not grow with the chunk count (docs/design.md, "Numerics"). Saved: dhidden [N, H], dweight [V, H], dbias [V]
     (only those that are wanted). Backward multiplies them by the scalar grad_output in place (also when it is 1:
-    deciding would read it back, a host sync; x * 1 is exact), so the node supports one backward (a second, with retain_graph, raises). 2 N H V multiply-adds in all.
+    deciding would read it back, a host sync; x * 1 is exact), so the node supports one backward (a second, with
+    retain_graph, raises). 2 N H V multiply-adds in all.
     reduction="none" has one grad_output per row, which dweight needs before its matmul; it runs the "low" path,
     and so do requested ``statistics`` (they read the logits, which this path overwrites with their gradient).
 memory="low": the forward computes only loss and lse per token chunk; saved: hidden, weight, bias, labels, lse

@@ -16,9 +16,9 @@ which is the block-diagonal causal attention exactly, with O(tokens) extra memor
 (one SDPA call per document); they are reused by every layer and by the checkpointed recomputation (keyed on the
 ``position_ids`` tensor). Where the data is built on the host, :func:`remember_documents` computes them from the host
 copy of the positions (``leantune train`` does, before each forward): no device sync at all. Otherwise they are
-read from the device's ``position_ids`` once per forward (one sync). Every other call (a padding mask, decoding or several new tokens on a cache, unpacked rows)
-gets transformers' own SDPA mask and path, so results never change, only the memory. Sliding-window and softcapped
-attention are refused by :func:`use_document_attention`.
+read from the device's ``position_ids`` once per forward (one sync). Every other call (a padding mask, decoding or
+several new tokens on a cache, unpacked rows) gets transformers' own SDPA mask and path, so results never change,
+only the memory. Sliding-window and softcapped attention are refused by :func:`use_document_attention`.
 """
 
 from __future__ import annotations
