@@ -104,7 +104,7 @@ def _install_packing_dispatch() -> None:
     def find_packed_sequence_indices(position_ids):
         packed = _known_packing(position_ids)
         if packed is None:
-            return current(position_ids)
+            return find_packed_sequence_indices._leantune_original(position_ids)
         if not packed:
             return None
         # document index per token: 0 at a row's first token, + 1 at each token that is not its predecessor + 1
