@@ -309,9 +309,9 @@ def test_patched_step_has_no_sync_on_gpu(case):
         host = _packed_positions(2, 64)
         inputs["position_ids"] = host.cuda()
         document_attention.remember_documents(inputs["position_ids"], host)
-    for _ in range(2):  # the first step warms up (allocations, autotuning), the second is checked
+    for checked in (False, True):  # the first step warms up (compilation, allocations), the second is checked
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
         try:
             loss = model(**inputs).loss
             loss.sum().backward()
