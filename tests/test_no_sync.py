@@ -235,11 +235,11 @@ def test_leantune_train_step_reads_nothing_back(tmp_path, watch):
     from test_train import write_chat_jsonl, write_tiny_model
     from tqdm.auto import tqdm
 
-    from leantune.train import loop
+    from leantune.train import loop, step_log
 
     tiny = {"model": write_tiny_model(tmp_path / "model"), "data": write_chat_jsonl(tmp_path / "chat.jsonl", n=30)}
     run = loop._prepare(train_config(tiny, tmp_path / "out", patch="on", grad_accum=2, max_steps=2))
-    log = loop._StepLog(run, tqdm(disable=True))
+    log = step_log.StepLog(run, tqdm(disable=True))
     params = [p for p in run.model.parameters() if p.requires_grad]
     micro = [run.train_data.select(slice(k * 2, k * 2 + 2)) for k in range(2)]
     with watch:

@@ -38,14 +38,13 @@ import os
 import resource
 import shutil
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .. import distributed, ops
+from .. import distributed
 from ..distributed import World
 from ..errors import LeantuneError
 from ..heap import long_lived_frozen
@@ -57,6 +56,7 @@ from .data import PackedData, chitchat_path, load_dataset
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
 from .model import load_model, load_tokenizer, resolve_model, wrap_lora
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
+from .step_log import StepLog, raise_deferred_errors
 
 # ---------------------------------------------------------------------------------------------------------------
 # One step
@@ -116,7 +116,7 @@ def evaluate(model, data: PackedData, batch_size: int, device: str) -> float:
                        labels=_to_device(batch.labels, device), num_items_in_batch=num_items, use_cache=False,
                        **only_loss).loss.double()
     model.train(was_training)
-    _raise_deferred_errors()
+    raise_deferred_errors()
     return total.item()  # one read at the end
 
 
@@ -361,7 +361,7 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
             metrics.log({"type": "eval", "step": 0, "eval_loss": eval_loss})
     bar = tqdm(total=run.total_steps, initial=run.start_step, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
-    log = _StepLog(run, bar)
+    log = StepLog(run, bar)
     done = run.start_step
     with GracefulInterrupt() as interrupt:
         for step in range(run.start_step, run.total_steps):
@@ -417,78 +417,6 @@ def train_step(run: _Run, micro_batches: list[PackedData], params: list):
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, lr
-
-
-# the training loop's reads of its own numbers: each step's loss and grad norm are copied to pinned host memory
-# without blocking, behind an event; a step's record is written once the next step is queued (so the host waits,
-# if at all, for a step that the device is already past, while the next one keeps it busy) and at every point where
-# the host waits anyway (eval, checkpoint, stop, end)
-LOG_LAG = 1
-
-
-class _StepLog:
-    """Step records on their way to metrics.jsonl and the progress bar (see LOG_LAG). On CUDA a step's time is the
-    device's, between events queued at its start and end (the host does not wait for it); on the CPU, the host's."""
-
-    def __init__(self, run: _Run, bar):
-        self.run, self.bar, self.pending, self.diverged = run, bar, [], False
-        self.cuda = torch.device(run.device).type == "cuda"
-
-    def start(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def record(self, done: int, timer, loss, grad_norm, lr: float, tokens: int) -> None:
-        values = [v.detach().reshape(()).double() for v in (loss, grad_norm) if torch.is_tensor(v)]
-        numbers = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
-        if self.cuda:
-            host = torch.empty(numbers.shape, dtype=torch.float64, pin_memory=True)
-            host.copy_(numbers, non_blocking=True)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            seconds = (timer, end)
-        else:
-            host, seconds = numbers, time.perf_counter() - timer
-        self.pending.append((done, host, seconds, torch.is_tensor(loss), torch.is_tensor(grad_norm), loss, grad_norm,
-                             lr, tokens))
-        if len(self.pending) > LOG_LAG:
-            self.flush(keep=LOG_LAG)
-
-    def flush(self, keep: int = 0) -> None:
-        """Write the records of every step but the last ``keep`` (a host wait on their events), and raise a loss
-        op's deferred label error (``ops.raise_deferred_errors``) as a LeantuneError."""
-        ready, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        run = self.run
-        for done, host, seconds, loss_is_t, norm_is_t, loss, grad_norm, lr, tokens in ready:
-            if self.cuda:
-                seconds[1].synchronize()
-                seconds = seconds[0].elapsed_time(seconds[1]) / 1000
-            values = host.numpy().tolist()  # host memory: pinned, or the CPU's own tensor
-            loss = values.pop(0) if loss_is_t else loss
-            grad_norm = values.pop(0) if norm_is_t else grad_norm
-            run.train_tokens += tokens
-            run.train_seconds += seconds
-            if run.world.main:
-                run.metrics.log({"type": "train", "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                 "tokens": tokens, "tokens_per_s": tokens / seconds})
-            if not math.isfinite(loss) and not self.diverged:
-                self.diverged = True
-                say(f"leantune: warning: the training loss became non-finite ({loss}) at step {done}; the run "
-                    "diverged (try a lower --lr or --max-grad-norm); metrics record it as null")
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
-        if ready:
-            _raise_deferred_errors()
-
-
-def _raise_deferred_errors() -> None:
-    try:
-        ops.raise_deferred_errors()
-    except ValueError as exc:
-        raise LeantuneError(f"the loss found a bad label: {exc}") from exc
 
 
 def _finish(run: _Run, replaced: list) -> RunResult:
