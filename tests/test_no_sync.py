@@ -248,6 +248,21 @@ def test_leantune_train_step_reads_nothing_back(tmp_path, watch):
         log.record(1, timer, loss, grad_norm, lr, 128)
     assert watch.calls == [], watch.calls
     assert torch.is_tensor(loss) and torch.is_tensor(grad_norm) and len(log.pending) == 1
+    # the record is read at the log point: the values the step left on the device
+    from leantune.errors import LeantuneError
+    from leantune.train.metrics import MetricsLog
+
+    run.metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    run.metrics.reset()
+    log.flush()
+    record = run.metrics.read()[-1]
+    assert record["step"] == 1 and record["loss"] == loss.item() and record["grad_norm"] == grad_norm.item()
+    # a bad label in a later step: its flag travels with the step's numbers, the log point raises
+    labels = torch.tensor([3, 10**6])
+    bad = ops.cross_entropy(torch.randn(2, 259), labels, checks="deferred")
+    log.record(2, log.start(), bad, grad_norm, lr, 128)
+    with pytest.raises(LeantuneError, match=r"labels must be in \[0, 259\).*found 1000000"):
+        log.flush()
 
 
 def test_bad_label_inside_a_step_gives_nan_then_the_error_at_the_log_point(monkeypatch):

@@ -8,7 +8,7 @@ RuntimeError ("trying to differentiate twice") rather than silently dropping the
 validated ``LEANTUNE_BACKEND`` setting, so callers (the CLI) check the setting up front without private names.
 """
 
-from ._loss import raise_deferred_errors
+from ._loss import deferred_error_flags, raise_deferred_errors
 from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
 from .glu import geglu, swiglu
@@ -24,6 +24,7 @@ __all__ = [
     "backend",
     "backend_choice",
     "cross_entropy",
+    "deferred_error_flags",
     "dequantize_nf4",
     "geglu",
     "linear_cross_entropy",

@@ -150,6 +150,13 @@ def _deferred_label_check(labels, n_vocab, ignore_index):
     return safe, n_valid, poison
 
 
+def deferred_error_flags() -> list[torch.Tensor]:
+    """The devices' deferred-error flags as 0-dim int64 tensors (non-zero once a bad label was seen), for a caller
+    that copies them to the host without blocking and calls :func:`raise_deferred_errors` only when one is set
+    (``leantune train``'s step records): reading a device value blocks until the queue before it has run."""
+    return [flag[0] for flag in _FLAGS.values()]
+
+
 def raise_deferred_errors() -> None:
     """Raise the ValueError of a label found out of range by a loss op with ``checks="deferred"`` since the last
     call (and clear it). Reads one small flag per device that saw such a check: a host wait, so call it where the

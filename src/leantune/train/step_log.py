@@ -38,6 +38,11 @@ class StepLog:
 
     def record(self, done: int, timer, loss, grad_norm, lr: float, tokens: int) -> None:
         values = [v.detach().reshape(()).double() for v in (loss, grad_norm) if torch.is_tensor(v)]
+        device = values[0].device if values else torch.device(self.run.device)
+        # the loss ops' deferred-error flags travel with the numbers: reading them directly would block on the
+        # step just queued
+        flags = [flag.double() for flag in ops.deferred_error_flags() if flag.device == device]
+        values += flags
         numbers = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
         if self.cuda:
             host = torch.empty(numbers.shape, dtype=torch.float64, pin_memory=True)
@@ -48,7 +53,7 @@ class StepLog:
         else:
             host, seconds = numbers, time.perf_counter() - timer
         self.pending.append((done, host, seconds, torch.is_tensor(loss), torch.is_tensor(grad_norm), loss, grad_norm,
-                             lr, tokens))
+                             lr, tokens, len(flags)))
         if len(self.pending) > LOG_LAG:
             self.flush(keep=LOG_LAG)
 
@@ -57,13 +62,15 @@ class StepLog:
         op's deferred label error (``ops.raise_deferred_errors``) as a LeantuneError."""
         ready, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         run = self.run
-        for done, host, seconds, loss_is_t, norm_is_t, loss, grad_norm, lr, tokens in ready:
+        flagged = False
+        for done, host, seconds, loss_is_t, norm_is_t, loss, grad_norm, lr, tokens, n_flags in ready:
             if self.cuda:
                 seconds[1].synchronize()
                 seconds = seconds[0].elapsed_time(seconds[1]) / 1000
             values = host.numpy().tolist()  # host memory: pinned, or the CPU's own tensor
             loss = values.pop(0) if loss_is_t else loss
             grad_norm = values.pop(0) if norm_is_t else grad_norm
+            flagged |= any(values[:n_flags])
             run.train_tokens += tokens
             run.train_seconds += seconds
             if run.world.main:
@@ -75,7 +82,7 @@ class StepLog:
                     "diverged (try a lower --lr or --max-grad-norm); metrics record it as null")
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
-        if ready:
+        if flagged or (ready and not keep):  # a set flag, or a point where the host waits anyway (keep = 0)
             raise_deferred_errors()
 
 
