@@ -335,3 +335,28 @@ def test_patched_step_has_no_sync_on_gpu(case):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).all() or case == "labels all ignored"
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_deferred_bad_label_is_ignored_by_the_kernels(op, backend):
+    """Both backends: a label past V (or negative) never reaches a kernel's index; the other rows' gradients are
+    those of the same call with the bad rows ignored, and the loss is NaN."""
+    hidden = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(30, 16)
+    labels = torch.randint(0, 30, (6,))
+    labels[1], labels[4] = 30 + 10**9, -7
+    ignored = labels.clone()
+    ignored[1] = ignored[4] = -100
+
+    def run(lab, checks):
+        if op == "cross_entropy":
+            return ops.cross_entropy(hidden @ weight.t(), lab, checks=checks)
+        return ops.linear_cross_entropy(hidden, weight, lab, checks=checks)
+
+    loss = run(labels, "deferred")
+    (grad,) = torch.autograd.grad(loss, hidden)
+    ref = run(ignored, "eager")
+    (ref_grad,) = torch.autograd.grad(ref, hidden)
+    assert torch.isnan(loss) and torch.equal(grad, ref_grad)
+    with pytest.raises(ValueError, match=f"found {30 + 10**9}"):
+        ops.raise_deferred_errors()
