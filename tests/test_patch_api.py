@@ -170,14 +170,14 @@ def test_hf_loss_conventions_num_items_shift_labels_return_dict():
 
 
 @pytest.mark.parametrize("num_items, to_op", [
-    (torch.tensor([[7]]), 7), (7.0, 7), (7, 7), (torch.tensor(7.0, dtype=torch.float64), 7), (2.5, None),
-    (torch.tensor(0), None), (0, None), (torch.tensor([3, 4]), None), (10**400, None),
+    (torch.tensor([[7]]), ("tensor", 7)), (7.0, 7), (7, 7), (torch.tensor(7.0, dtype=torch.float64), ("tensor", 7)),
+    (2.5, None), (torch.tensor(0), ("tensor", 0)), (0, 0), (torch.tensor([3, 4]), None), (10**400, None),
 ], ids=["1x1 tensor", "float", "int", "f64 tensor", "fraction", "zero tensor", "zero", "2 elements", "huge"])
 def test_num_items_in_batch_divides_as_hf_does(num_items, to_op, monkeypatch):
     """HF's Trainer passes num_items_in_batch as a [1, 1] tensor under DataParallel and can
     pass 0; HF divides the summed loss by whatever it gets, and so does the patch (same value, dtype, shape and
     gradient; a 0 that divides valid tokens gives HF's inf, not an error that ends the run). A whole count goes to
-    the op."""
+    the op, and a one-element tensor goes as a 0-dim tensor (never read back: no host sync)."""
     model = tiny_peft_model("llama")
     input_ids, labels = batch()
     try:
@@ -194,7 +194,8 @@ def test_num_items_in_batch_divides_as_hf_does(num_items, to_op, monkeypatch):
     monkeypatch.setattr(ops, "linear_cross_entropy",
                         lambda *a, **k: seen.append(k.get("num_items")) or original(*a, **k))
     loss = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
-    assert seen == [to_op]
+    assert [("tensor", t.item()) if torch.is_tensor(t) else t for t in seen] == [to_op]
+    assert all(t.dim() == 0 for t in seen if torch.is_tensor(t))
     grads = torch.autograd.grad(loss.sum(), [p for p in model.parameters() if p.requires_grad])
     assert loss.shape == ref.shape and loss.dtype == ref.dtype
     assert not loss._is_view()  # FSDP2 warns about a view returned by the root module (and its hook could be lost)

@@ -15,8 +15,8 @@ replaced. So leantune's patched causal-LM forward is never called in training, a
 ``trainer.ref_model``) and patches the model (:func:`leantune.patch`). While the model is patched with the loss kind
 on, ``fused_lm_head=True`` calls run the backbone (leantune's layers) and then
 
-    log_probs[t] = -loss_row[t] of ops.linear_cross_entropy(hidden[mask], lm_head.weight, labels[mask],
-                                                             lm_head.bias, softcap=..., reduction="none")
+    log_probs[t] = -loss_row[t] of ops.linear_cross_entropy(hidden, lm_head.weight, labels, lm_head.bias,
+                                                             softcap=..., reduction="none", checks="deferred")
 
 which is log softmax(z)[label] for z = softcap * tanh((h W^T + b) / softcap) (no softcap: z = h W^T + b), without
 [tokens, vocab] logits kept for backward. TRL's trainers then reduce it as they do for their own head:
@@ -131,17 +131,21 @@ class FusedLMHead:
         head = model.get_output_embeddings()
         hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
         mask = labels != IGNORE_INDEX
-        rows, targets = hidden[mask], labels[mask]
         family = model.__dict__[STATE_ATTR].family
         softcap = getattr(model.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
         wanted = tuple(name for name in STATS if self.computes(name))
-        nll, found = self._rows(rows, head, targets, softcap, wanted)
+        # every position goes to the op, the ignored ones with loss 0 and zero gradient: selecting the labelled rows
+        # (hidden[mask]) has a data-dependent size, a host sync each step; the price is the head's matmuls on the
+        # ignored rows too (docs/design.md, "No host sync in a step")
+        nll, found = self._rows(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1), softcap, wanted)
         self.calls += 1
-        # masked_scatter keeps an all-ignored micro-batch connected to the graph (a zero with a gradient), as TRL's
-        log_probs = nll.new_zeros(mask.shape).masked_scatter(mask, -nll)
+        # the op's loss is exactly 0 at ignored rows, and the result stays connected to the graph (an all-ignored
+        # micro-batch: a zero with a gradient), as TRL's
+        log_probs = (0.0 - nll).reshape(mask.shape)  # 0 - 0 is +0 at ignored rows, as TRL's zeros (-0 would not be)
         stats = dict.fromkeys(STATS)
         for name in (name for name in STATS if name in self.outputs):
-            stats[name] = (found[name].new_zeros(mask.shape).masked_scatter(mask, found[name]) if name in found else
+            stats[name] = (torch.where(mask, found[name].reshape(mask.shape), False if name == "is_top1" else 0.0)
+                           if name in found else
                            torch.zeros(mask.shape, dtype=torch.bool if name == "is_top1" else torch.float32,
                                        device=mask.device))
         divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -152,11 +156,11 @@ class FusedLMHead:
         statistics (SFT, DPO), or ops.linear_log_probs at TRL's temperature with the entropy (GRPO)."""
         if self.temperature is None:
             out = ops.linear_cross_entropy(rows, head.weight, targets, head.bias, softcap=softcap, reduction="none",
-                                           ignore_index=IGNORE_INDEX, statistics=wanted)
+                                           ignore_index=IGNORE_INDEX, statistics=wanted, checks="deferred")
             return out if wanted else (out, {})
         with_entropy = "entropy" in wanted
         out = ops.linear_log_probs(rows, head.weight, targets, head.bias, temperature=self.temperature,
-                                   softcap=softcap, entropy=with_entropy, ignore_index=IGNORE_INDEX)
+                                   softcap=softcap, entropy=with_entropy, ignore_index=IGNORE_INDEX, checks="deferred")
         log_probs, entropy = out if with_entropy else (out, None)
         return -log_probs, ({"entropy": entropy} if with_entropy else {})
 
@@ -329,7 +333,24 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
             hf.leantune_summary["loss_runs"] = head
     _leave_out_of_logs(trainer, _not_computed(trainer))
     _freeze_heap_in_train(trainer, freeze_heap)
+    _raise_deferred_at_logging(trainer)
     return trainer
+
+
+def _raise_deferred_at_logging(trainer) -> None:
+    """Add a callback (once) that raises a loss op's deferred label error at each logging step, where the Trainer
+    has just read the loss back (a host wait anyway): the head's loss runs with ``checks="deferred"``."""
+    from transformers import TrainerCallback
+
+    class RaiseDeferredErrors(TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            ops.raise_deferred_errors()
+
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is None:  # not a transformers Trainer
+        return
+    if not any(type(cb).__name__ == "RaiseDeferredErrors" for cb in handler.callbacks):
+        trainer.add_callback(RaiseDeferredErrors())
 
 
 def _freeze_heap_in_train(trainer, on: bool) -> None:

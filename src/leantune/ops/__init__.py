@@ -8,6 +8,7 @@ RuntimeError ("trying to differentiate twice") rather than silently dropping the
 validated ``LEANTUNE_BACKEND`` setting, so callers (the CLI) check the setting up front without private names.
 """
 
+from ._loss import deferred_error_flags, raise_deferred_errors
 from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
 from .distillation import linear_distillation_loss
@@ -25,6 +26,7 @@ __all__ = [
     "backend",
     "backend_choice",
     "cross_entropy",
+    "deferred_error_flags",
     "dequantize_nf4",
     "geglu",
     "linear_cross_entropy",
@@ -34,6 +36,7 @@ __all__ = [
     "lora_mlp",
     "lora_qkv",
     "quantize_nf4",
+    "raise_deferred_errors",
     "rms_norm",
     "rope",
     "swiglu",

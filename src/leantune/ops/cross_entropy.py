@@ -42,7 +42,9 @@ statistics, and an unspecified ``is_top1``.
 
 Labels outside [0, V) other than ignore_index raise ValueError before the launch (an out-of-range label would
 otherwise read out of bounds in the kernel): their range and the valid count are reduced on the device and read back
-in one host sync.
+in one host sync. With ``checks="deferred"`` (leantune.patch's training step) nothing is read back: bad labels are
+replaced by ignore_index before the launch, the loss is NaN, and the error is raised later
+(:func:`leantune.ops.raise_deferred_errors`; :mod:`leantune.ops._loss`).
 """
 
 from __future__ import annotations
@@ -275,15 +277,17 @@ def _gradient_from_softmax_(p, labels, lse, scale, opts, dz_dx, col_offset, n_vo
     if opts.label_smoothing > 0.0:
         p.sub_((opts.label_smoothing / n_vocab) * row_scale[:, None])
         target_weight = 1.0 - opts.label_smoothing
+    # the target column, where it lies in this tile: a gather and a scatter of one element a row, the rows without
+    # it written back unchanged (no nonzero(): its data-dependent size is a host sync on a GPU)
     local = labels - col_offset
-    rows = torch.nonzero(valid & (local >= 0) & (local < p.shape[1])).squeeze(1)
-    p[rows, local[rows]] -= target_weight * row_scale[rows]
+    hit = valid & (local >= 0) & (local < p.shape[1])
+    column = torch.where(hit, local, 0)[:, None]
+    picked = p.gather(1, column)
+    p.scatter_(1, column, torch.where(hit[:, None], picked - target_weight * row_scale[:, None], picked))
     if dz_dx is not None:
         p.mul_(dz_dx)
     # an ignored row's gradient is exactly 0 whatever its logits (exp(z - lse) may be inf or NaN there)
-    ignored = torch.nonzero(~valid).squeeze(1)
-    if ignored.numel():
-        p.index_fill_(0, ignored, 0.0)
+    p.masked_fill_(~valid[:, None], 0.0)
     return p
 
 
@@ -414,7 +418,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0,
-                  reduction="mean", num_items=None):
+                  reduction="mean", num_items=None, checks="eager"):
     """Cross-entropy of ``logits`` against ``labels`` with torch's semantics plus softcap and z-loss, fp32 inside.
 
     Args:
@@ -431,6 +435,10 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
             only: the divisor replacing count(valid) (HF's ``num_items_in_batch``, for gradient accumulation
             across micro-batches). 0 is accepted only when no label is valid (HF Trainer passes 0 for an
             accumulation window without targets): the loss is then 0.0 with zero gradients.
+        checks: ``"eager"`` (default): the label range and a tensor ``num_items`` are read back in one host sync
+            and a bad value raises ValueError here. ``"deferred"``: no host read (inside a training step): a bad
+            label is ignored by the kernels, the loss is NaN and ``leantune.ops.raise_deferred_errors()`` raises the
+            ValueError later; ``num_items`` is the divisor as given (0 with valid labels: inf, HF's division).
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. The gradient w.r.t. logits has logits' dtype.
@@ -439,7 +447,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
         ValueError: logits not a 2-D float tensor, labels not int64 ``[N]``, tensors on different devices, a label
             outside ``[0, V)`` that is not ``ignore_index``, an unknown reduction, ``num_items`` not a whole number
             in [0, 2^63), 0 while some label is valid, or given without ``"mean"``, label_smoothing outside [0, 1],
-            softcap <= 0, z_loss < 0, any of these three not a finite real number, an ignore_index outside int64.
+            softcap <= 0, z_loss < 0, any of these three not a finite real number, an ignore_index outside int64,
+            ``checks`` not "eager" or "deferred" (deferred: the label and num_items value errors are not raised here).
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("logits", logits)
@@ -451,11 +460,12 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
         raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")  # noqa: TRY004 (contract)
     _runtime.check_shape("labels", labels, (logits.shape[0],), "logits' first dim N")
     _runtime.check_same_device(logits=logits, labels=labels)
-    opts, n_valid = check_options(labels, logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, reduction,
-                                  num_items)
+    opts, n_valid, labels, poison = check_options(labels, logits.shape[1], ignore_index, label_smoothing, softcap,
+                                                  z_loss, reduction, num_items, checks)
     _runtime.backend(logits.device)  # raise configuration errors before any work
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     labels = labels.contiguous()
     divisor = mean_divisor(n_valid, reduction, num_items, labels.device)
-    return CrossEntropyFunction.apply(logits, labels, opts, reduction, divisor)
+    loss = CrossEntropyFunction.apply(logits, labels, opts, reduction, divisor)
+    return loss if poison is None else loss + poison

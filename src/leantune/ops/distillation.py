@@ -289,8 +289,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, lab
         if isinstance(labels, torch.Tensor):
             _runtime.check_shape("labels", labels, (n_rows,), "hidden's first dim N")
         # the range of a label is irrelevant here (only == ignore_index is read): V = 2^62 accepts any token
-        _, n_valid = check_options(labels, 2**62, ignore_index, 0.0, None, 0.0,
-                                   "mean" if reduction == "batchmean" else "sum", num_items)
+        _, n_valid, _, _ = check_options(labels, 2**62, ignore_index, 0.0, None, 0.0,
+                                         "mean" if reduction == "batchmean" else "sum", num_items)
         labels = labels.contiguous()
     else:
         n_valid = n_rows

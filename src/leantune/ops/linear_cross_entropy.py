@@ -15,8 +15,9 @@ memory="fast" (default): everything happens in the forward, token chunk by token
     dhidden[c] = G_c W, dweight += G_c^T h_c, dbias += sum G_c (fp32). A 16-bit dweight spanning several chunks is
     summed in an fp32 [V, H] buffer (only when the weight requires grad) and cast once at the end, so its error does
     not grow with the chunk count (docs/design.md, "Numerics"). Saved: dhidden [N, H], dweight [V, H], dbias [V]
-    (only those that are wanted). Backward multiplies them by the scalar grad_output in place (skipped when it is
-    1), so the node supports one backward (a second, with retain_graph, raises). 2 N H V multiply-adds in all.
+    (only those that are wanted). Backward multiplies them by the scalar grad_output in place (also when it is 1:
+    deciding would read it back, a host sync; x * 1 is exact), so the node supports one backward (a second, with
+    retain_graph, raises). 2 N H V multiply-adds in all.
     reduction="none" has one grad_output per row, which dweight needs before its matmul; it runs the "low" path,
     and so do requested ``statistics`` (they read the logits, which this path overwrites with their gradient).
 memory="low": the forward computes only loss and lse per token chunk; saved: hidden, weight, bias, labels, lse
@@ -227,10 +228,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                    "gradients are scaled in place); use memory='low' to backward twice")
             ctx.consumed = True
             grads = list(ctx.saved_tensors)
-            if not bool(grad_output == 1.0):  # one scalar sync; skips three full passes over the gradients
-                for g in grads:
-                    if g is not None:
-                        g.mul_(grad_output.to(g.dtype))
+            # always scaled, without reading grad_output back (a host sync): x * 1.0 == x exactly, so a
+            # grad_output of 1 gives the same bits; one cheap elementwise pass over each saved gradient
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_output.to(g.dtype))
         else:
             h, w, b, labels, lse, divisor = ctx.saved_tensors
             scale = row_scale(grad_output, ctx.reduction, divisor)
@@ -243,7 +245,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ignore_index=-100,
                          label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean", num_items=None,
-                         chunk_bytes=None, statistics=()):
+                         chunk_bytes=None, statistics=(), checks="eager"):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without an [N, V] tensor; grads for all three.
 
     Args:
@@ -253,7 +255,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         bias: ``[V]`` or None.
         memory: ``"fast"`` (gradients formed in the forward; saves dhidden/dweight/dbias) or ``"low"`` (logits
             recomputed in backward; saves hidden and lse, smallest peak).
-        ignore_index, label_smoothing, softcap, z_loss, reduction, num_items: as :func:`leantune.ops.cross_entropy`.
+        ignore_index, label_smoothing, softcap, z_loss, reduction, num_items, checks: as
+            :func:`leantune.ops.cross_entropy` (``checks="deferred"``: no host sync anywhere in forward or backward).
         chunk_bytes: byte budget of the logits work buffer (default 128 MiB for "fast", 32 MiB for "low"); it fixes
             the token-chunk rows (chunk_bytes / (V * itemsize)) or vocab-tile columns (chunk_bytes / (N * itemsize)),
             rounded down to a multiple of 128 from 256 up (:func:`chunk_length`).
@@ -300,8 +303,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         compute_dtype = hidden.dtype
     if isinstance(labels, torch.Tensor):  # shape first: the range check reads the labels
         _runtime.check_shape("labels", labels, (hidden.shape[0],), "hidden's first dim N")
-    opts, n_valid = check_options(labels, weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, reduction,
-                                  num_items)
+    opts, n_valid, labels, poison = check_options(labels, weight.shape[0], ignore_index, label_smoothing, softcap,
+                                                  z_loss, reduction, num_items, checks)
     _runtime.backend(hidden.device)  # raise configuration errors before any work
     grad_on = torch.is_grad_enabled()
     wants = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
@@ -312,4 +315,6 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
     divisor = mean_divisor(n_valid, reduction, num_items, labels.device)
     loss, *stats = LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, opts, reduction, divisor, memory,
                                                     int(chunk_bytes), wants, compute_dtype, statistics)
+    if poison is not None:
+        loss = loss + poison
     return (loss, dict(zip(statistics, stats))) if statistics else loss

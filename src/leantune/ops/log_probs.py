@@ -171,7 +171,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
 
 def linear_log_probs(hidden, weight, tokens, bias=None, *, temperature=1.0, entropy=False, ignore_index=-100,
-                     softcap=None, chunk_bytes=None):
+                     softcap=None, chunk_bytes=None, checks="eager"):
     """Per-token ``log softmax((hidden @ weight.T + bias) / temperature)[token]`` without an [N, V] tensor.
 
     Args:
@@ -187,6 +187,9 @@ def linear_log_probs(hidden, weight, tokens, bias=None, *, temperature=1.0, entr
         chunk_bytes: byte budget of the logits work buffer (default 32 MiB): token chunks of
             ``chunk_bytes / (V * itemsize)`` rows forward; vocab tiles of ``chunk_bytes / (N * itemsize)`` columns
             backward when the weight or bias wants a gradient.
+        checks: ``"eager"`` (a bad token raises ValueError, after one host sync) or ``"deferred"`` (no host sync: a
+            bad token is read as ignore_index, the log-probs become NaN and ``ops.raise_deferred_errors`` raises
+            later), as :func:`leantune.ops.cross_entropy`.
 
     Returns:
         float32 log-probs of ``tokens``' shape; with ``entropy=True`` a tuple ``(log_probs, entropy)``. Gradients
@@ -232,7 +235,8 @@ def linear_log_probs(hidden, weight, tokens, bias=None, *, temperature=1.0, entr
     shape = tokens.shape
     flat_tokens = tokens.reshape(-1).contiguous()
     try:
-        opts, _ = check_options(flat_tokens, weight.shape[0], ignore_index, 0.0, softcap, 0.0, "none", None)
+        opts, _, flat_tokens, poison = check_options(flat_tokens, weight.shape[0], ignore_index, 0.0, softcap, 0.0,
+                                                     "none", None, checks)
     except ValueError as error:  # the shared check names "labels"; this op calls them tokens
         raise ValueError(str(error).replace("labels", "tokens")) from None
     _runtime.backend(hidden.device)  # raise configuration errors before any work
@@ -249,5 +253,9 @@ def linear_log_probs(hidden, weight, tokens, bias=None, *, temperature=1.0, entr
     out = LinearLogProbsFunction.apply(hidden2d, weight, bias, flat_tokens, opts, alpha, int(chunk_bytes), wants,
                                        compute_dtype, entropy)
     if entropy:
-        return out[0].view(shape), out[1].view(shape)
-    return out.view(shape)
+        log_probs, row_entropy = out[0].view(shape), out[1].view(shape)
+    else:
+        log_probs, row_entropy = out.view(shape), None
+    if poison is not None:  # deferred checks: NaN everywhere when a token was bad (docs/design.md)
+        log_probs = log_probs + poison
+    return (log_probs, row_entropy) if entropy else log_probs

@@ -12,15 +12,18 @@ with ``is_causal=True``:
 
     out[b, s:e] = softmax(q[b, s:e] k[b, s:e]^T * scaling + causal) v[b, s:e]       for each document [s, e) of row b
 
-which is the block-diagonal causal attention exactly, with O(tokens) extra memory. The spans are read to the host
-once per forward (one sync) and reused by every layer and by the checkpointed recomputation (keyed on the
-``position_ids`` tensor). Every other call (a padding mask, decoding or several new tokens on a cache, unpacked rows)
-gets transformers' own SDPA mask and path, so results never change, only the memory. Sliding-window and softcapped
-attention are refused by :func:`use_document_attention`.
+which is the block-diagonal causal attention exactly, with O(tokens) extra memory. The spans are needed on the host
+(one SDPA call per document); they are reused by every layer and by the checkpointed recomputation (keyed on the
+``position_ids`` tensor). Where the data is built on the host, :func:`remember_documents` computes them from the host
+copy of the positions (``leantune train`` does, before each forward): no device sync at all. Otherwise they are
+read from the device's ``position_ids`` once per forward (one sync). Every other call (a padding mask, decoding or
+several new tokens on a cache, unpacked rows) gets transformers' own SDPA mask and path, so results never change,
+only the memory. Sliding-window and softcapped attention are refused by :func:`use_document_attention`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +44,77 @@ def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
             spans[row][-1] = (spans[row][-1][0], col)
         spans[row].append((col, length))
     return spans
+
+
+def remember_documents(position_ids: torch.Tensor, host_position_ids: torch.Tensor) -> None:
+    """Tell the next forwards on ``position_ids`` (the tensor the model is called with, on any device) where its
+    documents are, from ``host_position_ids`` (the same values on the CPU, where the data was built), so that
+    neither this module nor transformers reads them back from the device:
+
+    - the document spans :func:`document_attention` runs on (cached as if read from ``position_ids``);
+    - the answer of transformers' ``masking_utils.find_packed_sequence_indices`` for this tensor, which otherwise
+      ends in a host sync (``(...).all()`` deciding whether any row is packed): None when every row is one
+      document, else the same per-token document index (0, 1, 2, ... from each row's first token, +1 at each
+      document start), formed on the device. A dispatcher in ``masking_utils`` (installed on the first call)
+      answers for this tensor and calls transformers' function for every other.
+
+    Computed with numpy (``.numpy()`` refuses a device tensor, so it can never read one back). Raises ValueError
+    when the shapes differ."""
+    if tuple(host_position_ids.shape) != tuple(position_ids.shape) or position_ids.dim() != 2:
+        raise ValueError(f"host_position_ids must have position_ids' shape (2-D [B, S]) {tuple(position_ids.shape)}, "
+                         f"got {tuple(host_position_ids.shape)}")
+    positions = host_position_ids.detach().numpy()
+    length = positions.shape[1]
+    spans = []
+    for row in positions:
+        starts = [0, *(np.flatnonzero(row[1:] - row[:-1] != 1) + 1).tolist()] if length else []
+        spans.append(list(zip(starts, [*starts[1:], length])))
+    _spans_cache[:] = [position_ids, position_ids._version, spans]
+    _packing_known[:] = [position_ids, position_ids._version, any(len(row) > 1 for row in spans)]
+    _install_packing_dispatch()
+
+
+_packing_known: list = [None, None, None]  # [position_ids tensor, its version, whether any row is packed]
+
+
+def _known_packing(position_ids):
+    """Whether some row of ``position_ids`` (or of the tensor it was expanded from) is packed, when
+    :func:`remember_documents` was told; None when unknown."""
+    known, version, packed = _packing_known
+    if known is None:
+        return None
+    if known._version != version:
+        return None
+    if position_ids is known:
+        return packed
+    # transformers expands [1, S] positions to the batch (position_ids.expand(B, -1)): the same single row
+    expanded = (position_ids._base is known and known.shape[0] == 1 and position_ids.dim() == 2
+                and position_ids.stride(0) == 0 and position_ids.shape[1] == known.shape[1]
+                and position_ids.data_ptr() == known.data_ptr())
+    return packed if expanded else None
+
+
+def _install_packing_dispatch() -> None:
+    from transformers import masking_utils
+
+    current = masking_utils.find_packed_sequence_indices
+    if getattr(current, "_leantune_original", None) is not None:
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        packed = _known_packing(position_ids)
+        if packed is None:
+            return find_packed_sequence_indices._leantune_original(position_ids)
+        if not packed:
+            return None
+        # document index per token: 0 at a row's first token, + 1 at each token that is not its predecessor + 1
+        starts = position_ids[:, 1:] - position_ids[:, :-1] != 1
+        return F.pad(starts.cumsum(-1), (1, 0))
+
+    find_packed_sequence_indices.__doc__ = (f"leantune dispatcher: the known answer for position_ids given to "
+                                            f"remember_documents, else {current!r}.")
+    find_packed_sequence_indices._leantune_original = current
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
 def _cached_spans(position_ids: torch.Tensor):

@@ -231,24 +231,26 @@ def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap, h
     """HF's ``ForCausalLMLoss`` on already shifted ``labels [N]`` and ``hidden [N, H]``, without [N, V] logits when
     ``lm_head`` is a plain linear layer (``head_logits``: ``lm_head(hidden)`` when the caller already has it).
 
+    No host sync (docs/design.md, "No host sync in a step"): the loss op runs with ``checks="deferred"`` (a bad
+    label gives a NaN loss and a deferred ValueError) and ``num_items_in_batch`` never leaves the device.
+
     HF's ``fixed_cross_entropy`` divides the summed loss by ``num_items_in_batch`` whatever it is (a [1, 1] tensor
-    under DataParallel, a float, a tensor on another GPU). A whole count > 0 goes to the op, so the 1/count scale
-    enters the gradient before its one rounding; so does a count of 0 when no label is valid (HF Trainer's value for
-    an accumulation window without targets), which gives 0.0 and zero gradients where HF's 0 / 0 is NaN. Anything
-    else, a 0 dividing valid tokens included (HF: inf), takes HF's expression.
+    under DataParallel, a float, a tensor on another GPU). A one-element tensor or a whole count >= 0 goes to the op
+    as its divisor, so the 1/count scale enters the gradient before its one rounding; a 0 when no label is valid
+    (HF Trainer's value for an accumulation window without targets) gives 0.0 and zero gradients where HF's 0 / 0
+    is NaN, and a 0 dividing valid tokens gives HF's inf (both decided on the device). Anything else (a fractional
+    Python number, a tensor of several elements) takes HF's expression.
     """
-    count = _whole_count(num_items)
-    if count == 0 and bool((labels != ignore_index).any()):  # a 0 that divides real tokens: HF's inf, not an error
-        count = None
+    count = _divisor_count(num_items, labels.device)
     hf_divides = num_items is not None and count is None
     reduction = "sum" if hf_divides else "mean"
     if _plain_linear(lm_head):
         loss = ops.linear_cross_entropy(hidden, lm_head.weight, labels, lm_head.bias, ignore_index=ignore_index,
-                                        softcap=softcap, reduction=reduction, num_items=count)
+                                        softcap=softcap, reduction=reduction, num_items=count, checks="deferred")
     else:  # e.g. LoRA on lm_head or modules_to_save: its logits are needed, the loss still fused with the softcap
         logits = lm_head(hidden) if head_logits is None else head_logits
         loss = ops.cross_entropy(logits, labels, ignore_index=ignore_index, softcap=softcap, reduction=reduction,
-                                 num_items=count)
+                                 num_items=count, checks="deferred")
     if hf_divides:
         return loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     if torch.is_tensor(num_items):  # HF's dtype and shape, as a tensor of its own (FSDP2 warns on a returned view)
@@ -258,21 +260,21 @@ def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap, h
     return loss
 
 
-def _whole_count(num_items) -> int | None:
-    """``num_items_in_batch`` as an int when it holds one whole number in [0, 2^63), else None (reads a one-element
-    tensor back: one host sync per step, beside the loss op's own label check)."""
-    value = num_items
+def _divisor_count(num_items, device):
+    """``num_items_in_batch`` as the loss op's divisor: a one-element real tensor as a 0-dim tensor on ``device``
+    (its value is not read: no host sync), a Python number holding a whole count in [0, 2^63) as an int, else None
+    (HF's expression divides)."""
     if torch.is_tensor(num_items):
         if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
             return None
-        value = num_items.detach().reshape(()).item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return num_items.detach().reshape(()).to(device, non_blocking=True)
+    if isinstance(num_items, bool) or not isinstance(num_items, numbers.Real):
         return None
     try:
-        whole = float(value).is_integer() and 0 <= value < 2**63
+        whole = float(num_items).is_integer() and 0 <= num_items < 2**63
     except OverflowError:  # an int beyond float's range
         return None
-    return int(value) if whole else None
+    return int(num_items) if whole else None
 
 
 def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,

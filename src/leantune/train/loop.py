@@ -39,7 +39,6 @@ import os
 import resource
 import shutil
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,39 +50,56 @@ from ..distributed import World
 from ..errors import LeantuneError
 from ..heap import long_lived_frozen
 from ..patch import is_patched
-from ..patch.document_attention import use_document_attention
+from ..patch.document_attention import remember_documents, use_document_attention
 from . import checkpoint, reporting, run_folder
 from .config import TrainConfig
 from .data import PackedData, chitchat_path, load_dataset
-from .divergence import DivergenceGuard, good_checkpoints, react
+from .divergence import DivergenceGuard, good_checkpoints
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
 from .model import load_model, load_tokenizer, resolve_model, wrap_lora
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
+from .step_log import StepLog, raise_deferred_errors
 
 # ---------------------------------------------------------------------------------------------------------------
 # One step
 
 
-def accumulate_gradients(model, micro_batches: list[PackedData], device: str, world: World = World()) -> float:
+def accumulate_gradients(model, micro_batches: list[PackedData], device: str, world: World = World()) -> torch.Tensor:
     """Forward and backward every micro-batch, each loss divided by the global step's total target tokens.
 
     Gradients accumulate in ``.grad``; returns this process's share of the step's mean loss per target token (the
-    sum of its micro losses; summed over ranks it is the global step's mean). With K micro-batches of B rows on W
-    ranks this equals one batch of K*B*W rows (loss and gradients; tested). Several processes: one all-reduce of
-    the target count, gradients reduced by the engine on the last micro-batch only.
+    sum of its micro losses, a 0-dim tensor on ``device``, never read back here; summed over ranks it is the global
+    step's mean). With K micro-batches of B rows on W ranks this equals one batch of K*B*W rows (loss and gradients;
+    tested). Several processes: one all-reduce of the target count, gradients reduced by the engine on the last
+    micro-batch only.
+
+    No device-to-host sync (docs/design.md, "No host sync in a step"): the target count comes from the host-built
+    rows, inputs go up from pinned memory without blocking, the packed rows' documents are told to the attention and
+    mask code from the host copy (``remember_documents``), and the loss stays on the device.
     """
-    local = sum(batch.num_targets() for batch in micro_batches)
+    local = sum(batch.num_targets() for batch in micro_batches)  # host-built rows: no device read
     num_items = int(distributed.all_reduce_sum([local], world, device)[0])
-    num_items_t = torch.tensor(max(num_items, 1), device=device)
+    num_items_t = torch.full((), max(num_items, 1), dtype=torch.int64, device=device)
     scale = distributed.loss_scale(world)  # the engines average over ranks; the token mean sums
-    total = 0.0
+    total = None
     for k, batch in enumerate(micro_batches):
+        position_ids = _to_device(batch.position_ids, device)
+        remember_documents(position_ids, batch.position_ids)
         with distributed.gradient_sync(model, world, enabled=k == len(micro_batches) - 1):
-            loss = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                         labels=batch.labels.to(device), num_items_in_batch=num_items_t, use_cache=False).loss
+            loss = model(input_ids=_to_device(batch.input_ids, device), position_ids=position_ids,
+                         labels=_to_device(batch.labels, device), num_items_in_batch=num_items_t,
+                         use_cache=False).loss
             (loss * scale if scale != 1.0 else loss).backward()
-        total += loss.item()
+        total = loss.detach() if total is None else total + loss.detach()
     return total
+
+
+def _to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """A host-built tensor on ``device``: through pinned memory without blocking on CUDA (a pageable copy waits for
+    the device's queue to drain: a host sync), as is on the CPU."""
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 @torch.no_grad()
@@ -91,16 +107,19 @@ def evaluate(model, data: PackedData, batch_size: int, device: str) -> float:
     """Mean loss per target token over ``data`` (no dropout)."""
     was_training = model.training
     model.eval()
-    num_items = torch.tensor(max(data.num_targets(), 1), device=device)
+    num_items = torch.full((), max(data.num_targets(), 1), dtype=torch.int64, device=device)
     only_loss = {"skip_logits": True} if is_patched(model) else {}  # a patched model in eval mode forms logits
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, len(data), batch_size):
         batch = data.select(slice(start, start + batch_size))
-        total += model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                       labels=batch.labels.to(device), num_items_in_batch=num_items, use_cache=False,
-                       **only_loss).loss.item()
+        position_ids = _to_device(batch.position_ids, device)
+        remember_documents(position_ids, batch.position_ids)
+        total += model(input_ids=_to_device(batch.input_ids, device), position_ids=position_ids,
+                       labels=_to_device(batch.labels, device), num_items_in_batch=num_items, use_cache=False,
+                       **only_loss).loss.double()
     model.train(was_training)
-    return total
+    raise_deferred_errors()
+    return total.item()  # one read at the end
 
 
 def cosine_schedule(optimizer, total_steps: int, warmup_steps: int, min_lr_ratio: float):
@@ -372,48 +391,27 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
         run.initial_eval_loss = eval_loss
         if world.main:
             metrics.log({"type": "eval", "step": 0, "eval_loss": eval_loss})
-    run.guard = guard = DivergenceGuard(config.divergence_factor, config.zero_grad_steps, run.initial_eval_loss)
-    warned = False
+    run.guard = DivergenceGuard(config.divergence_factor, config.zero_grad_steps, run.initial_eval_loss)
     bar = tqdm(total=run.total_steps, initial=run.start_step, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
+    log = StepLog(run, bar)
     done = run.start_step
     with GracefulInterrupt() as interrupt:
         for step in range(run.start_step, run.total_steps):
-            t0 = time.perf_counter()
             rows = step_rows(step, len(run.train_data), local_rows * world.size, config.seed)
             rows = rows[world.rank * local_rows:(world.rank + 1) * local_rows]  # this rank's share
             micro_batches = [run.train_data.select(rows[k * config.batch_size:(k + 1) * config.batch_size])
                              for k in range(config.grad_accum)]
-            loss = accumulate_gradients(run.wrapped, micro_batches, device, world)
-            grad_norm = _clip(params, config.max_grad_norm)
-            lr = run.scheduler.get_last_lr()[0]
-            run.optimizer.step()
-            run.scheduler.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            timer = log.start()
+            loss, grad_norm, lr = train_step(run, micro_batches, params)
             tokens = sum(b.input_ids.numel() for b in micro_batches)
-            loss, tokens = distributed.all_reduce_sum([loss, tokens], world, device)  # the global step's
-            tokens = int(tokens)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-            run.train_tokens += tokens
-            run.train_seconds += seconds
+            if world.distributed:  # the global step's (a collective of a few numbers; it reads the loss back)
+                loss, tokens = distributed.all_reduce_sum([float(loss), tokens], world, device)
+                tokens = int(tokens)
             done = step + 1
-            if world.main:
-                record = {"type": "train", "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                          "tokens": tokens, "tokens_per_s": tokens / seconds, "step_seconds": seconds}
-                if device.startswith("cuda"):  # the allocator's counters: read on the host, no sync
-                    record["gpu_memory_gib"] = torch.cuda.memory_allocated() / 2**30
-                    record["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                metrics.log(record)
-            # the guard reads the values just logged (already on the host): it adds no sync of its own
-            why = guard.observe(done, loss, grad_norm if config.max_grad_norm > 0 else None)
-            if why is not None:
-                bar.close()
-                warned = react(config, run.output, guard, done, why, warned)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
+            log.record(done, timer, loss, grad_norm, lr, tokens)
             if config.eval_every and done % config.eval_every == 0 and done < run.total_steps:
+                log.flush()
                 eval_loss = evaluate(model, run.eval_data, config.batch_size, device)
                 if world.main:
                     metrics.log({"type": "eval", "step": done, "eval_loss": eval_loss})
@@ -421,12 +419,15 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
             if on_step is not None:
                 on_step(done)
             if distributed.any_rank(interrupt.requested, world, device):  # every rank stops after the same step
+                log.flush()
                 interrupt.requested = True
                 interrupt.signum = interrupt.signum or signal.SIGTERM  # a peer's signal (torchrun forwards SIGTERM)
                 _save(run, done)
                 break
             if config.save_every and done % config.save_every == 0 and done < run.total_steps:
+                log.flush()
                 _save(run, done)
+    log.flush()
     bar.close()
     if not interrupt.requested:
         return None
@@ -434,6 +435,19 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
         "with --resume")
     return RunResult({"steps": done}, interrupted=True, stop_signal=interrupt.signum, output=run.output,
                      model=model)
+
+
+def train_step(run: _Run, micro_batches: list[PackedData], params: list):
+    """One optimizer step: the micro-batches' forwards and backwards, clipping, the update, the schedule. Returns
+    (loss, grad_norm, lr): the loss and the norm as 0-dim tensors on the device (the norm a float NaN when clipping
+    is off), never read back here (no device-to-host sync; tests/test_no_sync.py)."""
+    loss = accumulate_gradients(run.wrapped, micro_batches, run.device, run.world)
+    grad_norm = _clip(params, run.config.max_grad_norm)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, lr
 
 
 def _finish(run: _Run, replaced: list) -> RunResult:
@@ -486,12 +500,13 @@ def _loss_text(loss: float | None) -> str:
     return f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "non-finite"
 
 
-def _clip(params: list, max_norm: float) -> float:
-    """Clip the global gradient norm (over every rank's shard under FSDP2); returns it (NaN when off)."""
+def _clip(params: list, max_norm: float):
+    """Clip the global gradient norm (over every rank's shard under FSDP2); returns it as a 0-dim tensor, not read
+    back (a float NaN when off)."""
     if max_norm <= 0:
         return float("nan")
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _peak_memory_gib(device: str) -> float:
