@@ -80,7 +80,8 @@ class StepLog:
                     record["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 run.metrics.log(record)
             # the guard reads the values just written (on the host already): no read of its own
-            why = run.guard.observe(done, loss, grad_norm if run.config.max_grad_norm > 0 else None)
+            why = None if run.guard is None else run.guard.observe(
+                done, loss, grad_norm if run.config.max_grad_norm > 0 else None)
             if why is not None:
                 self.bar.close()
                 self.warned = react(run.config, run.output, run.guard, done, why, self.warned)
