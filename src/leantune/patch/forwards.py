@@ -185,7 +185,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     ``shift_labels`` is used instead of shifting them) the loss never needs [tokens, vocab] logits. In training
     (``self.training``) none are formed and ``logits`` is None (with ``return_dict=False`` the tuple keeps a None in
     the logits slot, so positions match HF's); in eval mode the logits are also computed as HF does (``lm_head`` on
-    the hidden states, then the family's logits divisor and final-logit softcap) for callers that read them (HF Trainer's
+    the hidden states, then the family's final-logit softcap) for callers that read them (HF Trainer's
     ``compute_metrics``), and the loss still comes from the op. ``skip_logits`` (leantune's keyword; None: skip in
     training only) asks for either explicitly, e.g. ``skip_logits=True`` for an evaluation that reads only the loss.
     Without labels HF's forward runs unchanged.
