@@ -3,14 +3,20 @@
 What is swapped (each kind can be switched off), all as ``forward`` callables bound on module instances
 (``forwards.BoundForward``: they survive ``copy.deepcopy``, ``pickle`` and ``torch.save``):
 
-- ``rms_norm``: every ``{Family}RMSNorm`` -> ``ops.rms_norm`` with the family's casting/offset (incl. Gemma's
-  sandwich norms and Qwen3/Gemma3 q/k norms: they are RMSNorm modules of the same class).
+Which modules exist and how they are built is the family's row in :mod:`.families` (what a decoder layer is made
+of); the decoder layer keeps HF's forward, so norm placement and residual scalars are HF's own.
+
+- ``rms_norm``: every ``{Family}RMSNorm`` -> ``ops.rms_norm`` with the family's casting/offset (incl. post-norms,
+  sandwich norms and q/k norms: they are RMSNorm modules of the same class). LayerNorm families keep HF's norms.
 - ``rope``: the attention modules run ``ops.rope`` through a dispatcher put in the family's modeling module while a
-  patched model exists (transformers 5 calls the module-level ``apply_rotary_pos_emb``; no per-instance seam).
-- ``mlp``: ``{Family}MLP`` -> ``ops.swiglu`` / ``ops.geglu``; with LoRA on gate/up/down, ``ops.lora_mlp``.
-- ``lora``: q/k/v -> ``ops.lora_qkv``, o_proj -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at
-  every forward). DoRA, several active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear``
-  bases keep PEFT's own forward (the summary lists them).
+  patched model exists (transformers 5 calls the module-level ``apply_rotary_pos_emb``; no per-instance seam); for
+  split-halves RoPE only (partial rotary included); interleaved-pair RoPE keeps HF's function.
+- ``mlp``: gated ``{Family}MLP`` (separate gate/up or a fused ``gate_up_proj``) -> ``ops.swiglu`` / ``ops.geglu``;
+  with LoRA on its projections, ``ops.lora_mlp``. A plain (non-gated) MLP keeps HF's activation.
+- ``lora``: q/k/v -> ``ops.lora_qkv`` (a fused ``qkv_proj``: ``ops.lora_linear``), o_proj and the projections of a
+  plain MLP -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at every forward). DoRA, several
+  active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear`` bases keep PEFT's own forward
+  (the summary lists them).
 - ``loss``: ``XForCausalLM.forward`` -> base model, then ``ops.linear_cross_entropy`` on the hidden states (labels
   shifted as HF does, ``num_items_in_batch`` honoured, final-logit softcap as data). With labels, ``logits`` is
   None in training (never formed); in eval mode they are computed as HF does, beside the fused loss. Without labels
@@ -200,11 +206,12 @@ def _not_covered(hf: nn.Module, model_type) -> None:
 
 
 def _decoder_layer_parts(hf: nn.Module) -> str:
-    """The module classes directly inside the first decoder layer, e.g. ``Qwen3MoeAttention, Qwen3MoeRMSNorm,
-    Qwen3MoeSparseMoeBlock`` (what a new family row would have to describe)."""
-    for module in hf.modules():
-        if type(module).__name__.endswith("DecoderLayer"):
-            return ", ".join(sorted({type(child).__name__ for child in module.children()}))
+    """The first decoder layer's class and the module classes directly inside it, e.g. ``Qwen3MoeDecoderLayer:
+    Qwen3MoeAttention, Qwen3MoeRMSNorm, Qwen3MoeSparseMoeBlock`` (what a new family row would have to describe)."""
+    layers = getattr(hf.config, "num_hidden_layers", None)
+    for module in hf.modules():  # the decoder stack: the first ModuleList with one entry per layer
+        if isinstance(module, nn.ModuleList) and len(module) and len(module) == layers:
+            return f"{type(module[0]).__name__}: " + ", ".join(sorted({type(c).__name__ for c in module[0].children()}))
     return ""
 
 
