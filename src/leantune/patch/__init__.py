@@ -196,7 +196,8 @@ def _not_covered(hf: nn.Module, model_type) -> None:
     layers = _decoder_layer_parts(hf)
     missing = NOT_COVERED.get(model_type, "no row in leantune.patch.families describes its decoder layer")
     reason = f"model_type {model_type!r} not covered: {missing}" + (f" (its layer holds {layers})" if layers else "")
-    warnings.warn(f"leantune.patch: {reason}; the model runs unpatched on HF's forwards (supported: "
+    warnings.warn(f"leantune.patch: {reason}; the model runs unpatched on HF's forwards, offload_checkpoints and "
+                  f"tile_mlp not applied (supported: "
                   f"{', '.join(sorted(FAMILIES))}; strict=True raises instead)", UserWarning, stacklevel=3)
     hf.__dict__[SUMMARY_ATTR] = {
         "family": None, "counts": dict.fromkeys(("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp"), 0),
