@@ -154,24 +154,38 @@ def test_gate_up_with_dropout_in_training_stays_exact(monkeypatch):
     assert torch.isfinite(train_loss) and all(g.norm() > 0 for g in train_grads.values())
 
 
-def test_uncovered_model_type_warns_and_runs_unpatched():
-    """A model type without a row keeps HF's forwards (bit for bit) with a warning naming what is missing;
-    strict=True raises. MoE types take this path until their experts are described (issue #29 item 2)."""
+MOE = {  # tiny MoE configs: these take the warning path until their experts are described (issue #29 item 2)
+    "qwen3_moe": ({"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}, "Qwen3MoeSparseMoeBlock"),
+    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2}, "MixtralSparseMoeBlock"),
+    "olmoe": ({"num_experts": 4, "num_experts_per_tok": 2, "eos_token_id": 2}, "OlmoeSparseMoeBlock"),
+    "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["sliding_attention"]},
+                "GptOssMLP"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(MOE))
+def test_uncovered_model_type_warns_and_runs_unpatched(model_type):
+    """A model type without a row keeps HF's forwards (bit for bit) with a warning naming what is missing and the
+    layer's parts; strict=True raises."""
+    extra, block = MOE[model_type]
     config = AutoConfig.for_model(
-        "qwen3_moe", num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        vocab_size=VOCAB, intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        model_type, num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        vocab_size=VOCAB, intermediate_size=48, **extra,
     )
     model = AutoModelForCausalLM.from_config(config).float()
     input_ids = torch.randint(3, VOCAB, (1, 6))
     ref = model(input_ids=input_ids, labels=input_ids).loss
-    with pytest.warns(UserWarning, match=r"'qwen3_moe' not covered: mixture-of-experts.*Qwen3MoeSparseMoeBlock"):
+    with pytest.warns(UserWarning, match=rf"'{model_type}' not covered: mixture-of-experts.*{block}"):
         assert leantune.patch(model) is model
     assert model.leantune_summary["family"] is None and not leantune.is_patched(model)
     assert "forward" not in model.__dict__ and not any("_leantune" in m.__dict__ for m in model.modules())
     assert torch.equal(model(input_ids=input_ids, labels=input_ids).loss, ref)
     leantune.unpatch(model)  # harmless
-    with pytest.raises(ValueError, match=r"'qwen3_moe'.*mixture-of-experts.*supported: .*llama"):
+    with pytest.raises(ValueError, match=rf"'{model_type}'.*mixture-of-experts.*supported: .*llama"):
         leantune.patch(model, strict=True)
+
+
+def test_covered_model_type_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        leantune.patch(tiny_model("glm"))  # a covered model type: no warning
+        leantune.patch(tiny_model("glm"))
