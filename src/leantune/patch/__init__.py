@@ -151,9 +151,10 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         if head is None or not hasattr(hf, hf.base_model_prefix):
             left["<causal lm>"] = f"{type(hf).__name__} has no lm_head/base model: HF's forward kept"
             loss_runs = "HF's loss_function on full logits (no lm_head/base model)"
-        elif family.logits_divisor_attr and getattr(getattr(head, "base_layer", head), "bias", None) is not None:
-            left["<causal lm>"] = "lm_head has a bias and the logits are divided: HF's forward kept"
-            loss_runs = "HF's loss_function on full logits (biased lm_head under a logits divisor)"
+        elif ((family.logits_divisor_attr or family.logits_multiplier_attr)
+              and getattr(getattr(head, "base_layer", head), "bias", None) is not None):
+            left["<causal lm>"] = "lm_head has a bias and the logits are scaled: HF's forward kept"
+            loss_runs = "HF's loss_function on full logits (biased lm_head under a logits scale)"
         elif wrapper is not None and not holds_leantune(wrapper, hf):
             left["<causal lm>"] = "has an instance-level forward: HF's loss kept"
             loss_runs = f"the instance forward {_name(wrapper)}'s own loss"
@@ -233,7 +234,8 @@ def _fused_parts(family: Family, activation: str | None) -> list[str]:
         fused = " (gate_up_proj split by rows; per projection when LoRA dropout is on in training)" \
             if family.mlp == "gated_fused" else ""
         parts.append(f"MLP: ops.lora_mlp / {activation}{fused}")
-    parts.append("loss: ops.linear_cross_entropy" + (" on h / logits divisor" if family.logits_divisor_attr else "")
+    scaled = family.logits_divisor_attr or family.logits_multiplier_attr
+    parts.append("loss: ops.linear_cross_entropy" + (" on the hidden states scaled as the logits" if scaled else "")
                  + (" with the final-logit softcap" if family.final_softcap_attr else ""))
     return parts
 

@@ -28,7 +28,8 @@ Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
 - Attention-logit softcap: Gemma2 only. Final-logit softcap: Gemma2/3 ``final_logit_softcapping``.
 - Scalars: the attention scale is always ``module.scaling`` (Granite's ``attention_multiplier``, Gemma's
   ``query_pre_attn_scalar``); Granite's ``embedding_multiplier`` is applied by the base model HF runs;
-  ``logits_divisor_attr``: Granite's ``logits = lm_head(h) / logits_scaling``.
+  ``logits_divisor_attr``: Granite's ``logits = lm_head(h) / logits_scaling``; ``logits_multiplier_attr``:
+  HyperCLOVA X's ``lm_head(h) * logits_scaling``.
 - ``residual_dropout_attr``: dropout on the attention and MLP outputs (Seed-OSS, Starcoder2).
 - Qwen2's and GLM's q/k/v bias and Gemma's embedding scale need no entry: the bias is read from each projection,
   the scale lives in the embedding module HF runs.
@@ -76,6 +77,7 @@ class Family:
     attn_softcap: bool = False  # passes module.attn_logit_softcapping to the attention kernel
     final_softcap_attr: str | None = None  # config attribute of the final-logit softcap
     logits_divisor_attr: str | None = None  # config attribute dividing the logits (Granite)
+    logits_multiplier_attr: str | None = None  # config attribute multiplying the logits (HyperCLOVA X)
     residual_dropout_attr: str | None = None  # module attribute: dropout p on attention / MLP outputs
 
     @property
@@ -138,6 +140,9 @@ FAMILIES: dict[str, Family] = dict([
     _row("smollm3", "SmolLM3", sliding_window="module", rope_if=rope_if_use_rope),
     _row("phi3", "Phi3", qkv="fused", sliding_window="config", **_FUSED_GLU),
     _row("granite", "Granite", logits_divisor_attr="logits_scaling"),
+    _row("granite_swa", "GraniteSWA", logits_divisor_attr="logits_scaling", sliding_window="module"),
+    _row("hyperclovax", "HyperCLOVAX", logits_multiplier_attr="logits_scaling"),
+    _row("cwm", "Cwm", sliding_window="module"),
     _row("glm", "Glm", rope="interleaved", **_FUSED_GLU),
     _row("glm4", "Glm4", rope="interleaved", **_FUSED_GLU),
     _row("helium", "Helium", norm_casting="gemma", rope="interleaved"),

@@ -225,8 +225,11 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     softcap = getattr(self.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
     divisor = getattr(self.config, family.logits_divisor_attr) if family.logits_divisor_attr else None
+    multiplier = getattr(self.config, family.logits_multiplier_attr) if family.logits_multiplier_attr else None
     if divisor is not None:  # Granite's lm_head(h) / s as lm_head(h / s): patch keeps HF's loss for a biased head
         hidden = hidden / divisor
+    if multiplier is not None:  # HyperCLOVA X's lm_head(h) * s as lm_head(h * s), likewise
+        hidden = hidden * multiplier
     logits = head_logits = None
     if skip_logits is None:  # evaluation may read them (metrics), and so may clients that asked in training
         skip_logits = self.training and not self._leantune.training_logits
@@ -234,6 +237,8 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
         logits = head_logits = self.lm_head(hidden_states)
         if divisor is not None:  # HF's expression
             logits = head_logits = logits / divisor
+        if multiplier is not None:
+            logits = head_logits = logits * multiplier
         if softcap is not None:  # HF's expression and rounding order
             logits = torch.tanh(logits / softcap) * softcap
         head_logits = head_logits.reshape(-1, head_logits.shape[-1])
