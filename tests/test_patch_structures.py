@@ -50,6 +50,7 @@ EXTRA = {
     "starcoder2": {"residual_dropout": 0.2, "sliding_window": 5},
 }
 STRUCTURES = list(EXTRA)
+GENERATE = ["phi3", "olmo2", "smollm3", "exaone4", "hunyuan_v1_dense"]  # fused qkv, width / after-RoPE QK-norm, no-RoPE
 TRITON = ["phi3", "olmo2", "granite", "smollm3"]  # fused qkv/gate_up + partial rotary, width QK-norm, divisor, no-RoPE
 
 
@@ -84,13 +85,16 @@ def loss_and_grads(model, input_ids, labels):
     return out.loss.detach(), grads
 
 
-def check_structure_parity(model_type, op_calls, rows=2, seq=9):  # noqa: F811
+def check_structure_parity(model_type, op_calls, rows=2, seq=9, generate=False):  # noqa: F811
     family = FAMILIES[model_type]
     model = tiny_peft_model(model_type).train()
     input_ids = torch.randint(3, VOCAB, (rows, seq))
     labels = input_ids.clone()
     labels[0, -2:] = -100
     ref_loss, ref_grads = loss_and_grads(model, input_ids, labels)
+    with torch.no_grad():
+        ref_eval = model.eval()(input_ids=input_ids, labels=labels)
+    model.train()
     assert not op_calls, "the unpatched model must not call leantune ops"
 
     leantune.patch(model)
@@ -114,6 +118,15 @@ def check_structure_parity(model_type, op_calls, rows=2, seq=9):  # noqa: F811
         assert op_calls[name] > 0, f"{model_type}: ops.{name} was not called by the patched model"
     if family.rope != "half":
         assert op_calls["rope"] == 0, f"{model_type}: interleaved RoPE must keep HF's function"
+    with torch.no_grad():  # eval mode with labels: HF's logits (logits scale, softcap) beside the fused loss
+        out = model.eval()(input_ids=input_ids, labels=labels)
+    assert rel_err(out.logits, ref_eval.logits) <= 1e-5 and rel_err(out.loss, ref_eval.loss) <= 1e-5
+    if generate:  # the KV-cache path through leantune's attention (greedy tokens as HF's)
+        settings = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+        tokens = model.generate(input_ids[:1, :4], **settings)
+        leantune.unpatch(model)
+        assert torch.equal(tokens, model.generate(input_ids[:1, :4], **settings))
+    model.train()
     leantune.unpatch(model)
     loss_back, grads_back = loss_and_grads(model, input_ids, labels)
     assert torch.equal(loss_back, ref_loss), "unpatch must restore HF's exact loss"
@@ -128,7 +141,7 @@ def test_at_least_twenty_model_types():
 @pytest.mark.parametrize("model_type", STRUCTURES)
 def test_structure_matches_hf(model_type, op_calls, monkeypatch):  # noqa: F811
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    check_structure_parity(model_type, op_calls)
+    check_structure_parity(model_type, op_calls, generate=model_type in GENERATE)
 
 
 @pytest.mark.parametrize("model_type", TRITON)
