@@ -205,3 +205,18 @@ def test_covered_model_type_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         leantune.patch(tiny_model("glm"))
+
+
+def test_fused_gate_up_without_lora_runs_the_glu_op(op_calls, monkeypatch):  # noqa: F811
+    """LoRA on attention only: Phi-3's MLP chunks gate_up_proj's output and runs ops.swiglu on the two halves
+    (strided views); loss and LoRA gradients as HF's."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj"], init_lora_weights=False)
+    model = get_peft_model(tiny_model("phi3"), lora).train()
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    ref_loss, ref_grads = loss_and_grads(model, input_ids, input_ids)
+    leantune.patch(model)
+    loss, grads = loss_and_grads(model, input_ids, input_ids)
+    assert op_calls["swiglu"] == 2 and op_calls["lora_mlp"] == 0 and model.leantune_summary["counts"]["mlp"] == 2
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
