@@ -90,7 +90,10 @@ def test_unsupported_model_type_names_it():
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16))
     with pytest.raises(ValueError, match=r"'gpt2'.*supported: .*gemma2.*llama.*mistral.*qwen3"):
-        leantune.patch(model)
+        leantune.patch(model, strict=True)
+    with pytest.warns(UserWarning, match=r"'gpt2' not covered: no row .*GPT2Attention.*supported: .*llama"):
+        leantune.patch(model)  # not strict: a warning, and the model stays on HF's forwards
+    assert not is_patched(model) and model.leantune_summary["family"] is None
     with pytest.raises(ValueError, match="transformers causal LM"):
         leantune.patch(torch.nn.Linear(2, 2))
 

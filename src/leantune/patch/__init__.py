@@ -3,14 +3,20 @@
 What is swapped (each kind can be switched off), all as ``forward`` callables bound on module instances
 (``forwards.BoundForward``: they survive ``copy.deepcopy``, ``pickle`` and ``torch.save``):
 
-- ``rms_norm``: every ``{Family}RMSNorm`` -> ``ops.rms_norm`` with the family's casting/offset (incl. Gemma's
-  sandwich norms and Qwen3/Gemma3 q/k norms: they are RMSNorm modules of the same class).
+Which modules exist and how they are built is the family's row in :mod:`.families` (what a decoder layer is made
+of); the decoder layer keeps HF's forward, so norm placement and residual scalars are HF's own.
+
+- ``rms_norm``: every ``{Family}RMSNorm`` -> ``ops.rms_norm`` with the family's casting/offset (incl. post-norms,
+  sandwich norms and q/k norms: they are RMSNorm modules of the same class). LayerNorm families keep HF's norms.
 - ``rope``: the attention modules run ``ops.rope`` through a dispatcher put in the family's modeling module while a
-  patched model exists (transformers 5 calls the module-level ``apply_rotary_pos_emb``; no per-instance seam).
-- ``mlp``: ``{Family}MLP`` -> ``ops.swiglu`` / ``ops.geglu``; with LoRA on gate/up/down, ``ops.lora_mlp``.
-- ``lora``: q/k/v -> ``ops.lora_qkv``, o_proj -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at
-  every forward). DoRA, several active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear``
-  bases keep PEFT's own forward (the summary lists them).
+  patched model exists (transformers 5 calls the module-level ``apply_rotary_pos_emb``; no per-instance seam); for
+  split-halves RoPE only (partial rotary included); interleaved-pair RoPE keeps HF's function.
+- ``mlp``: gated ``{Family}MLP`` (separate gate/up or a fused ``gate_up_proj``) -> ``ops.swiglu`` / ``ops.geglu``;
+  with LoRA on its projections, ``ops.lora_mlp``. A plain (non-gated) MLP keeps HF's activation.
+- ``lora``: q/k/v -> ``ops.lora_qkv`` (a fused ``qkv_proj``: ``ops.lora_linear``), o_proj and the projections of a
+  plain MLP -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at every forward). DoRA, several
+  active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear`` bases keep PEFT's own forward
+  (the summary lists them).
 - ``loss``: ``XForCausalLM.forward`` -> base model, then ``ops.linear_cross_entropy`` on the hidden states (labels
   shifted as HF does, ``num_items_in_batch`` honoured, final-logit softcap as data). With labels, ``logits`` is
   None in training (never formed); in eval mode they are computed as HF does, beside the fused loss. Without labels
@@ -25,11 +31,12 @@ from __future__ import annotations
 import collections
 import importlib
 import logging
+import warnings
 
 from torch import nn
 
 from ._model import hf_model as _hf_model
-from .families import ACTIVATIONS, FAMILIES, Family, family_for
+from .families import ACTIVATIONS, FAMILIES, NOT_COVERED, Family, family_for
 from .forwards import (
     LOSS_HEAD_ATTR,
     STATE_ATTR,
@@ -59,16 +66,13 @@ def _foreign_forward(module: nn.Module) -> bool:
     return forward is not None and not is_leantune_forward(forward)
 
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
-          lora: bool = True, offload_checkpoints: bool = False, tile_mlp: int | None = None):
+          lora: bool = True, offload_checkpoints: bool = False, tile_mlp: int | None = None, strict: bool = False):
     """Make ``model`` run leantune's ops; returns ``model`` (the same object, patched in place).
 
     Args:
-        model: an instantiated transformers causal LM of a family in :data:`FAMILIES` (llama, mistral, qwen2, qwen3,
-            gemma2, gemma3_text), or a PEFT wrapper of one (``get_peft_model`` may also come after ``patch``).
+        model: an instantiated transformers causal LM (a model type in :data:`FAMILIES`), or a PEFT wrapper of one
+            (``get_peft_model`` may also come after ``patch``).
         rms_norm, rope, mlp, loss, lora: which kinds to swap (see the module docstring).
         offload_checkpoints: keep each checkpointed decoder layer's input in pinned host memory between forward and
             backward (:mod:`leantune.patch.offload`); needs non-reentrant gradient checkpointing at training
@@ -76,33 +80,44 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         tile_mlp: tokens per tile: run every MLP block over token tiles of this many tokens, recomputed tile by tile
             in backward (:mod:`leantune.patch.tiled_mlp`); None (default) runs it whole. For long sequences, where
             the MLP's [tokens, intermediate] tensors bound the context.
+        strict: raise for a model type that has no family row, instead of warning and leaving the model unpatched.
 
     Returns:
-        ``model``. Its summary (counts per kind, ``loss_runs``: the loss that the model's forward runs, and what was
-        left unpatched and why) is logged at INFO and stored as ``leantune_summary`` on the transformers model
-        (reachable through PEFT wrappers). A wrapper forward put on the causal LM by someone else (TRL's fused LM
-        head) is kept: patched before it, leantune's forward inside runs where the wrapper calls it; patched after,
-        the loss is the wrapper's unless it holds leantune's forward or is leantune's own head
-        (:mod:`leantune.integrations.trl`). LoRA counts are as of the
-        call: patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time
-        (call ``patch`` again to refresh the summary; patching twice is harmless).
+        ``model``. Its summary (counts per kind, ``fused``: the family's parts that run leantune's ops, ``kept``:
+        parts of its layers that keep HF's forward and why, ``loss_runs``: the loss that the model's forward runs,
+        and ``unpatched``: modules left alone and why) is logged at INFO and stored as ``leantune_summary`` on the
+        transformers model (reachable through PEFT wrappers). A model type without a row is left unpatched with a
+        ``UserWarning`` naming what is missing (its summary has ``family`` None). A wrapper forward put on the
+        causal LM by someone else (TRL's fused LM head) is kept: patched before it, leantune's forward inside runs
+        where the wrapper calls it; patched after, the loss is the wrapper's unless it holds leantune's forward or
+        is leantune's own head (:mod:`leantune.integrations.trl`). LoRA counts are as of the call: patching before
+        ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time (call ``patch`` again to
+        refresh the summary; patching twice is harmless).
 
     Raises:
-        ValueError: ``config.model_type`` is not supported (the message lists the supported ones), ``model`` is
-            not a transformers model, or ``tile_mlp`` is not a positive int.
+        ValueError: ``config.model_type`` has no family row and ``strict`` is set (the message lists the supported
+            ones), ``model`` is not a transformers model, or ``tile_mlp`` is not a positive int.
     """
     if tile_mlp is not None:
         check_tile_tokens(tile_mlp, "tile_mlp")
     hf = _hf_model(model)
-    family = family_for(getattr(hf.config, "model_type", None))
+    model_type = getattr(hf.config, "model_type", None)
+    if strict or model_type in FAMILIES:
+        family = family_for(model_type)
+    else:
+        if _MODEL_ATTR in hf.__dict__:
+            unpatch(model)
+        _not_covered(hf, model_type)
+        return model
     if _MODEL_ATTR in hf.__dict__:
         unpatch(model)
     modeling = importlib.import_module(family.modeling_module)
-    norm_cls = getattr(modeling, family.norm_class)
+    norm_cls = getattr(modeling, family.norm_class) if family.norm_class else None
     attention_cls = getattr(modeling, family.attention_class)
     mlp_cls = getattr(modeling, family.mlp_class)
     act_name = getattr(hf.config, family.activation_attr, None)
-    activation = ACTIVATIONS.get(act_name)
+    activation = ACTIVATIONS.get(act_name) if family.mlp != "plain" else None
+    use_rope = rope and family.rope == "half"
 
     counts = collections.Counter()
     left: dict[str, str] = {}
@@ -116,25 +131,30 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         if kind is norm_cls and rms_norm:
             _bind(module, ModuleState("rms_norm", family))
             counts["rms_norm"] += 1
-        elif kind is attention_cls and (rope or lora):
-            _bind(module, ModuleState("attention", family, rope=rope, lora=lora))
-            counts["rope"] += int(rope)
-        elif kind is mlp_cls and (mlp or lora):
+        elif kind is attention_cls and (use_rope or lora):
+            _bind(module, ModuleState("attention", family, rope=use_rope, lora=lora))
+            counts["rope"] += int(use_rope)
+        elif kind is mlp_cls and ((mlp and family.mlp != "plain") or lora):
             use_mlp = mlp and activation is not None
-            if mlp and activation is None:
+            if mlp and activation is None and family.mlp != "plain":
                 left[name] = f"activation {act_name!r} has no fused op: HF's activation kept"
             _bind(module, ModuleState("mlp", family, mlp=use_mlp, lora=lora, activation=activation))
             counts["mlp"] += int(use_mlp)
         if kind in (attention_cls, mlp_cls) and lora:
-            _count_lora(name, module, counts, left, mlp_fused=mlp and activation is not None)
+            _count_lora(name, module, family, counts, left, mlp_fused=mlp and activation is not None)
     wrapper = hf.__dict__.get("forward") if _foreign_forward(hf) else None
     loss_runs = "HF's loss_function on full logits (loss kind off)"
     if wrapper is not None and not loss:
         loss_runs = f"the instance forward {_name(wrapper)}'s own loss (loss kind off)"
     if loss:
-        if not hasattr(hf, "lm_head") or not hasattr(hf, hf.base_model_prefix):
+        head = getattr(hf, "lm_head", None)
+        if head is None or not hasattr(hf, hf.base_model_prefix):
             left["<causal lm>"] = f"{type(hf).__name__} has no lm_head/base model: HF's forward kept"
             loss_runs = "HF's loss_function on full logits (no lm_head/base model)"
+        elif ((family.logits_divisor_attr or family.logits_multiplier_attr)
+              and getattr(getattr(head, "base_layer", head), "bias", None) is not None):
+            left["<causal lm>"] = "lm_head has a bias and the logits are scaled: HF's forward kept"
+            loss_runs = "HF's loss_function on full logits (biased lm_head under a logits scale)"
         elif wrapper is not None and not holds_leantune(wrapper, hf):
             left["<causal lm>"] = "has an instance-level forward: HF's loss kept"
             loss_runs = f"the instance forward {_name(wrapper)}'s own loss"
@@ -151,7 +171,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             counts["loss"] = 1
             if type(hf.lm_head) is not nn.Linear:
                 left["lm_head"] = f"{type(hf.lm_head).__name__}: logits formed, loss from ops.cross_entropy"
-    hf.__dict__[_MODEL_ATTR] = (family.name, rope and counts["rope"] > 0)
+    hf.__dict__[_MODEL_ATTR] = (family.name, use_rope and counts["rope"] > 0)
     if tile_mlp is not None:  # after the MLP forwards are bound: it tiles whichever forward the module has
         enable_tiled_mlp(model, tile_tokens=tile_mlp)
     if offload_checkpoints:
@@ -160,6 +180,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         "family": family.name,
         "counts": {k: counts[k] for k in ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp")},
         "off": [k for k, on in zip(KINDS, (rms_norm, rope, mlp, loss, lora)) if not on],
+        "fused": _fused_parts(family, activation),
+        "kept": family.kept(),
         "offload_checkpoints": offload_checkpoints,
         "tile_mlp": tile_mlp,
         "loss_runs": loss_runs,
@@ -168,6 +190,54 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     hf.__dict__[SUMMARY_ATTR] = summary
     logger.info("leantune.patch(%s): %s", type(hf).__name__, _describe(summary))
     return model
+
+
+def _not_covered(hf: nn.Module, model_type) -> None:
+    """The warning path: ``hf`` stays on HF's forwards; the warning and the summary name what is missing."""
+    layers = _decoder_layer_parts(hf)
+    missing = NOT_COVERED.get(model_type, "no row in leantune.patch.families describes its decoder layer")
+    reason = f"model_type {model_type!r} not covered: {missing}" + (f" (its layer holds {layers})" if layers else "")
+    warnings.warn(f"leantune.patch: {reason}; the model runs unpatched on HF's forwards, offload_checkpoints and "
+                  f"tile_mlp not applied (supported: "
+                  f"{', '.join(sorted(FAMILIES))}; strict=True raises instead)", UserWarning, stacklevel=3)
+    hf.__dict__[SUMMARY_ATTR] = {
+        "family": None, "counts": dict.fromkeys(("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp"), 0),
+        "off": list(KINDS), "fused": [], "kept": {"<model>": reason}, "offload_checkpoints": False,
+        "tile_mlp": None, "loss_runs": "HF's forward (model type not covered)", "unpatched": {"<model>": reason},
+    }
+
+
+def _decoder_layer_parts(hf: nn.Module) -> str:
+    """The first decoder layer's class and the module classes directly inside it, e.g. ``Qwen3MoeDecoderLayer:
+    Qwen3MoeAttention, Qwen3MoeRMSNorm, Qwen3MoeSparseMoeBlock`` (what a new family row would have to describe)."""
+    layers = getattr(hf.config, "num_hidden_layers", None)
+    for module in hf.modules():  # the decoder stack: the first ModuleList with one entry per layer
+        if isinstance(module, nn.ModuleList) and len(module) and len(module) == layers:
+            return f"{type(module[0]).__name__}: " + ", ".join(sorted({type(c).__name__ for c in module[0].children()}))
+    return ""
+
+
+def _fused_parts(family: Family, activation: str | None) -> list[str]:
+    """What of the family's layers runs leantune's ops when every kind is on (``kept`` lists the rest)."""
+    parts = []
+    if family.norm:
+        parts.append(f"RMSNorm (casting {family.norm_casting}, offset {family.norm_offset:g})"
+                     + (f", incl. {family.qk_norm} q/k norms" if family.qk_norm else ""))
+    if family.rope == "half":
+        parts.append("RoPE: ops.rope (partial rotary where cos is narrower than a head)"
+                     + (", skipped on layers without RoPE" if family.rope_if else ""))
+    qkv = "qkv_proj LoRA: ops.lora_linear" if family.qkv == "fused" else "q/k/v LoRA: ops.lora_qkv"
+    parts.append(qkv + "; o_proj LoRA: ops.lora_linear")
+    if family.mlp == "plain":
+        parts.append(f"MLP {'/'.join(family.mlp_projections)} LoRA: ops.lora_linear")
+    elif activation is not None:
+        fused = " (gate_up_proj split by rows; per projection when LoRA dropout is on in training)" \
+            if family.mlp == "gated_fused" else ""
+        parts.append(f"MLP: ops.lora_mlp / {activation}{fused}")
+    scaled = family.logits_divisor_attr or family.logits_multiplier_attr
+    parts.append("loss: ops.linear_cross_entropy" + (" on the hidden states scaled as the logits" if scaled else "")
+                 + (" with the final-logit softcap" if family.final_softcap_attr else ""))
+    return parts
 
 
 def _name(fn) -> str:
@@ -180,9 +250,9 @@ def _name(fn) -> str:
     return type(fn).__qualname__
 
 
-def _count_lora(name: str, module: nn.Module, counts, left, *, mlp_fused: bool) -> None:
+def _count_lora(name: str, module: nn.Module, family: Family, counts, left, *, mlp_fused: bool) -> None:
     fused = []
-    for proj in _PROJECTIONS:
+    for proj in family.projections:
         child = getattr(module, proj, None)
         if child is None:
             continue
@@ -192,8 +262,8 @@ def _count_lora(name: str, module: nn.Module, counts, left, *, mlp_fused: bool) 
         elif hasattr(child, "lora_A"):  # a PEFT layer the fused ops cannot reproduce exactly
             left[f"{name}.{proj}"] = f"PEFT's forward kept: {reason}"
     counts["lora"] += len(fused)
-    counts["lora_qkv"] += int(any(p in fused for p in ("q_proj", "k_proj", "v_proj")))
-    counts["lora_mlp"] += int(mlp_fused and all(p in fused for p in ("gate_proj", "up_proj", "down_proj")))
+    counts["lora_qkv"] += int(any(p in fused for p in ("q_proj", "k_proj", "v_proj", "qkv_proj")))
+    counts["lora_mlp"] += int(mlp_fused and family.mlp != "plain" and all(p in fused for p in family.mlp_projections))
 
 
 def _describe(summary) -> str:

@@ -1,20 +1,38 @@
-"""The family table: what differs between the supported transformers model families, as data.
+"""The family table: what a decoder layer of each supported transformers model type is made of, as data.
 
-Every family runs the same replacement forwards (:mod:`leantune.patch.forwards`); a row here says which HF classes
-to patch and the few numbers and switches that differ. A new family that differs only in data is one new row.
+Every family runs the same replacement forwards (:mod:`leantune.patch.forwards`, :mod:`leantune.patch.blocks`); a
+row says which HF classes to patch and how their parts are built. The decoder layer itself always keeps HF's
+forward: it calls the patched norm, attention and MLP modules, so norm placement (pre-norm, OLMo 2/3 and EXAONE 4
+post-norm, Gemma 2/3 and GLM-4 sandwich norms) and Granite's ``residual_multiplier`` need no entry. A new family that
+is built from parts already described is one new row; a part that no field describes keeps HF's forward (the row
+says so and ``leantune_summary`` reports it).
 
 Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
-- RMSNorm casting: Llama/Mistral/Qwen2/Qwen3 ``weight * x_hat.to(dtype)``; Gemma2/Gemma3 ``(x_hat * (1 + w)).to(dtype)``
-  (HF PR 29402). The epsilon lives in ``variance_epsilon`` (Llama style) or ``eps`` (Gemma style).
-- GLU activation: ``config.hidden_act`` (Llama style) or ``config.hidden_activation`` (Gemma); ``silu`` -> SwiGLU,
+- RMSNorm casting: ``weight * x_hat.to(dtype)`` ("llama": Llama, Mistral, Qwen2/3, Phi-3, Granite, GLM, SmolLM3, ...);
+  ``(weight.float() * x_hat).to(dtype)`` (Helium, OLMo 2/3: "gemma" with offset 0); Gemma 1/2/3
+  ``(x_hat * (1 + w.float())).to(dtype)`` ("gemma", offset 1, HF PR 29402). Epsilon in ``variance_epsilon`` or
+  ``eps``. LayerNorm models (Starcoder2) keep HF's norm.
+- GLU activation: ``config.hidden_act`` (or Gemma 2/3's ``hidden_activation``); ``silu`` -> SwiGLU,
   ``gelu_pytorch_tanh`` -> GeGLU with tanh GELU, ``gelu`` -> GeGLU with erf GELU.
-- Final-logit softcap: Gemma2/Gemma3 ``config.final_logit_softcapping`` (Gemma2 default 30; None disables).
-- Attention-logit softcap passed to the attention kernel: Gemma2 only (Gemma3 keeps the attribute but does not pass it).
-- Sliding window passed to the attention kernel: Mistral reads ``config.sliding_window``; Qwen2/Qwen3/Gemma2/Gemma3 the
-  per-layer ``module.sliding_window``; Llama passes none.
-- q/k RMSNorm on the head dim before RoPE: Qwen3, Gemma3.
-- Gemma's embedding scale sqrt(H) and Qwen2's q/k/v bias need no entry: the embedding (or base-model forward) HF already
-  runs keeps the scale, and the bias is read from each projection.
+- MLP kinds: "gated" (gate_proj/up_proj/down_proj), "gated_fused" (Phi-3, GLM, GLM-4: ``gate_up_proj`` whose output
+  is chunked gate-first), "plain" (up/down with HF's activation module: Arcee relu2, Apertus xIELU, Starcoder2).
+- Attention: "separate" q/k/v projections or one "fused" ``qkv_proj`` split [q, k, v] (Phi-3). QK-norm on the head
+  dim before RoPE (Qwen3, Gemma3, Apertus, EXAONE 4), after RoPE (HunYuan dense: ``query_layernorm``), or over the
+  whole projection width before the head split (OLMo 2/3).
+- RoPE: "half" is the split-halves rotation ``ops.rope`` computes, on the first ``cos.shape[-1]`` dims (partial
+  rotary: Phi-3); "interleaved" rotates adjacent pairs (GLM, GLM-4, Helium, ERNIE 4.5): HF's function is kept.
+  ``rope_if``: layers without RoPE (SmolLM3 ``use_rope`` from ``no_rope_layers``; EXAONE 4 rotates only sliding
+  layers when a window is set).
+- Sliding window passed to the attention kernel: "config" (``config.sliding_window``: Mistral, Phi-3, Starcoder2),
+  "module" (``module.sliding_window``), "module_if_sliding" (EXAONE 4: the window only where ``is_sliding``).
+- Attention-logit softcap: Gemma2 only. Final-logit softcap: Gemma2/3 ``final_logit_softcapping``.
+- Scalars: the attention scale is always ``module.scaling`` (Granite's ``attention_multiplier``, Gemma's
+  ``query_pre_attn_scalar``); Granite's ``embedding_multiplier`` is applied by the base model HF runs;
+  ``logits_divisor_attr``: Granite's ``logits = lm_head(h) / logits_scaling``; ``logits_multiplier_attr``:
+  HyperCLOVA X's ``lm_head(h) * logits_scaling``.
+- ``residual_dropout_attr``: dropout on the attention and MLP outputs (Seed-OSS, Starcoder2).
+- Qwen2's and GLM's q/k/v bias and Gemma's embedding scale need no entry: the bias is read from each projection,
+  the scale lives in the embedding module HF runs.
 """
 
 from __future__ import annotations
@@ -24,26 +42,47 @@ import dataclasses
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu_tanh", "gelu": "geglu_erf"}
 
 
+def rope_if_use_rope(module) -> bool:
+    """SmolLM3: ``use_rope`` is ``config.no_rope_layers[layer_idx]`` (1: rotate)."""
+    return bool(module.use_rope)
+
+
+def rope_if_sliding(module) -> bool:
+    """EXAONE 4: with a window set, only sliding layers rotate; without one, every layer does."""
+    return module.sliding_window is None or module.is_sliding
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One row of the table; ``prefix`` names the HF classes ``{prefix}RMSNorm``, ``{prefix}Attention`` and
-    ``{prefix}MLP``."""
+    """One row of the table. ``prefix`` names the HF classes ``{prefix}RMSNorm``, ``{prefix}Attention`` and
+    ``{prefix}MLP`` (``norm`` False: the family's norms are not RMSNorm and keep HF's forward)."""
 
     name: str
     modeling_module: str
     prefix: str
+    norm: bool = True
     norm_casting: str = "llama"  # ops.rms_norm casting
     norm_offset: float = 0.0  # 1.0 for Gemma's (1 + w)
     norm_eps_attr: str = "variance_epsilon"
     activation_attr: str = "hidden_act"  # config attribute naming the GLU activation
-    final_softcap_attr: str | None = None  # config attribute of the final-logit softcap
-    sliding_window: str | None = None  # None (not passed), "config" or "module": where the attention reads it
+    mlp: str = "gated"  # "gated" | "gated_fused" | "plain"
+    mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")  # in order (gate_up, down when fused)
+    act_fn_attr: str = "act_fn"  # the MLP's HF activation module (runs when no fused GLU serves it)
+    qkv: str = "separate"  # "separate" (q_proj, k_proj, v_proj) | "fused" (qkv_proj)
+    qk_norm: str | None = None  # None | "head" (before RoPE) | "head_after_rope" | "width" (before the head split)
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    rope: str = "half"  # "half": ops.rope serves it | "interleaved": HF's apply_rotary_pos_emb kept
+    rope_if: object = None  # None (every layer rotates) or a function(attention module) -> bool
+    sliding_window: str | None = None  # None (not passed) | "config" | "module" | "module_if_sliding"
     attn_softcap: bool = False  # passes module.attn_logit_softcapping to the attention kernel
-    qk_norm: bool = False  # RMSNorm q_norm / k_norm on the head dim before RoPE
+    final_softcap_attr: str | None = None  # config attribute of the final-logit softcap
+    logits_divisor_attr: str | None = None  # config attribute dividing the logits (Granite)
+    logits_multiplier_attr: str | None = None  # config attribute multiplying the logits (HyperCLOVA X)
+    residual_dropout_attr: str | None = None  # module attribute: dropout p on attention / MLP outputs
 
     @property
-    def norm_class(self) -> str:
-        return f"{self.prefix}RMSNorm"
+    def norm_class(self) -> str | None:
+        return f"{self.prefix}RMSNorm" if self.norm else None
 
     @property
     def attention_class(self) -> str:
@@ -53,21 +92,82 @@ class Family:
     def mlp_class(self) -> str:
         return f"{self.prefix}MLP"
 
+    @property
+    def attention_projections(self) -> tuple[str, ...]:
+        return ("qkv_proj", "o_proj") if self.qkv == "fused" else ("q_proj", "k_proj", "v_proj", "o_proj")
 
-_GEMMA = {
-    "norm_casting": "gemma", "norm_offset": 1.0, "norm_eps_attr": "eps", "activation_attr": "hidden_activation",
-    "final_softcap_attr": "final_logit_softcapping", "sliding_window": "module",
-}
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """Every linear projection of a decoder layer (LoRA targets)."""
+        return self.attention_projections + self.mlp_projections
 
-FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", "transformers.models.llama.modeling_llama", "Llama"),
-    "mistral": Family("mistral", "transformers.models.mistral.modeling_mistral", "Mistral", sliding_window="config"),
-    "qwen2": Family("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2", sliding_window="module"),
-    "qwen3": Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3", sliding_window="module",
-                    qk_norm=True),
-    "gemma2": Family("gemma2", "transformers.models.gemma2.modeling_gemma2", "Gemma2", attn_softcap=True, **_GEMMA),
-    "gemma3_text": Family("gemma3_text", "transformers.models.gemma3.modeling_gemma3", "Gemma3", qk_norm=True,
-                          **_GEMMA),
+    def kept(self) -> dict[str, str]:
+        """The parts of this family's layers that keep HF's forward, and why (for ``leantune_summary``)."""
+        kept = {}
+        if not self.norm:
+            kept["norm"] = "LayerNorm, not RMSNorm: HF's forward (no fused LayerNorm op)"
+        if self.rope != "half":
+            kept["rope"] = f"{self.rope} rotary pairs: HF's apply_rotary_pos_emb (ops.rope rotates split halves)"
+        if self.mlp == "plain":
+            kept["mlp activation"] = ("non-gated MLP: HF's activation module; its LoRA projections are fused one "
+                                      "by one (ops.lora_linear)")
+        return kept
+
+
+def _row(model_type: str, prefix: str, module: str | None = None, **fields) -> tuple[str, Family]:
+    module = module or model_type
+    return model_type, Family(model_type, f"transformers.models.{module}.modeling_{module}", prefix, **fields)
+
+
+_GEMMA = {"norm_casting": "gemma", "norm_offset": 1.0, "norm_eps_attr": "eps"}
+_GEMMA23 = {**_GEMMA, "activation_attr": "hidden_activation", "final_softcap_attr": "final_logit_softcapping",
+            "sliding_window": "module"}
+_FUSED_GLU = {"mlp": "gated_fused", "mlp_projections": ("gate_up_proj", "down_proj"), "act_fn_attr": "activation_fn"}
+_PLAIN = {"mlp": "plain", "mlp_projections": ("up_proj", "down_proj")}
+_OLMO = {"norm_casting": "gemma", "qk_norm": "width"}
+
+FAMILIES: dict[str, Family] = dict([
+    _row("llama", "Llama"),
+    _row("mistral", "Mistral", sliding_window="config"),
+    _row("ministral", "Ministral", sliding_window="module"),
+    _row("qwen2", "Qwen2", sliding_window="module"),
+    _row("qwen3", "Qwen3", sliding_window="module", qk_norm="head"),
+    _row("gemma", "Gemma", **_GEMMA),
+    _row("gemma2", "Gemma2", attn_softcap=True, **_GEMMA23),
+    _row("gemma3_text", "Gemma3", "gemma3", qk_norm="head", **_GEMMA23),
+    _row("olmo2", "Olmo2", **_OLMO),
+    _row("olmo3", "Olmo3", sliding_window="module", **_OLMO),
+    _row("smollm3", "SmolLM3", sliding_window="module", rope_if=rope_if_use_rope),
+    _row("phi3", "Phi3", qkv="fused", sliding_window="config", **_FUSED_GLU),
+    _row("granite", "Granite", logits_divisor_attr="logits_scaling"),
+    _row("granite_swa", "GraniteSWA", logits_divisor_attr="logits_scaling", sliding_window="module"),
+    _row("hyperclovax", "HyperCLOVAX", logits_multiplier_attr="logits_scaling"),
+    _row("cwm", "Cwm", sliding_window="module"),
+    _row("glm", "Glm", rope="interleaved", **_FUSED_GLU),
+    _row("glm4", "Glm4", rope="interleaved", **_FUSED_GLU),
+    _row("helium", "Helium", norm_casting="gemma", rope="interleaved"),
+    _row("exaone4", "Exaone4", qk_norm="head", sliding_window="module_if_sliding", rope_if=rope_if_sliding),
+    _row("seed_oss", "SeedOss", residual_dropout_attr="residual_dropout"),
+    _row("arcee", "Arcee", **_PLAIN),
+    _row("apertus", "Apertus", qk_norm="head", **_PLAIN),
+    _row("hunyuan_v1_dense", "HunYuanDenseV1", qk_norm="head_after_rope",
+         qk_norm_names=("query_layernorm", "key_layernorm")),
+    _row("ernie4_5", "Ernie4_5", rope="interleaved"),
+    _row("starcoder2", "Starcoder2", norm=False, mlp="plain", mlp_projections=("c_fc", "c_proj"), act_fn_attr="act",
+         sliding_window="config", residual_dropout_attr="residual_dropout"),
+])
+
+# Model types known not to fit yet, and what is missing (the warning names it).
+NOT_COVERED = {
+    "qwen3_moe": "mixture-of-experts blocks (experts: issue #29 item 2)",
+    "qwen2_moe": "mixture-of-experts blocks (experts: issue #29 item 2)",
+    "mixtral": "mixture-of-experts blocks (experts: issue #29 item 2)",
+    "olmoe": "mixture-of-experts blocks (experts: issue #29 item 2)",
+    "gpt_oss": "mixture-of-experts blocks and attention sinks (issue #29 items 2, 3)",
+    "olmo": "LayerNorm without weights and clip_qkv",
+    "cohere": "LayerNorm and parallel attention/MLP blocks",
+    "cohere2": "LayerNorm and parallel attention/MLP blocks",
+    "phi": "LayerNorm and a parallel attention/MLP block with a dense projection",
 }
 
 
@@ -80,6 +180,8 @@ def family_for(model_type: str) -> Family:
     try:
         return FAMILIES[model_type]
     except KeyError:
+        missing = NOT_COVERED.get(model_type, "no row in leantune.patch.families")
         raise ValueError(
-            f"leantune.patch does not support model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+            f"leantune.patch does not support model_type {model_type!r} ({missing}); supported: "
+            f"{', '.join(sorted(FAMILIES))}"
         ) from None

@@ -4,6 +4,7 @@ Each patched module carries a small plain state object (``module._leantune``: th
 a :class:`BoundForward`; the original forward is the class's. ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a
 patched model give a working patched copy (the forward rebinds itself through :func:`bind`).
 
+The attention and MLP forwards, which follow the family row's structure fields, live in :mod:`.blocks`.
 LoRA projections are read from PEFT at every forward (:mod:`.lora_status` decides which ones the fused ops serve
 exactly; the others keep PEFT's forward).
 
@@ -16,7 +17,6 @@ unpatched model keeps HF's exact function.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import importlib
 import inspect
@@ -28,10 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops import _runtime
+from ._common import ROPE_ACTIVE as _ROPE_ACTIVE
+from ._common import call_original as _call_original
+from ._common import served as _served
+from .blocks import attention_forward, mlp_forward
 from .families import Family
 from .input_embeddings import input_embeddings
-from .lora_status import carries_fusable_lora, fusable, fused_group, has_hooks, lora_status, project
+from .lora_status import carries_fusable_lora, has_hooks, lora_status
 
 
 # --------------------------------------------------------------------------------------------------- module state
@@ -49,19 +52,7 @@ class ModuleState:
     training_logits: bool = False  # causal_lm: form logits in training too, for clients that read them
 
 
-def _call_original(module, *args, **kwargs):
-    return type(module).forward(module, *args, **kwargs)
-
-
-def _served(*tensors) -> bool:
-    """Whether the ops take these tensors: fp32/fp16/bf16 on a real device. Anything else (a float64 model for
-    gradient checks, the meta device for shape tracing) runs HF's forward, which handles it."""
-    return all(t.dtype in _runtime.FLOAT_DTYPES and t.device.type != "meta" for t in tensors if t is not None)
-
-
-
 # ----------------------------------------------------------------------------------------------------------- RoPE
-_ROPE_ACTIVE = contextvars.ContextVar("leantune_rope_active", default=False)
 _rope_users: dict[str, weakref.WeakSet] = {}
 _rope_originals: dict[str, object] = {}
 
@@ -138,93 +129,6 @@ def rms_norm_forward(self, hidden_states):
     family = self._leantune.family
     eps = getattr(self, family.norm_eps_attr)
     return ops.rms_norm(hidden_states, self.weight, eps, offset=family.norm_offset, casting=family.norm_casting)
-
-
-def _glu(gate, up, activation: str):
-    if activation == "swiglu":
-        return ops.swiglu(gate, up)
-    return ops.geglu(gate, up, approximate="tanh" if activation == "geglu_tanh" else "none")
-
-
-def mlp_forward(self, x):
-    """``down(act(gate(x)) * up(x))``: ``ops.lora_mlp`` when gate/up/down carry fusable LoRA (and the MLP kind is
-    on), else per projection (``ops.lora_linear`` where fusable) around ``ops.swiglu``/``ops.geglu``."""
-    if not _served(x):
-        return _call_original(self, x)
-    state = self._leantune
-    # each projection's PEFT state read once per forward (it may change between forwards: set_adapter, merge)
-    statuses = [lora_status(m) for m in (self.gate_proj, self.up_proj, self.down_proj)] if state.lora else [None] * 3
-    if state.lora and state.mlp:
-        group = fused_group(statuses)
-        if group is not None:
-            (gate, up, down), p, training = group
-            return ops.lora_mlp(x, gate, up, down, activation=state.activation, dropout=p, training=training)
-    gate = project(self.gate_proj, x, statuses[0])
-    up = project(self.up_proj, x, statuses[1])
-    hidden = _glu(gate, up, state.activation) if state.mlp else self.act_fn(gate) * up
-    return project(self.down_proj, hidden, statuses[2])
-
-
-def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                      **kwargs):
-    """The family's attention with ``ops.rope`` (through the dispatcher, when the rope kind is on). When any of
-    q/k/v/o carries fusable LoRA, leantune's copy of the attention runs (``ops.lora_qkv`` for q/k/v when all three
-    can be served in one call, ``ops.lora_linear`` per projection otherwise); else HF's own forward runs."""
-    if not _served(hidden_states):  # before the RoPE flag: HF's own function then serves the rotation too
-        return _call_original(self, hidden_states, position_embeddings=position_embeddings,
-                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
-    state = self._leantune
-    token = _ROPE_ACTIVE.set(state.rope)
-    try:
-        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
-        statuses = [lora_status(m) for m in projections] if state.lora else []  # read once per forward
-        if any(fusable(s) for s in statuses):
-            return _fused_attention(self, state.family, statuses, hidden_states, position_embeddings,
-                                    attention_mask, past_key_values, **kwargs)
-        return _call_original(self, hidden_states, position_embeddings=position_embeddings,
-                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
-    finally:
-        _ROPE_ACTIVE.reset(token)
-
-
-def _fused_attention(self, family: Family, statuses, hidden_states, position_embeddings, attention_mask,
-                     past_key_values, **kwargs):
-    # Mirrors e.g. transformers/models/qwen3/modeling_qwen3.py Qwen3Attention.forward; family differences are data.
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    modeling = importlib.import_module(family.modeling_module)
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    group = fused_group(statuses[:3])
-    if group is not None:
-        (q_w, k_w, v_w), p, training = group
-        query, key, value = ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training)
-    else:  # e.g. only o_proj fusable, or q/k/v with different dropout: one projection at a time
-        query, key, value = (project(m, hidden_states, status)
-                             for m, status in zip((self.q_proj, self.k_proj, self.v_proj), statuses))
-    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
-    if family.qk_norm:
-        query, key = self.q_norm(query), self.k_norm(key)  # on the head dim: same before or after the transpose
-    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                      modeling.eager_attention_forward)
-    extra = {}
-    if family.sliding_window == "config":
-        extra["sliding_window"] = getattr(self.config, "sliding_window", None)
-    elif family.sliding_window == "module":
-        extra["sliding_window"] = self.sliding_window
-    if family.attn_softcap:
-        extra["softcap"] = self.attn_logit_softcapping
-    attn_output, attn_weights = interface(
-        self, query, key, value, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
-    )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return project(self.o_proj, attn_output, statuses[3]), attn_weights
 
 
 def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap, head_logits=None):
@@ -322,11 +226,21 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     shift_labels = shift_labels.reshape(-1).to(hidden_states.device)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     softcap = getattr(self.config, family.final_softcap_attr, None) if family.final_softcap_attr else None
+    divisor = getattr(self.config, family.logits_divisor_attr) if family.logits_divisor_attr else None
+    multiplier = getattr(self.config, family.logits_multiplier_attr) if family.logits_multiplier_attr else None
+    if divisor is not None:  # Granite's lm_head(h) / s as lm_head(h / s): patch keeps HF's loss for a biased head
+        hidden = hidden / divisor
+    if multiplier is not None:  # HyperCLOVA X's lm_head(h) * s as lm_head(h * s), likewise
+        hidden = hidden * multiplier
     logits = head_logits = None
     if skip_logits is None:  # evaluation may read them (metrics), and so may clients that asked in training
         skip_logits = self.training and not self._leantune.training_logits
     if not skip_logits:
         logits = head_logits = self.lm_head(hidden_states)
+        if divisor is not None:  # HF's expression
+            logits = head_logits = logits / divisor
+        if multiplier is not None:
+            logits = head_logits = logits * multiplier
         if softcap is not None:  # HF's expression and rounding order
             logits = torch.tanh(logits / softcap) * softcap
         head_logits = head_logits.reshape(-1, head_logits.shape[-1])

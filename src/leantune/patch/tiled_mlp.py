@@ -40,7 +40,7 @@ from torch import nn
 
 from ..ops import _runtime
 from ._model import hf_model
-from .families import family_for
+from .families import FAMILIES, family_for
 from .forwards import STATE_ATTR
 
 TILE_TOKENS = 4096  # default tile: [4096, 14336] bf16 is 112 MiB per intermediate tensor at Llama-3-8B shape
@@ -191,9 +191,12 @@ class TiledForward:
         return f"<leantune tiled forward of {type(self.module).__name__}, {self.tile_tokens} tokens per tile>"
 
 
-def _mlp_modules(model) -> list[nn.Module]:
+def _mlp_modules(model, strict: bool = True) -> list[nn.Module]:
     hf = hf_model(model)
-    family = family_for(getattr(hf.config, "model_type", None))
+    model_type = getattr(hf.config, "model_type", None)
+    if not strict and model_type not in FAMILIES:  # nothing of an uncovered model type was tiled
+        return []
+    family = family_for(model_type)
     mlp_cls = getattr(importlib.import_module(family.modeling_module), family.mlp_class)
     return [m for m in hf.modules() if type(m) is mlp_cls]
 
@@ -223,7 +226,7 @@ def enable_tiled_mlp(model, *, tile_tokens: int = TILE_TOKENS):
 
 def disable_tiled_mlp(model):
     """Undo :func:`enable_tiled_mlp`: each MLP gets back the forward it had. Returns ``model``."""
-    for module in _mlp_modules(model):
+    for module in _mlp_modules(model, strict=False):
         forward = module.__dict__.get("forward")
         if isinstance(forward, TiledForward):
             if forward.previous is None:

@@ -250,7 +250,8 @@ def wrap_lora(model, config: TrainConfig):
             f"weights -> {done['bytes_after'] / 2**30:.2f} GiB")
     if config.patch == "on":
         try:
-            model = patch(model, offload_checkpoints=config.offload_checkpoints, tile_mlp=config.tile_mlp)
+            model = patch(model, offload_checkpoints=config.offload_checkpoints, tile_mlp=config.tile_mlp,
+                          strict=True)  # an uncovered model type raises: the message below instead of a warning
         except ValueError as exc:  # a family without a patch table still trains, with HF's modules
             say(f"leantune: warning: not patched ({str(exc).splitlines()[0]}); training with HF's modules")
     return model
