@@ -163,6 +163,27 @@ def _forbid_transformers_detection(monkeypatch):
     monkeypatch.setattr(masking_utils.find_packed_sequence_indices, "_leantune_original", refuse)
 
 
+def test_unpacked_rows_skip_transformers_packing_check(watch, monkeypatch):
+    """Rows without position_ids or a mask: the causal-LM forward makes the positions itself and answers
+    transformers' packed-row check (a host sync; under CUDA-graph capture a dense mask), with HF's loss."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    from peft import get_peft_model
+    from test_patch_families import lora_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config._attn_implementation = "sdpa"
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config()).train()
+    input_ids, labels = batch(rows=2, seq=12)
+    with torch.no_grad():
+        expected = model(input_ids=input_ids, labels=labels).loss
+    leantune.patch(model)
+    document_attention.remember_single_sequences(torch.zeros(1, 3, dtype=torch.long))  # the dispatcher in place
+    _forbid_transformers_detection(monkeypatch)
+    loss = _step(model, watch, input_ids=input_ids, labels=labels)
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+
+
 @pytest.mark.parametrize("family", ["gemma2"])
 def test_patched_step_reads_nothing_back_on_triton(family, watch, monkeypatch):
     """The Triton kernels' launch path (interpreter here): nothing read back either, softcap included."""

@@ -77,6 +77,17 @@ def remember_documents(position_ids: torch.Tensor, host_position_ids: torch.Tens
 _packing_known: list = [None, None, None]  # [position_ids tensor, its version, whether any row is packed]
 
 
+def remember_single_sequences(position_ids: torch.Tensor) -> None:
+    """Tell the next forwards on ``position_ids`` ``[B or 1, S]`` that each row is one sequence (what the causal-LM
+    forward knows when it made the positions itself, 0..S-1): transformers' packed-row check then returns None with
+    no host sync, and under CUDA-graph capture (where that check skips its sync and always builds a dense mask) the
+    attention keeps its mask-free causal path."""
+    length = position_ids.shape[-1]
+    _spans_cache[:] = [position_ids, position_ids._version, [[(0, length)]] * position_ids.shape[0]]
+    _packing_known[:] = [position_ids, position_ids._version, False]
+    _install_packing_dispatch()
+
+
 def _known_packing(position_ids):
     """Whether some row of ``position_ids`` (or of the tensor it was expanded from) is packed, when
     :func:`remember_documents` was told; None when unknown."""

@@ -32,6 +32,7 @@ from ._common import ROPE_ACTIVE as _ROPE_ACTIVE
 from ._common import call_original as _call_original
 from ._common import served as _served
 from .blocks import attention_forward, mlp_forward
+from .document_attention import remember_single_sequences
 from .families import Family
 from .input_embeddings import input_embeddings
 from .lora_status import carries_fusable_lora, has_hooks, lora_status
@@ -218,6 +219,12 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     if inputs_embeds is None and input_ids is not None:
         hidden_states_out = kwargs.get("output_hidden_states") or getattr(self.config, "output_hidden_states", False)
         input_ids, inputs_embeds = None, input_embeddings(base, input_ids, bool(hidden_states_out))
+    if (position_ids is None and attention_mask is None and past_key_values is None and inputs_embeds is not None
+            and "cache_position" not in kwargs):
+        # the positions transformers would make (0..S-1, one sequence a row), made here so that its packed-row check
+        # is answered without a host sync (docs/design.md, "No host sync in a step")
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        remember_single_sequences(position_ids)
     outputs = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden_states = outputs.last_hidden_state
