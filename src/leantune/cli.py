@@ -96,7 +96,7 @@ def _train(args) -> int:
 def _export(args) -> int:
     from .train import export
 
-    path = export(args.adapter, args.out, overwrite=args.overwrite)
+    path = export(args.adapter, args.out, overwrite=args.overwrite, format=args.format, dtype=args.dtype)
     print(f"leantune: wrote the merged model to {path}")
     return 0
 
@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run directory of 'leantune train' or its adapter/ folder (required)")
     export.add_argument("--out", required=True, metavar="DIR", help="output folder for the merged model (required)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: False)")
+    # the output format (issue #28): a GGUF file for llama.cpp / Ollama beside the HF folder
+    export.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                        help="hf: a Hugging Face folder; gguf: one .gguf file (Llama architecture; --out ends in "
+                             ".gguf) (default: hf)")
+    export.add_argument("--dtype", choices=("f16", "bf16", "q8_0", "f32"), default=None,
+                        help="stored weights; q8_0 for gguf only (default: the base's 16-bit dtype, else f32 for "
+                             "hf and f16 for gguf)")
     export.set_defaults(func=_export)
 
     from .bench.cli import add_commands
