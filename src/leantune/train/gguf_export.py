@@ -205,12 +205,12 @@ def _write_gguf(path: Path, model, tokenizer, dtype: str, marker: dict) -> None:
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
     for hf_name, tensor in model.state_dict().items():
-        if tied and tensor is head.weight:
-            continue  # no output.weight: the reader then ties the head to token_embd
         module_name, suffix = hf_name.rsplit(".", 1)
         gguf_name = names.get_name(module_name)
         if gguf_name is None:
             raise LeantuneError(f"cannot export as GGUF: no GGUF name for the tensor {hf_name}")
+        if tied and gguf_name == "output":
+            continue  # no output.weight: the reader then ties the head to token_embd
         if module_name.endswith("self_attn.q_proj"):
             tensor = _to_llama_cpp_rotary_order(tensor, config.num_attention_heads)
         elif module_name.endswith("self_attn.k_proj"):
