@@ -3,6 +3,9 @@
 (Named ``merge`` rather than ``export`` so that the module never shadows, or is shadowed by, the function
 ``leantune.train.export``.)
 
+``--format gguf`` writes one .gguf file instead (``gguf_export``: Llama architecture, f16/bf16/q8_0/f32), under the
+same rules: a temporary file renamed into place, and ``--overwrite`` replaces only a previous GGUF export.
+
 The base is rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed) and merged
 in fp32; the weights are stored in the dtype of the base folder's safetensors weights when that is 16-bit (else
 fp32). A run stopped before it wrote its adapter is exported from its last checkpoint (said in one line). The folder
@@ -164,21 +167,18 @@ def _check_target(target: Path, overwrite: bool, base_model: Path, format: str) 
         _check_export_target(target, overwrite, base_model)
 
 
-def _export(adapter: str, out: str, overwrite: bool, format: str = "hf", dtype: str | None = None) -> Path:
+def merged_run(adapter: str):
+    """``(merged model in fp32 on the CPU, tokenizer)`` of a run directory or its ``adapter/`` folder (a stopped
+    run: its last checkpoint), as ``export`` merges it; ``leantune chat --adapter`` talks to it."""
+    run_dir, adapter_dir, saved = _adapter_source(Path(adapter))
+    return _merged_model(run_dir, adapter_dir, saved, json.loads((run_dir / "run.json").read_text()))
+
+
+def _merged_model(run_dir: Path, adapter_dir: Path, saved: Path | None, run: dict):
     from peft import PeftModel, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    run_dir, adapter_dir, saved = _adapter_source(Path(adapter))
-    if not str(out).strip():
-        raise LeantuneError("--out must name a folder, got an empty path")
-    # absolute and normalised: "." has no name to put a temporary folder beside, and "missing/../folder" must be
-    # checked as the folder it names
-    target = Path(os.path.abspath(out))
-    if target.is_symlink():  # replace the folder it points to, not the link
-        target = target.resolve()
-    run = json.loads((run_dir / "run.json").read_text())
     kind, model_path = run["model_kind"], Path(run["model_path"])
-    _check_target(target, overwrite, model_path, format)
     if not model_path.exists():
         raise LeantuneError(f"the base model of this run is gone: {model_path}")
     tokenizer_dir = run_dir / "tokenizer"
@@ -193,7 +193,22 @@ def _export(adapter: str, out: str, overwrite: bool, format: str = "hf", dtype: 
         peft_model = get_peft_model(base, lora_config(base, TrainConfig(**run["config"])))
         set_peft_model_state_dict(peft_model, load_file(str(saved / "adapter_model.safetensors")))
     _untie_embeddings(peft_model)
-    merged = peft_model.merge_and_unload()  # in fp32, then stored in the base checkpoint's own 16-bit dtype
+    return peft_model.merge_and_unload(), tokenizer  # in fp32; export stores it in the base's own 16-bit dtype
+
+
+def _export(adapter: str, out: str, overwrite: bool, format: str = "hf", dtype: str | None = None) -> Path:
+    run_dir, adapter_dir, saved = _adapter_source(Path(adapter))
+    if not str(out).strip():
+        raise LeantuneError("--out must name a folder, got an empty path")
+    # absolute and normalised: "." has no name to put a temporary folder beside, and "missing/../folder" must be
+    # checked as the folder it names
+    target = Path(os.path.abspath(out))
+    if target.is_symlink():  # replace the folder it points to, not the link
+        target = target.resolve()
+    run = json.loads((run_dir / "run.json").read_text())
+    kind, model_path = run["model_kind"], Path(run["model_path"])
+    _check_target(target, overwrite, model_path, format)
+    merged, tokenizer = _merged_model(run_dir, adapter_dir, saved, run)
     marker = {"adapter": str((saved or adapter_dir).resolve()), "base_model": str(model_path)}
     if format == "gguf":
         from .gguf_export import check_gguf_model, write_gguf_export
