@@ -68,15 +68,22 @@ def load_chat_model(options: ChatOptions):
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
+def stop_tokens(model, tokenizer) -> list[int]:
+    """The tokenizer's end-of-sequence id (the one leantune's training appends) and those the model's generation
+    config names (an instruct model may end a turn on several)."""
+    named = model.generation_config.eos_token_id
+    named = [] if named is None else [named] if isinstance(named, int) else list(named)
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return ids + [i for i in named if i not in ids]
+
+
 def reply(model, tokenizer, messages: list[dict], options: ChatOptions, streamer=None) -> str:
     """Generate the assistant's answer to ``messages`` (role/content dicts); streamed to ``streamer`` when given.
     Returns the answer's text, special tokens skipped."""
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True)
     inputs = {name: value.to(model.device) for name, value in inputs.items()}
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
+    eos = stop_tokens(model, tokenizer)
     sampling = {"do_sample": True, "temperature": options.temperature} if options.temperature > 0 else \
         {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     with torch.no_grad():
