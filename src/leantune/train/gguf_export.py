@@ -195,7 +195,13 @@ def _write_gguf(path: Path, model, tokenizer, dtype: str, marker: dict) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    if head_dim * config.num_attention_heads != config.hidden_size:  # llama.cpp reads a head_dim of its own here
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise LeantuneError("cannot export as GGUF: the model's config names no rope_theta")
+    writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
     writer.add_string(MARKER_KEY, json.dumps(marker))
