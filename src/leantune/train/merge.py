@@ -199,7 +199,7 @@ def _merged_model(run_dir: Path, adapter_dir: Path, saved: Path | None, run: dic
 def _export(adapter: str, out: str, overwrite: bool, format: str = "hf", dtype: str | None = None) -> Path:
     run_dir, adapter_dir, saved = _adapter_source(Path(adapter))
     if not str(out).strip():
-        raise LeantuneError("--out must name a folder, got an empty path")
+        raise LeantuneError("--out must name a folder (a .gguf file for --format gguf), got an empty path")
     # absolute and normalised: "." has no name to put a temporary folder beside, and "missing/../folder" must be
     # checked as the folder it names
     target = Path(os.path.abspath(out))
