@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from reference import rel_err
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -342,21 +343,30 @@ def test_forced_embedding_grad_kept_for_reentrant_checkpointing_and_trainable_em
 
 
 def test_embedding_gradient_read_through_a_hook_is_kept():
-    """A caller who keeps the embedding output in a hook (saliency, attribution) reads its gradient as with HF."""
+    """A caller who keeps the embedding output in a hook (saliency, attribution) reads its gradient as with HF.
+
+    Both fp32 gradients are held to the float64 gradient of HF's model (docs/design.md, "Tests and tolerance"):
+    norm-wise relative error <= 1e-5. An elementwise bar of atol 1e-6 (the earlier test) failed 1 draw in many:
+    the rounding error of each element is a few eps32 times the size of the whole gradient (|g| up to ~1 here, 1.2e-7
+    eps, ~2e-6 of it after two layers forward and back, HF's own fp32 path included), not of the element itself, so
+    atol 1e-6 sat inside the rounding noise of either path; measured norm-wise errors are 1.5-2.5e-6 on both."""
     input_ids = torch.randint(3, VOCAB, (2, 19))
-    grads = []
-    for patched in (False, True):
+    grads = {}
+    for name, patched, dtype in (("hf", False, torch.float32), ("leantune", True, torch.float32),
+                                 ("float64", False, torch.float64)):
         torch.manual_seed(0)
-        model = tiny_llama_lora()
+        model = tiny_llama_lora().to(dtype)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=NON_REENTRANT)
         if patched:
             leantune.patch(model)
         kept = {}
         model.get_input_embeddings().register_forward_hook(lambda module, args, out, kept=kept: kept.update(out=out))
         model(input_ids=input_ids, labels=input_ids).loss.backward()
-        grads.append(kept["out"].grad)
-    assert grads[0] is not None and grads[1] is not None
-    assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+        grads[name] = kept["out"].grad
+    assert all(grad is not None for grad in grads.values()), [name for name, g in grads.items() if g is None]
+    for name in ("hf", "leantune"):
+        err = rel_err(grads[name], grads["float64"])
+        assert err <= 1e-5, f"{name}: relative error {err:.3g} of the embedding gradient against float64"
 
 
 def test_detach_only_where_it_is_known_safe():

@@ -127,3 +127,40 @@ def test_leantune_quantize_after_peft_patches_and_matches_the_dequantised_model(
         assert_close(name, value, ref_loss, torch.float32)
     for name, ref in ref_grads.items():
         assert_close(name, grads[name], ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_leantune_quantize_before_peft_is_the_documented_order(saved_model, dtype):
+    """leantune.quantize before get_peft_model (the order bitsandbytes users know): PEFT selects the NF4 layers
+    ("all-linear", named targets, its per-model default) and wraps them in its lora.Linear; adapters, loss and LoRA
+    gradients are bit-identical to quantising after PEFT (a bf16 base rounds the adapters' initial values through
+    bf16 in both orders), and leantune.patch fuses every layer."""
+    from leantune.quantize import NF4Linear
+
+    ids = torch.randint(0, VOCAB, (2, 24))
+    for targets in (["q_proj", "down_proj"], None, "all-linear"):  # all-linear last: the models patched below
+        results = []
+        for order in ("after", "before"):
+            model = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=dtype)
+            if order == "before":
+                assert leantune.quantize(model, "nf4")["layers"] == 2 * 7
+            torch.manual_seed(1)
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                               init_lora_weights=False))
+            if order == "after":
+                leantune.quantize(model, "nf4")
+            q_proj = model.base_model.model.model.layers[1].self_attn.q_proj
+            assert type(q_proj) is peft.tuners.lora.Linear and isinstance(q_proj.base_layer, NF4Linear), order
+            adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            results.append((model, adapters, *loss_and_grads(model, ids)))
+        (after, adapters_after, loss_after, grads_after), (before, adapters, loss, grads) = results
+        assert adapters.keys() == adapters_after.keys() and adapters, targets
+        assert all(torch.equal(adapters[n], adapters_after[n]) for n in adapters), targets
+        assert torch.equal(loss, loss_after), (targets, loss.item(), loss_after.item())
+        assert all(torch.equal(grads[n], grads_after[n]) for n in grads_after), targets
+    leantune.patch(before)
+    leantune.patch(after)
+    assert before.base_model.model.leantune_summary["counts"]["lora"] == 2 * 7
+    patched, patched_after = loss_and_grads(before, ids), loss_and_grads(after, ids)
+    assert torch.equal(patched[0], patched_after[0])
+    assert all(torch.equal(patched[1][n], patched_after[1][n]) for n in patched_after[1])

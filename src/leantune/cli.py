@@ -1,8 +1,9 @@
 """The ``leantune`` command: thin argument parsing over the library.
 
 Subcommands: ``train`` (LoRA fine-tuning), ``demo`` (``train`` with the embedded defaults, a short CPU-sized run
-into runs/demo), ``export`` (merge an adapter into a standalone HF folder), ``check`` (every op against a float64
-reference), ``bench ops|e2e|max-context|report`` (GPU benchmarks; ``report`` rebuilds tables anywhere).
+into runs/demo), ``export`` (merge an adapter into a standalone HF folder or a GGUF file), ``chat`` (talk to a run
+or a model), ``check`` (every op against a float64 reference), ``bench ops|e2e|max-context|report`` (GPU
+benchmarks; ``report`` rebuilds tables anywhere).
 User errors print one line, ``leantune: error: ...``, to stderr without a traceback and exit 1 (2 for a
 command-line syntax error). A training run stopped by Ctrl-C or SIGTERM saves a checkpoint and exits 128 + the
 signal's number (130, 143), as a shell reports a process ended by that signal; a second signal aborts at once, with
@@ -117,9 +118,16 @@ def _train(args) -> int:
 def _export(args) -> int:
     from .train import export
 
-    path = export(args.adapter, args.out, overwrite=args.overwrite)
+    path = export(args.adapter, args.out, overwrite=args.overwrite, format=args.format, dtype=args.dtype)
     print(f"leantune: wrote the merged model to {path}")
     return 0
+
+
+def _chat(args) -> int:
+    from .train.chat import ChatOptions, chat
+
+    return chat(ChatOptions(adapter=args.adapter, model=args.model, prompt=args.prompt, system=args.system,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, device=args.device))
 
 
 def _version() -> str:
@@ -158,7 +166,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run directory of 'leantune train' or its adapter/ folder (required)")
     export.add_argument("--out", required=True, metavar="DIR", help="output folder for the merged model (required)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: False)")
+    # the output format (issue #28): a GGUF file for llama.cpp / Ollama beside the HF folder
+    export.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                        help="hf: a Hugging Face folder; gguf: one .gguf file (Llama architecture; --out ends in "
+                             ".gguf) (default: hf)")
+    export.add_argument("--dtype", choices=("f16", "bf16", "q8_0", "f32"), default=None,
+                        help="stored weights; q8_0 for gguf only (default: the base's 16-bit dtype, else f32 for "
+                             "hf and f16 for gguf)")
     export.set_defaults(func=_export)
+
+    # leantune chat (issue #28): try a run or a model
+    chat = sub.add_parser("chat", help="chat with a trained run or a model (chat template, streamed)",
+                          description="Generation with the tokenizer's chat template, streamed to stdout: one "
+                                      "answer with --prompt, else an interactive loop on stdin (/reset, /exit).")
+    chat.add_argument("--adapter", metavar="RUN", default=None,
+                      help="a run directory of 'leantune train' or its adapter/ folder, merged as export does")
+    chat.add_argument("--model", metavar="PATH", default=None, help="a Hugging Face folder or a .gguf file instead")
+    chat.add_argument("--prompt", metavar="TEXT", default=None, help="answer this once and exit (default: "
+                                                                        "interactive)")
+    chat.add_argument("--system", metavar="TEXT", default=None, help="a system message (default: none)")
+    chat.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                      help="longest answer in tokens (default: 256)")
+    chat.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                      help="0: greedy; above 0: sampling at that temperature (default: 0)")
+    chat.add_argument("--device", default=None, metavar="cpu|cuda", help="(default: cuda when available)")
+    chat.set_defaults(func=_chat)
 
     from .bench.cli import add_commands
 

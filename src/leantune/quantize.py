@@ -4,6 +4,17 @@ QLoRA (Dettmers et al. 2023) keeps the frozen base weights in 4-bit NF4 with dou
 embeddings, norms and ``lm_head`` in the compute dtype. Each targeted ``nn.Linear`` becomes an :class:`NF4Linear`
 holding an :class:`~leantune.ops.NF4Weight` (bitsandbytes' layout); its forward dequantises the weight to the input's
 dtype and runs ``F.linear``. The weight is frozen: it gets no gradient (the input and the bias do).
+
+Either order with PEFT works. After ``get_peft_model`` (QLoRA as leantune documents it) the LoRA layers' base
+layers are quantised. Before it (the order bitsandbytes users know), PEFT finds the layers itself: an NF4Linear is an
+``nn.Linear`` to it, as bitsandbytes' ``Linear4bit`` is, so ``target_modules="all-linear"`` and named targets select
+it and PEFT wraps it in its ordinary ``lora.Linear``, the structure the other order builds. PEFT 0.21's
+custom-module registration (``LoraConfig._register_custom_module``) cannot do this: it lives on the user's config,
+which does not exist yet when the model is quantised. Like ``Linear4bit`` the layer answers PEFT's probes:
+``weight`` is the packed 4-bit codes (uint8: the device to put adapters on, never cast to) and ``compute_dtype`` the
+dtype the weight had (adapters are rounded through it as PEFT does over a 16-bit ``nn.Linear``), so both orders
+give the same adapters, loss and gradients. Merging into the codes is not possible in either order (PEFT's merge
+fails on the packed shape); ``leantune export`` merges into the dequantised weights.
 """
 
 from __future__ import annotations
@@ -18,14 +29,15 @@ QUANT_TYPES = ("nf4",)
 _TENSOR_FIELDS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code")
 
 
-class NF4Linear(nn.Module):
+class NF4Linear(nn.Linear):
     """``y = x W^T + b`` with W [out_features, in_features] stored as NF4 and dequantised at each call.
 
-    The NF4 tensors are buffers (they follow ``.to(device)``); ``bias`` stays a parameter in its dtype.
+    The NF4 tensors are buffers (they follow ``.to(device)``); ``bias`` stays a parameter in its dtype. An
+    ``nn.Linear`` subclass without a float weight (see the module docstring: what PEFT reads of it).
     """
 
     def __init__(self, weight: NF4Weight, bias: torch.Tensor | None = None):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate the float weight this layer replaces
         if len(weight.shape) != 2:
             raise ValueError(f"{weight.name}: an NF4Linear weight must be 2-D, got shape {weight.shape}")
         self.out_features, self.in_features = weight.shape
@@ -33,6 +45,17 @@ class NF4Linear(nn.Module):
             self.register_buffer(field, getattr(weight, field), persistent=False)
         self._meta = (weight.offset, weight.shape, weight.dtype, weight.name)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The packed NF4 codes (uint8, two weights a byte), as bitsandbytes' ``Linear4bit.weight`` holds them: what
+        PEFT and other code probing a linear layer's ``weight`` for its device find. Not a float matrix."""
+        return self.codes
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the weight was quantised from (bitsandbytes' attribute name, read by PEFT)."""
+        return self._meta[2]
 
     @property
     def weight_nf4(self) -> NF4Weight:

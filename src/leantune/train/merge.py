@@ -3,6 +3,9 @@
 (Named ``merge`` rather than ``export`` so that the module never shadows, or is shadowed by, the function
 ``leantune.train.export``.)
 
+``--format gguf`` writes one .gguf file instead (``gguf_export``: Llama architecture, f16/bf16/q8_0/f32), under the
+same rules: a temporary file renamed into place, and ``--overwrite`` replaces only a previous GGUF export.
+
 The base is rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed) and merged
 in fp32; the weights are stored in the dtype of the base folder's safetensors weights when that is 16-bit (else
 fp32). A run stopped before it wrote its adapter is exported from its last checkpoint (said in one line). The folder
@@ -105,18 +108,28 @@ def _dequantised_base(model, trained_dtype: torch.dtype) -> None:
             linear.weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
 
 
-def export(adapter: str, out: str, *, overwrite: bool = False) -> Path:
-    """Merge a trained adapter into its base model and save a standalone HF folder (model + tokenizer).
+def export(adapter: str, out: str, *, overwrite: bool = False, format: str = "hf", dtype: str | None = None) -> Path:
+    """Merge a trained adapter into its base model and save a standalone HF folder (model + tokenizer), or with
+    ``format="gguf"`` one GGUF file (``leantune.train.gguf_export``: Llama architecture, ``out`` ends in .gguf).
 
     ``adapter`` is a run directory (holding ``run.json`` and ``adapter/``) or its ``adapter/`` folder; a run
     directory without ``adapter/`` (stopped by Ctrl-C or SIGTERM) is exported from its last checkpoint. See the
     module docstring for how the base is rebuilt, the stored dtype, tied embeddings and the atomic write. Raises
     LeantuneError for a missing adapter (or a run stopped before its first checkpoint), an ``out`` that is a file or
     the base model, or an ``out`` that is not empty (without ``overwrite``; with it, only a previous export is
-    replaced, never a folder of other files).
+    replaced, never a folder of other files; for GGUF, only a previous GGUF export). ``dtype``: the stored
+    tensors, ``f16``/``bf16``/``f32`` (both formats) or ``q8_0`` (GGUF); default: the base checkpoint's 16-bit
+    dtype, else fp32 for hf and f16 for GGUF. Bad ``format``/``dtype`` raise LeantuneError naming the option.
     """
+    if format not in ("hf", "gguf"):
+        raise LeantuneError(f"--format must be hf or gguf, got {format!r}")
+    from .gguf_export import GGUF_DTYPES
+
+    allowed = GGUF_DTYPES if format == "gguf" else ("f16", "bf16", "f32")
+    if dtype is not None and dtype not in allowed:
+        raise LeantuneError(f"--dtype must be one of {', '.join(allowed)} for --format {format}, got {dtype!r}")
     with TerminateAborts():
-        return _export(adapter, out, overwrite)
+        return _export(adapter, out, overwrite, format, dtype)
 
 
 def _adapter_source(src: Path) -> tuple[Path, Path, Path | None]:
@@ -164,23 +177,37 @@ def _check_adapter_file(run_dir: Path, adapter_dir: Path) -> None:
                             "was deleted") from None
 
 
-def _export(adapter: str, out: str, overwrite: bool) -> Path:
-    from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+_TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
+
+def _check_target(target: Path, overwrite: bool, base_model: Path, format: str) -> None:
+    if format == "gguf":
+        from .gguf_export import check_gguf_target
+
+        check_gguf_target(target, overwrite, base_model)
+    else:
+        _check_export_target(target, overwrite, base_model)
+
+
+def merged_run(adapter: str):
+    """``(merged model in fp32 on the CPU, tokenizer)`` of a run directory or its ``adapter/`` folder (a stopped
+    run: its last checkpoint), as ``export`` merges it; ``leantune chat --adapter`` talks to it."""
     run_dir, adapter_dir, saved = _adapter_source(Path(adapter))
-    if not str(out).strip():
-        raise LeantuneError("--out must name a folder, got an empty path")
-    # absolute and normalised: "." has no name to put a temporary folder beside, and "missing/../folder" must be
-    # checked as the folder it names
-    target = Path(os.path.abspath(out))
-    if target.is_symlink():  # replace the folder it points to, not the link
-        target = target.resolve()
+    return _merged_model(run_dir, adapter_dir, saved, _run_info(run_dir))
+
+
+def _run_info(run_dir: Path) -> dict:
     run = read_run_info(run_dir)
     if run is None:
         raise LeantuneError(f"{run_dir / 'run.json'} is damaged or not a leantune run's: export needs it to rebuild "
                             "the base model")
+    return run
+
+
+def _merged_model(run_dir: Path, adapter_dir: Path, saved: Path | None, run: dict):
+    from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+
     kind, model_path = run["model_kind"], Path(run["model_path"])
-    _check_export_target(target, overwrite, model_path)
     if not model_path.exists():
         raise LeantuneError(f"the base model of this run is gone: {model_path}")
     tokenizer_dir = run_dir / "tokenizer"
@@ -197,11 +224,35 @@ def _export(adapter: str, out: str, overwrite: bool) -> Path:
         peft_model = get_peft_model(base, lora_config(base, TrainConfig(**run["config"])))
         set_peft_model_state_dict(peft_model, stored)
     _untie_embeddings(peft_model)
-    merged = peft_model.merge_and_unload()  # in fp32, then stored in the base checkpoint's own 16-bit dtype
-    saved_dtype = _checkpoint_dtype(kind, model_path) or torch.float32
+    return peft_model.merge_and_unload(), tokenizer  # in fp32; export stores it in the base's own 16-bit dtype
+
+
+def _export(adapter: str, out: str, overwrite: bool, format: str = "hf", dtype: str | None = None) -> Path:
+    run_dir, adapter_dir, saved = _adapter_source(Path(adapter))
+    if not str(out).strip():
+        raise LeantuneError("--out must name a folder (a .gguf file for --format gguf), got an empty path")
+    # absolute and normalised: "." has no name to put a temporary folder beside, and "missing/../folder" must be
+    # checked as the folder it names
+    target = Path(os.path.abspath(out))
+    if target.is_symlink():  # replace the folder it points to, not the link
+        target = target.resolve()
+    run = _run_info(run_dir)
+    kind, model_path = run["model_kind"], Path(run["model_path"])
+    _check_target(target, overwrite, model_path, format)
+    merged, tokenizer = _merged_model(run_dir, adapter_dir, saved, run)
+    marker = {"adapter": str((saved or adapter_dir).resolve()), "base_model": str(model_path)}
+    if format == "gguf":
+        from .gguf_export import check_gguf_model, write_gguf_export
+
+        check_gguf_model(merged, tokenizer)
+        if dtype is None:
+            dtype = {torch.bfloat16: "bf16"}.get(_checkpoint_dtype(kind, model_path), "f16")
+        _check_target(target, overwrite, model_path, format)  # again: the file may have changed while merging
+        write_gguf_export(target, merged.eval(), tokenizer, dtype, {**marker, "dtype": dtype})
+        return target
+    saved_dtype = _TORCH_DTYPES[dtype] if dtype else _checkpoint_dtype(kind, model_path) or torch.float32
     merged = merged.to(saved_dtype)
     merged.config.dtype = saved_dtype  # config.json says what the weights are (the base's may say otherwise)
-    marker = {"adapter": str((saved or adapter_dir).resolve()), "base_model": str(model_path)}
     _check_export_target(target, overwrite, model_path)  # again: the folder may have changed while merging
     if target.is_dir() and not any(target.iterdir()):
         _write_into_empty(target, merged, tokenizer, marker)
