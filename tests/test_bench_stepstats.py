@@ -104,6 +104,27 @@ def test_device_intervals_take_the_gpu_activities_and_count_kernels():
     assert intervals == [(0, 1000)] and ops == 1
 
 
+class _Event211(_Event):
+    """torch 2.11's profiler event: no activity_type(); the kind is read from the device and the name."""
+
+    activity_type = property()  # hasattr() is False
+
+    def __init__(self, name, device, start, duration):
+        super().__init__(None, device, start, duration)
+        self._name = name
+
+    def name(self):
+        return self._name
+
+
+def test_device_intervals_without_activity_type():
+    events = [_Event211("aten::mm", "DeviceType.CPU", 0, 1000), _Event211("sm90_gemm", "DeviceType.CUDA", 10, 20),
+              _Event211("Memcpy HtoD (Pinned -> Device)", "DeviceType.CUDA", 40, 5),
+              _Event211("Memset (Device)", "DeviceType.CUDA", 50, 1), _Event211("triton_rms", "DeviceType.CUDA", 60, 4)]
+    intervals, kernels = stepstats.device_intervals(events, "cuda")
+    assert intervals == [(10, 30), (40, 45), (50, 51), (60, 64)] and kernels == 2
+
+
 def test_profile_pass_on_the_cpu(monkeypatch):
     import torch
 

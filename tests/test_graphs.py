@@ -19,6 +19,18 @@ import leantune
 from leantune.graphs import CapturedStep, graphable_optimizer
 
 
+def sdpa_peft_model():
+    """The tiny Llama with LoRA, on SDPA: eager attention builds its float mask from a CPU scalar, a copy CUDA
+    graphs cannot capture (transformers', not leantune's)."""
+    from peft import get_peft_model
+    from test_patch_families import lora_config, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config._attn_implementation = "sdpa"
+    return get_peft_model(AutoModelForCausalLM.from_config(config), lora_config())
+
+
 def recorder(fn, stream):
     captured = []
 
@@ -50,7 +62,7 @@ def _eager_reference(model, optimizer, batches, max_grad_norm):
 def test_captured_steps_equal_eager_steps(device, monkeypatch):
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch" if device == "cpu" else "auto")
     torch.manual_seed(0)
-    base = tiny_peft_model("llama").to(device)
+    base = sdpa_peft_model().to(device)
     leantune.patch(base)
     ref = copy.deepcopy(base)
     draws = [[batch() for _ in range(2)] for _ in range(5)]  # 5 steps of 2 micro-batches, fresh tokens each
@@ -124,3 +136,27 @@ def test_uncapturable_optimizer_is_refused():
     params = [p for p in model.parameters() if p.requires_grad]
     with pytest.raises(ValueError, match="capturable=True"):
         CapturedStep(model, torch.optim.AdamW(params, lr=1e-3))
+
+
+def test_capture_keeps_the_mask_free_causal_path(monkeypatch):
+    """Under CUDA-graph capture transformers counts as tracing and builds a dense causal mask (SDPA then has no flash
+    kernel); for rows leantune made the positions of, the captured forward gets no mask, as an eager one does."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    from test_patch_families import lora_config, tiny_config
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    config = tiny_config("llama")
+    config._attn_implementation = "sdpa"
+    from peft import get_peft_model
+
+    model = leantune.patch(get_peft_model(AutoModelForCausalLM.from_config(config), lora_config())).train()
+    masks = []
+    make = modeling_llama.create_causal_mask
+    monkeypatch.setattr(modeling_llama, "create_causal_mask", lambda **kw: masks.append(make(**kw)) or masks[-1])
+    ids, labels = batch()
+    model(input_ids=ids, labels=labels)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # what transformers reads
+    model(input_ids=ids, labels=labels)
+    assert masks == [None, None]

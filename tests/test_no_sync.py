@@ -327,9 +327,13 @@ def test_patched_step_has_no_sync_on_gpu(case):
     """The whole step under torch.cuda.set_sync_debug_mode("error"): any synchronising CUDA call raises, whoever
     makes it (leantune, transformers, torch)."""
     torch.manual_seed(0)
-    model = tiny_model("llama").to("cuda", torch.bfloat16)
     from peft import get_peft_model
     from test_patch_families import lora_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config._attn_implementation = "sdpa"  # eager attention builds its float mask from a CPU scalar (a sync of HF's)
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
 
     model = get_peft_model(model, lora_config())
     leantune.patch(model, tile_mlp=4 if case == "tile_mlp" else None).train()

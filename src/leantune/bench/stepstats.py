@@ -88,7 +88,7 @@ def device_intervals(events, device: str) -> tuple[list[tuple[int, int]], int]:
     thread spent inside operators, and "kernels" are operator calls."""
     intervals, kernels = [], 0
     for ev in events:
-        kind = ev.activity_type()
+        kind = _activity(ev)
         if device.startswith("cuda"):
             if "CUDA" not in str(ev.device_type()) or kind not in DEVICE_ACTIVITIES:
                 continue
@@ -99,6 +99,17 @@ def device_intervals(events, device: str) -> tuple[list[tuple[int, int]], int]:
             kernels += 1
         intervals.append((ev.start_ns(), ev.start_ns() + ev.duration_ns()))
     return intervals, kernels
+
+
+def _activity(ev) -> str:
+    """The event's kind: ``activity_type()`` where torch has it (2.13); torch 2.11's events lack it, and there a
+    device event is a kernel unless its name says copy or fill, a host event an operator."""
+    if hasattr(ev, "activity_type"):
+        return ev.activity_type()
+    if "CUDA" not in str(ev.device_type()):
+        return "cpu_op"
+    name = ev.name().lower()
+    return "gpu_memcpy" if "memcpy" in name else "gpu_memset" if "memset" in name else "kernel"
 
 
 def profile_pass(step, steps: int, device: str, sync) -> dict:

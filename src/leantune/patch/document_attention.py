@@ -86,6 +86,34 @@ def remember_single_sequences(position_ids: torch.Tensor) -> None:
     _spans_cache[:] = [position_ids, position_ids._version, [[(0, length)]] * position_ids.shape[0]]
     _packing_known[:] = [position_ids, position_ids._version, False]
     _install_packing_dispatch()
+    _install_capture_causal_skip()
+
+
+def _install_capture_causal_skip() -> None:
+    """transformers' ``_ignore_causal_mask_sdpa`` refuses to leave the causal mask to SDPA's ``is_causal`` while
+    "tracing", which includes CUDA-graph capture: a dense [B, 1, S, S] mask is then built and SDPA loses its flash
+    kernel (a captured 8B step ran ~30% slower on the H200). Its reason is torch.export, whose graph generalises the
+    shapes; a CUDA graph replays one fixed shape, so there the skip decision is the eager one. This dispatcher takes
+    that decision during capture for the case it can read without the device (no padding mask), and leaves every
+    other call, and every other kind of tracing, to transformers."""
+    from transformers import masking_utils
+
+    current = masking_utils._ignore_causal_mask_sdpa
+    if getattr(current, "_leantune_original", None) is not None:
+        return
+
+    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        capturing_only = (padding_mask is None and torch.cuda.is_available()
+                          and torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling()
+                          and not torch.jit.is_tracing())
+        if not capturing_only:
+            return current(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+        if local_attention_size is not None and kv_length >= local_attention_size:
+            return False
+        return q_length == 1 or kv_length == q_length or q_offset == 0  # transformers' rules without a padding mask
+
+    _ignore_causal_mask_sdpa._leantune_original = current
+    masking_utils._ignore_causal_mask_sdpa = _ignore_causal_mask_sdpa
 
 
 def _known_packing(position_ids):
