@@ -46,7 +46,10 @@ def test_empty_dataset_after_filtering(tiny, tmp_path, capsys):
 def test_too_long_examples_are_truncated_and_counted(tiny, tmp_path, capsys):
     long = tmp_path / "long.jsonl"
     long.write_text("".join(json.dumps({"text": "word " * n}) + "\n" for n in (5, 40, 6, 50, 7, 8, 9, 4) * 3))
-    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=long))
+    args = train_args(tiny, tmp_path / "out", data=long)
+    at = args.index("--max-steps")
+    del args[at:at + 2]  # an epoch: every example is tokenised
+    code, err = run_cli(capsys, *args)
     assert code == 0, err
     assert "6 of 24 examples were longer than --seq-len 64 and were truncated" in err
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["truncated"] == 6
@@ -60,11 +63,11 @@ def test_seq_len_too_short_for_any_target_names_seq_len(tiny, tmp_path, capsys):
 
 
 def test_a_data_file_of_another_extension_is_refused_by_name(tiny, tmp_path, capsys):
-    """A .csv is refused for its extension, not reported as "malformed JSON" on its first line."""
-    csv = tmp_path / "chats.csv"
-    csv.write_text("a,b\n")
-    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", data=csv))
-    assert_error(code, err, str(csv), "unsupported extension '.csv'", ".jsonl")
+    """An .xml is refused for its extension, not reported as "malformed JSON" on its first line."""
+    xml = tmp_path / "chats.xml"
+    xml.write_text("<a/>\n")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", data=xml))
+    assert_error(code, err, str(xml), "unsupported extension '.xml'", ".jsonl", ".parquet", ".csv")
     assert not (tmp_path / "o1").exists()
 
 
