@@ -80,20 +80,21 @@ class TrainConfig:
                              "take more than half of one device, else DDP"})
     # data sources, columns, chat template, held-out data and dtype (issue #28)
     text_column: str | None = field(default=None, metadata={"help": "column (or JSON key) holding plain text "
-                                    "(loss on every token)"})
+                                    "(loss on every token)", "metavar": "COLUMN"})
     messages_column: str | None = field(default=None, metadata={"help": "column holding a conversation: "
-                                        "[{role, content}] or ShareGPT [{from, value}] (loss on assistant turns)"})
+                                        "[{role, content}] or ShareGPT [{from, value}] (loss on assistant turns)",
+                                        "metavar": "COLUMN"})
     prompt_column: str | None = field(default=None, metadata={"help": "column holding the prompt of a "
-                                      "prompt/completion pair (loss on the completion)"})
+                                      "prompt/completion pair (loss on the completion)", "metavar": "COLUMN"})
     completion_column: str | None = field(default=None, metadata={"help": "column holding the completion of a "
-                                          "prompt/completion pair"})
+                                          "prompt/completion pair", "metavar": "COLUMN"})
     chat_template: str | None = field(default=None, metadata={"help": "file with a Jinja chat template, for a "
                                       "tokenizer without one (or to replace its own); saved with the run's "
-                                      "tokenizer"})
+                                      "tokenizer", "metavar": "FILE"})
     eval_data: str | None = field(default=None, metadata={"help": "a separate data file for the held-out eval "
-                                  "(same formats and columns as --data)"})
+                                  "(same formats and columns as --data)", "metavar": "FILE"})
     eval_split: float | None = field(default=None, metadata={"help": "hold out this fraction of the examples for "
-                                     "eval (0 < FRACTION < 1)"})
+                                     "eval (0 < FRACTION < 1)", "metavar": "FRACTION"})
     dtype: str = field(default="auto", metadata={"help": "auto|bf16|fp16|fp32: the model's dtype (auto: bf16 on "
                        "CUDA, fp32 on CPU; LoRA adapters stay fp32)", "metavar": "auto|bf16|fp16|fp32"})
 

@@ -245,7 +245,9 @@ def to_messages(value, where: str):
                                     f"{', '.join(SHAREGPT_ROLES)}")
             messages.append({"role": role, "content": turn["value"]})
         return messages
-    return [{"role": t.get("role"), "content": t.get("content")} for t in value]  # arrow fills absent keys: None
+    # Arrow gives every turn every key of the column (None where a turn has none): keep the ones it has, which a
+    # chat template may read (name, tool_calls, ...)
+    return [{k: v for k, v in t.items() if v is not None} for t in value]
 
 
 def _checked(record: dict, where: str) -> dict:
