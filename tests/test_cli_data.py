@@ -46,7 +46,10 @@ def test_empty_dataset_after_filtering(tiny, tmp_path, capsys):
 def test_too_long_examples_are_truncated_and_counted(tiny, tmp_path, capsys):
     long = tmp_path / "long.jsonl"
     long.write_text("".join(json.dumps({"text": "word " * n}) + "\n" for n in (5, 40, 6, 50, 7, 8, 9, 4) * 3))
-    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", data=long))
+    args = train_args(tiny, tmp_path / "out", data=long)
+    at = args.index("--max-steps")
+    del args[at:at + 2]  # an epoch: every example is tokenised
+    code, err = run_cli(capsys, *args)
     assert code == 0, err
     assert "6 of 24 examples were longer than --seq-len 64 and were truncated" in err
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["truncated"] == 6
@@ -60,11 +63,11 @@ def test_seq_len_too_short_for_any_target_names_seq_len(tiny, tmp_path, capsys):
 
 
 def test_a_data_file_of_another_extension_is_refused_by_name(tiny, tmp_path, capsys):
-    """A .csv is refused for its extension, not reported as "malformed JSON" on its first line."""
-    csv = tmp_path / "chats.csv"
-    csv.write_text("a,b\n")
-    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", data=csv))
-    assert_error(code, err, str(csv), "unsupported extension '.csv'", ".jsonl")
+    """An .xml is refused for its extension, not reported as "malformed JSON" on its first line."""
+    xml = tmp_path / "chats.xml"
+    xml.write_text("<a/>\n")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", data=xml))
+    assert_error(code, err, str(xml), "unsupported extension '.xml'", ".jsonl", ".parquet", ".csv")
     assert not (tmp_path / "o1").exists()
 
 
@@ -80,3 +83,50 @@ def test_data_whose_assistant_turns_are_all_empty_warns(tiny, tmp_path, capsys):
     assert len(warnings) == 1 and str(empty) in warnings[0] and "end-of-turn" in warnings[0], err
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out2"))
     assert code == 0 and "every assistant turn" not in err, err
+
+
+def test_a_csv_without_the_named_column_lists_the_columns_found(tiny, tmp_path, capsys):
+    csv = tmp_path / "notes.csv"
+    csv.write_text("title,body\nx,the cat sat\ny,a dog ran\n")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", "--text-column", "content", data=csv))
+    assert_error(code, err, str(csv), "no column 'content' (--text-column)", "columns found: title, body")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "o1", data=csv))
+    assert_error(code, err, str(csv), "expected a column 'text', 'messages'", "columns found: title, body")
+    assert not (tmp_path / "o1").exists()
+
+
+def test_a_run_on_a_weighted_mix_with_eval_data_a_chat_template_and_bf16(tiny, tmp_path, capsys, monkeypatch):
+    """ShareGPT Parquet and CSV text mixed by weight, a separate eval file, a Jinja template for a tokenizer without
+    one (saved with the run), --dtype bf16 on the CPU: one short run, each part visible in the run's files."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for path in tiny["model"].parent.iterdir():
+        if path.is_file() and path.name != "chat_template.jinja":
+            (bare / path.name).write_bytes(path.read_bytes())
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    template = tmp_path / "chatml.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    share = [{"conversations": [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": f"{i} {i}"}]}
+             for i in range(40)]
+    datasets.Dataset.from_list(share).to_parquet(str(tmp_path / "share.parquet"))
+    (tmp_path / "text.csv").write_text("text\n" + "".join(f"the cat sat on mat {i}\n" for i in range(40)))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"text": f"held out {i}"}) + "\n" for i in range(6)))
+    data = f"{tmp_path / 'share.parquet'}:0.6,{tmp_path / 'text.csv'}:0.4"
+    args = train_args(tiny, tmp_path / "out", "--eval-data", tmp_path / "eval.jsonl", "--chat-template", template,
+                      "--dtype", "bf16", data=data, model=bare / "config.json")
+    code, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert "data mix: " in err and "share.parquet" in err and "text.csv" in err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["dtype"] == "bfloat16" and summary["eval_rows"] == 2 and summary["train_rows"] == 2
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer").chat_template == template.read_text()
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["config"]["eval_data"] == str(tmp_path / "eval.jsonl") and run["data"]["sources"]

@@ -69,8 +69,8 @@ def _add_train_options(parser: argparse.ArgumentParser, defaults: dict) -> None:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
             metavar = {"gradient_checkpointing": "on|off", "patch": "on|off",
-                       "distributed": "auto|ddp|fsdp",
-                       "divergence": "stop|warn", "report_to": "NAMES"}.get(field.name, field.name.upper())
+                       "distributed": "auto|ddp|fsdp", "divergence": "stop|warn",
+                       "report_to": "NAMES"}.get(field.name, field.metadata.get("metavar", field.name.upper()))
             parser.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_text)
 
 

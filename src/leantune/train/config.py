@@ -33,8 +33,10 @@ class TrainConfig:
 
     model: str | None = field(default=None, metadata={"help": "HF model folder, .gguf file, or config.json "
                               "(random init of that shape)"})
-    data: str | None = field(default=None, metadata={"help": "JSONL (text | messages | prompt/completion), .json "
-                             "(chitchat format or a list of records) or .txt"})
+    data: str | None = field(default=None, metadata={"help": "JSONL (text | messages | conversations | "
+                             "prompt/completion), .json (chitchat format or a list of records), .txt, .parquet, .csv, "
+                             ".arrow or a saved dataset folder; several mixed: a.jsonl,b.csv (all of each) or "
+                             "a.jsonl:0.7,b.csv:0.3 (by weight)"})
     output: str = field(default="runs/train", metadata={"help": "output directory"})
     max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides --epochs)"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the training split"})
@@ -91,11 +93,30 @@ class TrainConfig:
     report_to: str = field(default="none", metadata={"help": "tensorboard, wandb, mlflow (a comma list) or none: "
                            "where the metrics go besides metrics.jsonl (offline, into --output, unless WANDB_MODE "
                            "or MLFLOW_TRACKING_URI say otherwise)"})
+    # data sources, columns, chat template, held-out data and dtype (issue #28)
+    text_column: str | None = field(default=None, metadata={"help": "column (or JSON key) holding plain text "
+                                    "(loss on every token)", "metavar": "COLUMN"})
+    messages_column: str | None = field(default=None, metadata={"help": "column holding a conversation: "
+                                        "[{role, content}] or ShareGPT [{from, value}] (loss on assistant turns)",
+                                        "metavar": "COLUMN"})
+    prompt_column: str | None = field(default=None, metadata={"help": "column holding the prompt of a "
+                                      "prompt/completion pair (loss on the completion)", "metavar": "COLUMN"})
+    completion_column: str | None = field(default=None, metadata={"help": "column holding the completion of a "
+                                          "prompt/completion pair", "metavar": "COLUMN"})
+    chat_template: str | None = field(default=None, metadata={"help": "file with a Jinja chat template, for a "
+                                      "tokenizer without one (or to replace its own); saved with the run's "
+                                      "tokenizer", "metavar": "FILE"})
+    eval_data: str | None = field(default=None, metadata={"help": "a separate data file for the held-out eval "
+                                  "(same formats and columns as --data)", "metavar": "FILE"})
+    eval_split: float | None = field(default=None, metadata={"help": "hold out this fraction of the examples for "
+                                     "eval (0 < FRACTION < 1)", "metavar": "FRACTION"})
+    dtype: str = field(default="auto", metadata={"help": "auto|bf16|fp16|fp32: the model's dtype (auto: bf16 on "
+                       "CUDA, fp32 on CPU; LoRA adapters stay fp32)", "metavar": "auto|bf16|fp16|fp32"})
 
     def validate(self) -> None:
         """Raise LeantuneError for values no run can use (types are checked by ``make_config``)."""
         for name in FLOAT_FIELDS:
-            if not math.isfinite(getattr(self, name)):
+            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
                 raise LeantuneError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         positive = ("batch_size", "grad_accum", "lora_r", "eval_size")
         for name in positive:
@@ -159,6 +180,29 @@ class TrainConfig:
         from .reporting import parse_report_to
 
         parse_report_to(self.report_to)
+        self._validate_data()
+
+    def _validate_data(self) -> None:
+        """The data options' ranges and combinations (issue #28)."""
+        if self.eval_data is not None and self.eval_split is not None:
+            raise LeantuneError("--eval-data and --eval-split exclude each other (one says where the eval examples "
+                                "come from)")
+        if self.eval_split is not None and not 0.0 < self.eval_split < 1.0:
+            raise LeantuneError(f"--eval-split must be a fraction in (0, 1), got {self.eval_split}")
+        kinds = [flag for flag, given in (("--text-column", self.text_column is not None),
+                                          ("--messages-column", self.messages_column is not None),
+                                          ("--prompt-column/--completion-column",
+                                           self.prompt_column is not None or self.completion_column is not None))
+                 if given]
+        if len(kinds) > 1:
+            raise LeantuneError(f"{' and '.join(kinds)} exclude each other: give the column(s) of one kind of data")
+        for name in ("text_column", "messages_column", "prompt_column", "completion_column", "chat_template",
+                     "eval_data", "data"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise LeantuneError(f"--{name.replace('_', '-')} must not be empty")
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise LeantuneError(f"--dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -202,6 +246,10 @@ def coerce(name: str, value, label: str):
         if not value or not all(isinstance(v, str) and v.strip() for v in value):
             raise LeantuneError(f"{label} must be a string or a non-empty list of module names, got {value!r}")
         return ",".join(v.strip() for v in value)
+    if name == "data" and isinstance(value, (list, dict)):  # TOML: a list of sources or a {path = weight} table
+        from .sources import spec_from_toml
+
+        value = spec_from_toml(value)
     if name in ON_OFF_FIELDS and isinstance(value, bool):
         return "on" if value else "off"
     if kind is bool:
@@ -226,7 +274,10 @@ def coerce(name: str, value, label: str):
 NONE_DEFAULTS = {"model": "the embedded SmolLM2-135M-Instruct", "data": "the embedded chitchat dataset",
                  "max_steps": "from --epochs", "warmup_steps": "5%% of the steps, at least 1",
                  "max_examples": "all", "device": "cuda when available",
-                 "tile_mlp": "off", "quantize": "off"}
+                 "tile_mlp": "off", "quantize": "off",
+                 "text_column": "text", "messages_column": "messages or conversations",
+                 "prompt_column": "prompt", "completion_column": "completion", "chat_template": "the tokenizer's",
+                 "eval_data": "held out from --data", "eval_split": "up to --eval-size rows from the last tenth"}
 
 
 def load_toml(path: str | Path) -> dict:

@@ -1,13 +1,18 @@
 """Data: read a file, tokenise each example with a loss mask, pack into fixed-length rows.
 
-Formats (auto-detected):
+Formats (auto-detected; ``sources`` reads them, mixes several and maps columns):
 - ``.jsonl``: one JSON object per line, with ``text`` (loss on every token), ``messages`` (``[{role, content}]``,
-  rendered with the tokenizer's chat template, loss on assistant turns only) or ``prompt``/``completion`` (loss on
-  the completion only). Blank lines are skipped.
+  rendered with the tokenizer's chat template, loss on assistant turns only), ``conversations`` (ShareGPT:
+  ``[{from, value}]``, converted to messages) or ``prompt``/``completion`` (loss on the completion only). Blank
+  lines are skipped.
 - ``.json``: the chitchat-dataset format (``{id: {"messages": [[{text, sender}, ...], ...]}}``: each inner list is
   one turn, alternating senders map to user/assistant), or a JSON list of records as in JSONL.
 - ``.txt``: one token stream, cut into ``seq_len`` windows, loss on every token.
+- ``.parquet``, ``.csv``, ``.arrow`` and saved ``datasets`` folders: through the ``datasets`` library (``sources``).
 - Any other extension is refused (``.ndjson`` and no extension read as JSONL).
+
+Only what the run needs is tokenised (``load_dataset``'s ``train_rows``): a run of a given ``--max-steps`` packs
+its ``max_steps x batch`` rows from the front of the shuffled examples and stops there.
 
 Labels follow transformers' causal-LM convention: ``labels`` is aligned with ``input_ids`` and the model shifts it
 (position j predicts ``labels[j+1]``). A token is a target when its label is its own id; everything else is -100.
@@ -21,7 +26,6 @@ Padding at the end of a row forms its own segment with label -100.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,7 @@ import torch
 
 from ..errors import LeantuneError
 from .metrics import say
+from .sources import Columns, Source, mixed_order, open_sources, to_messages
 
 IGNORE_INDEX = -100
 DATA_SUFFIXES = (".jsonl", ".ndjson", "", ".json", ".txt")
@@ -116,11 +121,14 @@ def _chitchat_records(raw: dict, path: Path) -> list[dict]:
     return records
 
 
-def read_records(path: str | Path) -> list[dict]:
+def read_records(path: str | Path, check=None) -> list[dict]:
     """Read a data file into a list of records (dicts with ``text``, ``messages`` or ``prompt``/``completion``).
 
     Raises LeantuneError naming the file for a missing or unreadable file, and ``file:line`` for a malformed line.
+    ``check(record, where)`` returns each JSON record checked (default ``_check_record``; ``sources`` maps the
+    ``--*-column`` fields first).
     """
+    checked = check or _check_record
     path = Path(path)
     if not path.exists():
         raise LeantuneError(f"data file not found: {path}")
@@ -129,7 +137,7 @@ def read_records(path: str | Path) -> list[dict]:
     suffix = path.suffix.lower()
     if suffix not in DATA_SUFFIXES:  # e.g. a .csv would otherwise fail as "malformed JSON" on its first line
         raise LeantuneError(f"data file {path}: unsupported extension {path.suffix!r}; expected .jsonl (or .ndjson or "
-                            "no extension), .json or .txt")
+                            "no extension), .json, .txt, .parquet, .csv, .arrow or a saved dataset folder")
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark some editors write is not data
     except OSError as exc:
@@ -143,12 +151,12 @@ def read_records(path: str | Path) -> list[dict]:
         if isinstance(raw, dict):
             return _chitchat_records(raw, path)
         if isinstance(raw, list):
-            return [_check_record(r, f"{path}:item {i}") for i, r in enumerate(raw)]
+            return [checked(r, f"{path}:item {i}") for i, r in enumerate(raw)]
         raise LeantuneError(f"{path}: expected a JSON object (chitchat format) or a list of records")
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
-            records.append(_check_record(_parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
+            records.append(checked(_parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
     return records
 
 
@@ -166,7 +174,10 @@ def _check_text(value: str, where: str) -> None:
 def _check_record(record, where: str) -> dict:
     if not isinstance(record, dict):
         raise LeantuneError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "conversations" in record and "messages" not in record:  # ShareGPT
+        record = {"messages": record["conversations"]}
     if "messages" in record:
+        record = {**record, "messages": to_messages(record["messages"], where)}
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -218,7 +229,8 @@ def tokenize_messages(tokenizer, messages: list[dict]) -> Document:
     (its content and end-of-turn marker); tokens whose first character lies in a span are targets.
     """
     if getattr(tokenizer, "chat_template", None) is None:
-        raise LeantuneError("'messages' data needs a tokenizer with a chat template; this model's tokenizer has none")
+        raise LeantuneError("'messages' data needs a tokenizer with a chat template; this model's tokenizer has none "
+                            "(give one with --chat-template FILE)")
     if not any(m["role"] == "assistant" for m in messages):
         return Document([], [])  # nothing to learn (dropped by build_documents); templates reject empty lists
     full = _render(tokenizer, messages)
@@ -241,6 +253,8 @@ def tokenize_record(tokenizer, record: dict) -> Document:
     """Tokenise one record (see the module docstring for which tokens are targets)."""
     if "messages" in record:
         return tokenize_messages(tokenizer, record["messages"])
+    if "tokens" in record:  # a window of a .txt stream (sources.Source)
+        return Document(list(record["tokens"]), [True] * len(record["tokens"]))
     if "prompt" in record:
         prompt = _encode(tokenizer, record["prompt"])
         completion = _encode(tokenizer, record["completion"]) + _eos(tokenizer)
@@ -279,77 +293,193 @@ def build_documents(records: list[dict], tokenizer, seq_len: int) -> tuple[list[
 # Packing
 
 
-def pack(documents: list[Document], seq_len: int, pad_id: int) -> PackedData:
-    """Pack whole documents, in order, into rows of ``seq_len`` tokens (a document that does not fit starts a row).
+class Packer:
+    """Packs documents, in the order given, into rows of ``seq_len`` tokens (a document that does not fit starts a
+    new row). Each document's position ids run 0..n-1; its first label is -100; labels of non-target tokens are
+    -100; the tail padding of a row is a separate segment (positions 0..p-1, labels -100)."""
 
-    Each document's position ids run 0..n-1; its first label is -100; labels of non-target tokens are -100; the
-    tail padding is a separate segment (positions 0..p-1, labels -100).
-    """
-    rows_ids, rows_labels, rows_pos = [], [], []
-    ids, labels, pos = [], [], []
+    def __init__(self, seq_len: int, pad_id: int):
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.rows: list[torch.Tensor] = []  # closed rows, each int64 [3, seq_len]: ids, labels, positions
+        self._ids, self._labels, self._pos = [], [], []
 
-    def close_row():
-        pad = seq_len - len(ids)
-        rows_ids.append(ids + [pad_id] * pad)
-        rows_labels.append(labels + [IGNORE_INDEX] * pad)
-        rows_pos.append(pos + list(range(pad)))
+    def fits(self, document: Document) -> bool:
+        """Whether ``document`` goes into the open row (else ``add`` closes it first)."""
+        return len(self._ids) + len(document.input_ids) <= self.seq_len
 
-    for document in documents:
+    def add(self, document: Document) -> None:
         n = len(document.input_ids)
-        if n > seq_len:
-            raise ValueError(f"document of {n} tokens exceeds seq_len={seq_len}")
-        if len(ids) + n > seq_len:
-            close_row()
-            ids, labels, pos = [], [], []
-        ids += document.input_ids
-        labels += [IGNORE_INDEX] + [t if keep else IGNORE_INDEX
-                                    for t, keep in zip(document.input_ids[1:], document.target[1:])]
-        pos += list(range(n))
-    if ids:
-        close_row()
-    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.long).reshape(-1, seq_len)
-    return PackedData(as_tensor(rows_ids), as_tensor(rows_labels), as_tensor(rows_pos))
+        if n > self.seq_len:
+            raise ValueError(f"document of {n} tokens exceeds seq_len={self.seq_len}")
+        if not self.fits(document):
+            self.close()
+        self._ids += document.input_ids
+        self._labels += [IGNORE_INDEX] + [t if keep else IGNORE_INDEX
+                                          for t, keep in zip(document.input_ids[1:], document.target[1:])]
+        self._pos += list(range(n))
+
+    def close(self) -> None:
+        """Close the open row (if it holds anything), padded to ``seq_len``."""
+        if not self._ids:
+            return
+        pad = self.seq_len - len(self._ids)
+        self.rows.append(torch.tensor([self._ids + [self.pad_id] * pad, self._labels + [IGNORE_INDEX] * pad,
+                                       self._pos + list(range(pad))], dtype=torch.long))
+        self._ids, self._labels, self._pos = [], [], []
+
+    def packed(self) -> PackedData:
+        """The closed rows (the open one is closed first)."""
+        self.close()
+        rows = torch.stack(self.rows) if self.rows else torch.empty((0, 3, self.seq_len), dtype=torch.long)
+        return PackedData(rows[:, 0].contiguous(), rows[:, 1].contiguous(), rows[:, 2].contiguous())
 
 
-def _warn_if_only_end_markers(records: list[dict], path) -> None:
-    """One warning line when every answer of the data (assistant turns, completions) is empty: the run would then
-    learn nothing but the end-of-turn or end-of-text markers."""
-    answers = [m["content"] for r in records for m in r.get("messages", []) if m["role"] == "assistant"]
-    answers += [r["completion"] for r in records if "completion" in r and "messages" not in r]
-    if answers and not any(a.strip() for a in answers):
-        what = "assistant turn" if any("messages" in r for r in records) else "completion"
-        say(f"leantune: warning: every {what} of {path} is empty ({len(answers)} of them): the run learns only "
-            "the end-of-turn markers")
+def pack(documents: list[Document], seq_len: int, pad_id: int) -> PackedData:
+    """Pack whole documents, in order, into rows of ``seq_len`` tokens (see ``Packer``)."""
+    packer = Packer(seq_len, pad_id)
+    for document in documents:
+        packer.add(document)
+    return packer.packed()
+
+
+@dataclass
+class _Stream:
+    """What ``_pack_stream`` read: examples consumed (``used``: their documents are in the rows or had nothing to
+    learn), documents packed, truncated examples, examples per source, and the answers seen (for the warning)."""
+
+    used: int = 0
+    documents: int = 0
+    truncated: int = 0
+    per_source: dict | None = None
+    answers: int = 0
+    empty_answers: int = 0
+    answer_kind: str = "completion"
+
+
+def _pack_stream(examples, tokenizer, seq_len: int, pad_id: int, max_rows: int | None,
+                 enough: int | None = None) -> tuple[PackedData, _Stream]:
+    """Tokenise and pack ``examples`` (an iterable of ``(source index, record)``) until ``max_rows`` rows are full
+    (None: all of them), or once ``enough`` examples are used and a row holds something. Only the examples whose
+    documents went into those rows count as used."""
+    packer, stream = Packer(seq_len, pad_id), _Stream(per_source={})
+    for source, record in examples:
+        document = tokenize_record(tokenizer, record)
+        cut = len(document.input_ids) > seq_len
+        if cut:
+            document = Document(document.input_ids[:seq_len], document.target[:seq_len])
+        learns = any(document.target[1:])  # position 0 of a document never has a target
+        if learns and max_rows is not None and not packer.fits(document) and len(packer.rows) + 1 >= max_rows:
+            packer.close()  # the rows are full: this example stays unread
+            break
+        stream.used += 1
+        stream.truncated += cut
+        stream.per_source[source] = stream.per_source.get(source, 0) + 1
+        answers = [m["content"] for m in record.get("messages", ()) if m["role"] == "assistant"]
+        answers += [record["completion"]] if "completion" in record and "messages" not in record else []
+        stream.answers += len(answers)
+        stream.empty_answers += sum(not a.strip() for a in answers)
+        stream.answer_kind = "assistant turn" if "messages" in record else stream.answer_kind
+        if learns:
+            packer.add(document)
+            stream.documents += 1
+        if enough is not None and stream.used >= enough and stream.documents:
+            break
+    return packer.packed(), stream
+
+
+def _examples(sources: list[Source], order):
+    return ((s, sources[s].record(i)) for s, i in order)
 
 
 def load_dataset(path: str | Path, tokenizer, seq_len: int, eval_size: int, seed: int,
-                 max_examples: int | None = None) -> tuple[PackedData, PackedData, dict]:
-    """Read, tokenise, shuffle (seeded), pack; the last ``eval_size`` rows are the held-out split.
+                 max_examples: int | None = None, *, columns: Columns = Columns(), eval_data: str | None = None,
+                 eval_split: float | None = None, train_rows: int | None = None,
+                 eval_rows: int | None = None) -> tuple[PackedData, PackedData, dict]:
+    """Read ``path`` (``--data``: one source or a mix, see ``sources``), order the examples (seeded), tokenise and
+    pack them into a training split and a held-out split.
 
-    The eval split shrinks to a tenth of the rows when the data is small (at least one row). Returns
-    ``(train, eval, info)`` with ``info`` = examples, documents, truncated, train_rows, eval_rows, target_tokens.
-    Raises LeantuneError when nothing is left to train on.
+    Held out: ``eval_data`` (its own examples), else the last ``eval_split`` fraction of the examples, else (the
+    default) examples from the end of the order, at most a tenth of them (at least one). Of the held-out examples
+    only as many are packed as fill ``eval_rows`` rows (default ``eval_size``); the training split packs the examples
+    from the front of the order until ``train_rows`` rows are full (None: every example). Returns ``(train, eval,
+    info)``, ``info`` = examples (those tokenised), documents, truncated, train_rows, eval_rows, target_tokens,
+    available (examples in the data), sources (examples used per source) and held_out (which examples).
+    Raises LeantuneError naming the data when nothing is left to train on or to evaluate.
     """
-    records = read_records(path)
-    rng = random.Random(seed)
-    rng.shuffle(records)
+    sources = open_sources(str(path), columns, tokenizer, seq_len)
+    order = mixed_order(sources, seed)
     if max_examples is not None:
-        records = records[:max_examples]
-    _warn_if_only_end_markers(records, path)
-    documents, truncated = build_documents(records, tokenizer, seq_len)
-    if not documents and truncated:  # the targets were there, cut off by the sequence length
-        raise LeantuneError(f"--seq-len {seq_len} is too short: no example of {path} keeps a token to train on "
-                            f"within its first {seq_len} tokens ({truncated} of {len(records)} examples were "
-                            "truncated); use a larger --seq-len")
-    if not documents:
-        raise LeantuneError(f"empty dataset after filtering: no example of {path} has a token to train on")
+        order = order[:max_examples]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    packed = pack(documents, seq_len, pad_id)
-    if len(packed) < 2:
-        raise LeantuneError(f"dataset too small: {path} packs into {len(packed)} sequence of {seq_len} tokens; "
-                            "need at least 2 (train and eval)")
-    n_eval = min(eval_size, max(1, len(packed) // 10))
-    train, held_out = packed.select(slice(0, len(packed) - n_eval)), packed.select(slice(len(packed) - n_eval, None))
-    info = {"examples": len(records), "documents": len(documents), "truncated": truncated,
-            "train_rows": len(train), "eval_rows": len(held_out), "target_tokens": train.num_targets()}
-    return train, held_out, info
+    want_eval = eval_size if eval_rows is None else eval_rows
+    if eval_data is not None:
+        held_source = [Source(Path(eval_data), columns, tokenizer, seq_len)]
+        held, held_stream = _pack_stream(_examples(held_source, mixed_order(held_source, seed)), tokenizer,
+                                         seq_len, pad_id, want_eval)
+        train_order, held_out = order, f"--eval-data {eval_data}"
+    else:
+        k = max(1, round(eval_split * len(order))) if eval_split is not None else max(1, len(order) // 10)
+        if k >= len(order) and eval_split is not None:
+            raise LeantuneError(f"dataset too small: {path} has {len(order)} example(s); holding out {k} for eval "
+                                "leaves none to train on")
+        # the default takes the examples it needs from the end: a tenth at most, unless none of those has a target
+        tail = order[len(order) - k:] if eval_split is not None else order[::-1]
+        held, held_stream = _pack_stream(_examples(sources, tail), tokenizer, seq_len, pad_id, want_eval,
+                                         enough=k if eval_split is None else None)
+        kept = k if eval_split is not None else held_stream.used
+        train_order = order[:len(order) - kept]
+        held_out = f"--eval-split {eval_split:g} of the examples" if eval_split is not None else (
+            "at most a tenth of the examples")
+    train, stream = _pack_stream(_examples(sources, train_order), tokenizer, seq_len, pad_id, train_rows)
+    truncated = stream.truncated + held_stream.truncated
+    if not stream.documents and not held_stream.documents:
+        if truncated:  # the targets were there, cut off by the sequence length
+            raise LeantuneError(f"--seq-len {seq_len} is too short: no example of {path} keeps a token to train on "
+                                f"within its first {seq_len} tokens ({truncated} of {stream.used + held_stream.used} "
+                                "examples were truncated); use a larger --seq-len")
+        raise LeantuneError(f"empty dataset after filtering: no example of {path} has a token to train on")
+    if not len(held) and eval_data is not None:
+        raise LeantuneError(f"--eval-data {eval_data}: no example has a token to score")
+    if not len(train) or not len(held):
+        raise LeantuneError(f"dataset too small: {path} packs into {len(train) + len(held)} sequence(s) of {seq_len} "
+                            "tokens; need at least 2 (train and eval)")
+    if stream.answers and stream.empty_answers == stream.answers:
+        say(f"leantune: warning: every {stream.answer_kind} of {path} is empty ({stream.answers} of them): the run "
+            "learns only the end-of-turn markers")
+    names = [str(source.path) for source in sources]
+    info = {"examples": stream.used + (held_stream.used if eval_data is None else 0), "documents": stream.documents,
+            "truncated": stream.truncated + (held_stream.truncated if eval_data is None else 0),
+            "train_rows": len(train), "eval_rows": len(held), "target_tokens": train.num_targets(),
+            "available": len(order), "sources": {names[s]: n for s, n in sorted(stream.per_source.items())},
+            "held_out": held_out}
+    return train, held, info
+
+
+def load_run_data(config, tokenizer, rows_per_step: int) -> tuple[PackedData, PackedData, dict]:
+    """``load_dataset`` for a run of ``config`` (a TrainConfig) taking ``rows_per_step`` rows per optimizer step
+    (batch x accumulation x processes), sized to it. With ``--max-steps``, only the ``max_steps x rows_per_step``
+    training rows are tokenised, and the held-out split is at most a quarter of them (at least one ``--batch-size``);
+    each cut of an asked size is said in one line.
+    """
+    data = config.data if config.data is not None else chitchat_path()
+    train_rows = eval_rows = None
+    if config.max_steps is not None:
+        train_rows = config.max_steps * rows_per_step
+        eval_rows = min(config.eval_size, max(config.batch_size, -(-train_rows // 4)))
+        if eval_rows < config.eval_size:
+            say(f"leantune: --eval-size {config.eval_size} -> {eval_rows} rows for this {config.max_steps}-step run "
+                f"(eval is at most a quarter of the {train_rows} rows it trains on, at least one --batch-size)")
+    train, held, info = load_dataset(data, tokenizer, config.seq_len, config.eval_size, config.seed,
+                                     config.max_examples, columns=Columns.of(config), eval_data=config.eval_data,
+                                     eval_split=config.eval_split, train_rows=train_rows, eval_rows=eval_rows)
+    if info["eval_rows"] < (eval_rows or config.eval_size):
+        say(f"leantune: --eval-size {config.eval_size} clamped to {info['eval_rows']} rows: the held-out examples "
+            f"({info['held_out']}) pack into {info['eval_rows']} of --seq-len {config.seq_len}")
+    if train_rows is not None and info["examples"] < info["available"]:
+        say(f"leantune: tokenised {info['examples']} of {info['available']} examples: what {config.max_steps} steps x "
+            f"{rows_per_step} rows and {info['eval_rows']} eval rows need")
+    if len(info["sources"]) > 1:
+        total = sum(info["sources"].values())
+        say("leantune: data mix: " + ", ".join(f"{name} {n} examples ({100 * n / total:.0f}%)"
+                                               for name, n in info["sources"].items()))
+    return train, held, info

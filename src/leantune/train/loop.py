@@ -53,11 +53,12 @@ from ..patch import is_patched
 from ..patch.document_attention import remember_documents, use_document_attention
 from . import checkpoint, reporting, run_folder
 from .config import TrainConfig
-from .data import PackedData, chitchat_path, load_dataset
+from .data import PackedData, chitchat_path, load_run_data
 from .divergence import DivergenceGuard, good_checkpoints
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
-from .model import load_model, load_tokenizer, resolve_model, wrap_lora
+from .model import load_model, load_tokenizer, resolve_dtype, resolve_model, use_chat_template, wrap_lora
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
+from .sources import canonical
 from .step_log import StepLog, raise_deferred_errors
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,7 +235,7 @@ def _prepare(config: TrainConfig) -> _Run:
     launch = distributed.check_launch(config.distributed, device)
     if device == "cuda" and not torch.cuda.is_available():
         raise LeantuneError("--device cuda: no CUDA device is available")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = resolve_dtype(config.dtype, device)
     size = launch.size if launch is not None else 1
     reporting.check_installed(config.report_to)
     if launch is not None:
@@ -244,12 +245,12 @@ def _prepare(config: TrainConfig) -> _Run:
 
     kind, model_path = resolve_model(config.model)
     tokenizer = load_tokenizer(kind, model_path)
-    data_path = Path(config.data) if config.data else chitchat_path()
+    use_chat_template(tokenizer, config.chat_template)
+    data_path = canonical(config.data, chitchat_path())
     resumed = (distributed.on_main(lambda: run_folder.check_resume(config, output, model_path, data_path))
                if resume_from is not None else None)
-    train_data, eval_data, data_info = load_dataset(data_path, tokenizer, config.seq_len, config.eval_size,
-                                                    config.seed, config.max_examples)
     rows_per_step = config.batch_size * config.grad_accum * size
+    train_data, eval_data, data_info = load_run_data(config, tokenizer, rows_per_step)
     steps_per_epoch = len(train_data) // rows_per_step
     if steps_per_epoch == 0:
         processes = f" x {size} processes" if size > 1 else ""

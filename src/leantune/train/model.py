@@ -100,6 +100,16 @@ def check_causal_lm(kind: str, path: Path) -> None:
                             "trains decoder-only models such as Llama, Mistral, Qwen2 or Gemma")
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``--dtype``: bf16, fp16 or fp32 as named; ``auto`` is bf16 on CUDA and fp32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[name]
+
+
 def load_tokenizer(kind: str, path: Path):
     """The tokenizer that goes with ``resolve_model``'s result; a bare config.json borrows the default one.
 
@@ -136,6 +146,34 @@ def load_tokenizer(kind: str, path: Path):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def use_chat_template(tokenizer, path: str | None) -> None:
+    """Give ``tokenizer`` the Jinja chat template in file ``path`` (None: keep its own). The template must render a
+    user and an assistant turn; raises LeantuneError naming the file otherwise. The tokenizer saved with the run
+    carries it."""
+    if path is None:
+        return
+    file = Path(path)
+    try:
+        template = file.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise LeantuneError(f"--chat-template {file}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or "not UTF-8 text"
+        raise LeantuneError(f"--chat-template {file}: cannot read it ({why})") from None
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    try:
+        rendered = tokenizer.apply_chat_template(probe, chat_template=template, tokenize=False)
+    except Exception as exc:  # jinja2's TemplateSyntaxError, UndefinedError, ...: one line
+        raise LeantuneError(f"--chat-template {file}: not a usable Jinja chat template "
+                            f"({one_line(exc)[:200]})") from None
+    if "hello" not in rendered:
+        raise LeantuneError(f"--chat-template {file}: the template does not render the messages' content (a "
+                            "conversation of 'hi' and 'hello' rendered without 'hello')")
+    if getattr(tokenizer, "chat_template", None):
+        say(f"leantune: --chat-template {file} replaces the tokenizer's own chat template")
+    tokenizer.chat_template = template
 
 
 def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int):

@@ -41,6 +41,8 @@ REPLACED = ".replaced-"  # prefix of the folder that keeps a replaced run until 
 # intervals may change; the step count is checked by check_resume_steps, once the data says what it is)
 RESUME_FIXED = ("model", "data", "seq_len", "batch_size", "grad_accum", "lora_r", "lora_alpha", "lora_dropout",
                 "target_modules", "seed", "eval_size", "max_examples", "quantize",
+                "text_column", "messages_column", "prompt_column", "completion_column", "chat_template", "eval_data",
+                "eval_split", "dtype",  # these fix the rows, the held-out split and the weights' dtype
                 "lr", "weight_decay", "warmup_steps", "min_lr_ratio")  # these four live in the optimizer state
 
 
