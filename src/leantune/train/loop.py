@@ -8,8 +8,8 @@
 4. ``_finish``: the last checkpoint, the final eval, the adapter, tokenizer, summary.json and loss.png.
 
 The run-folder rules (what may be replaced, resumed or locked) are in ``run_folder``, the signal rules in ``signals``.
-This file is a little over 500 lines because it is the one recipe a reader follows top to bottom (STYLE.md); its
-helpers with a job of their own live beside it (``step_log``, ``divergence``, ``reporting``, ``sources``).
+This file is a little longer than 500 lines because it is the one recipe a reader follows top to bottom (STYLE.md);
+its helpers with a job of their own live beside it (``step_log``, ``divergence``, ``reporting``, ``sources``).
 
 Gradient accumulation: the K micro-batches of a step share one divisor, the number of target tokens of the whole
 step (``num_items_in_batch`` at the model boundary), so the summed micro-batch losses are the token mean over the

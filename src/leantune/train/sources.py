@@ -26,7 +26,6 @@ assistant, tool). In CSV a messages cell holds the list as JSON text.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -34,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LeantuneError
+from .records import SHAREGPT_ROLES, _check_record, _encode, _eos, read_records, to_messages  # noqa: F401
 
 DATASETS_SUFFIXES = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool"}
+
 _WEIGHT = re.compile(r"(.+):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
 
 
@@ -109,8 +108,6 @@ class Source:
     (``{"text"}``, ``{"messages"}``, ``{"prompt", "completion"}`` or a pre-tokenised ``{"tokens"}`` window)."""
 
     def __init__(self, path: Path, columns: Columns, tokenizer, seq_len: int, weight: float | None = None):
-        from .data import read_records
-
         self.path, self.columns, self.weight = path, columns, weight
         self._dataset = None
         if not path.exists():
@@ -127,8 +124,6 @@ class Source:
         mapped = (lambda r, where: _checked(_mapped(r, columns, where), where)) if columns.given() else None
         records = read_records(path, mapped)
         if records and "stream" in records[0]:  # .txt: windows of seq_len tokens are its examples
-            from .data import _encode, _eos
-
             ids = _encode(tokenizer, records[0]["stream"]) + _eos(tokenizer)
             self._records = [{"tokens": ids[i:i + seq_len]} for i in range(0, len(ids), seq_len)
                              if len(ids[i:i + seq_len]) > 1]
@@ -225,34 +220,7 @@ def _from_row(row: dict, kind: tuple[str, ...], where: str) -> dict:
     return {"messages": to_messages(row[kind[1]], where)}
 
 
-def to_messages(value, where: str):
-    """A messages cell as ``[{role, content}]``: JSON text (CSV) is parsed, ShareGPT ``{from, value}`` turns are
-    given their roles; anything else is returned for ``data._check_record`` to judge."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise LeantuneError(f"{where}: a messages cell must be a list of turns (in CSV: as JSON text), got "
-                                f"{value[:60]!r}") from None
-    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
-        return value
-    if all("from" in t and "value" in t for t in value):
-        messages = []
-        for turn in value:
-            role = SHAREGPT_ROLES.get(turn["from"])
-            if role is None:
-                raise LeantuneError(f"{where}: ShareGPT turn from {turn['from']!r}; expected one of "
-                                    f"{', '.join(SHAREGPT_ROLES)}")
-            messages.append({"role": role, "content": turn["value"]})
-        return messages
-    # Arrow gives every turn every key of the column (None where a turn has none): keep the ones it has, which a
-    # chat template may read (name, tool_calls, ...)
-    return [{k: v for k, v in t.items() if v is not None} for t in value]
-
-
 def _checked(record: dict, where: str) -> dict:
-    from .data import _check_record
-
     return _check_record(record, where)
 
 
