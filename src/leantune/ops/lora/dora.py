@@ -1,0 +1,173 @@
+r"""DoRA (weight-decomposed LoRA) on one projection, through the LoRA passes of :mod:`.passes`.
+
+Forward (Liu et al. 2024, "DoRA", eq. 5 with section 4.3's detached norm; PEFT 0.21
+``peft/tuners/lora/dora.py`` ``DoraLinearLayer.forward`` called from ``variants.py`` ``DoraLinearVariant.forward``),
+x ``[N, in]``, frozen W ``[out, in]``, adapters A ``[r, in]``, B ``[out, r]``, scaling s, magnitude m ``[out]``:
+
+    n_j = || W_j + s (B A)_j ||_2      (row j of W + s B A: one output feature; a constant for autograd)
+    g   = m / n                         ``[out]``
+    y   = g * (x W^T + s (x A^T) B^T) + b
+
+PEFT writes it as ``base(x) + (g - 1) * (x W^T) + g * s * lora(x)`` with base(x) = x W^T + b (without dropout it
+reuses the base output, less the bias); that is the expression above. PEFT detaches n (``weight_norm.detach()``),
+so n gets no gradient: neither A, B nor W see a term through it.
+
+Backward, with u = x W^T + s xa B^T ``[N, out]`` (the unscaled LoRA output, saved), xa = x A^T ``[N, r]``, and
+dY' = g * dY (each column j of dY scaled by g_j): y = g * u + b, so
+
+    dm_j = sum_i dY_ij u_ij / n_j       db = sum over rows of dY
+    dX, dA, dB, dW = LoRA's backward of u with dY' in place of dY (:mod:`.api`'s derivation):
+    dX = dY' W + s (dY' B) A      dA = s (dY' B)^T x      dB = s dY'^T xa      dW = dY'^T x (full fine-tune only)
+
+The norm without W + s B A. Expanding the square of row j,
+
+    n_j^2 = ||W_j||^2 + 2 s W_j . (B A)_j + s^2 ||(B A)_j||^2
+          = ||W_j||^2 + 2 s sum_r B_jr (W A^T)_jr + s^2 sum_r B_jr (B (A A^T))_jr
+
+needs the row norms of W (one read of W), the skinny product W A^T ``[out, r]`` (one more read of W, on the
+Triton path by the split-K skinny kernel, W read as stored) and the Gram matrix A A^T ``[r, r]``: O(out r) memory,
+no ``[out, in]`` temporary (on the torch path W is cast to the LoRA dtype first when the dtypes differ). All in
+fp32 and once per call (per forward, not per token): PEFT forms W + s B A in x's dtype (lora_A's: fp32 for PEFT's
+fp32 adapters) and takes its norm; the expansion equals it in exact arithmetic and loses accuracy only where
+W + s B A nearly cancels W (n_j << ||W_j||, which DoRA's init n = ||W|| keeps far away).
+
+Dropout: PEFT's DoRA with dropout runs the frozen GEMM twice (on x for the base output and on the dropped x for the
+(g - 1) term); :func:`dora_linear` has no dropout path and refuses ``dropout > 0`` in training (``leantune.patch``
+keeps PEFT's forward there and says so).
+
+Saved for backward: x, xa, u ``[N, out]`` in the compute dtype, g and n ``[out]`` in fp32. Dtypes are
+:func:`leantune.ops.lora_linear`'s: u in the compute dtype c, y formed in promote(c, lora, magnitude) and cast to c.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _runtime
+from ..nf4 import NF4Weight
+from .api import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
+from .kernels import skinny_matmul
+from .passes import _skinny_ok, group_backward, group_forward
+
+_ROWDOT_CHUNK = 4096  # rows per fp32 product in dm (bounds the temporary to 4096 x out fp32)
+
+
+class DoraWeights(NamedTuple):
+    """One DoRA projection: :class:`~leantune.ops.LoraWeights`'s fields plus ``magnitude [out]`` (PEFT's
+    ``lora_magnitude_vector[name].weight``)."""
+
+    weight: torch.Tensor
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
+    magnitude: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+def dora_weight_norm(weight, lora_A, lora_B, scaling, meta=None) -> torch.Tensor:
+    """n = ||W + s B A|| per output row (fp32 ``[out]``, no gradient) by the expansion in this module's docstring:
+    no ``[out, in]`` tensor W + s B A. ``meta`` (internal) picks the skinny kernel for W A^T on the Triton path."""
+    with torch.no_grad():
+        a = lora_A.float()
+        if meta is not None and _skinny_ok(meta, weight.dtype) and weight.dtype != torch.float32:
+            wa = skinny_matmul(weight, a.T, out_dtype=torch.float32)  # W read as stored, fp32 registers
+        else:
+            wa = weight.to(a.dtype) @ a.T
+        b = lora_B.float()
+        w2 = torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square()
+        cross = (b * wa).sum(1)
+        low = (b @ (a @ a.T) * b).sum(1)  # ||(B A)_j||^2 = B_j (A A^T) B_j^T
+        n2 = w2 + (2.0 * scaling) * cross + (scaling * scaling) * low
+        return n2.clamp_min(0.0).sqrt()
+
+
+def _rowdot(dy, u) -> torch.Tensor:
+    """sum_i dy_ij u_ij in fp32 ``[out]``, in row chunks (bounded fp32 temporary)."""
+    total = torch.zeros(dy.shape[1], dtype=torch.float32, device=dy.device)
+    for start in range(0, dy.shape[0], _ROWDOT_CHUNK):
+        stop = start + _ROWDOT_CHUNK
+        total += (dy[start:stop].float() * u[start:stop].float()).sum(0)
+    return total
+
+
+class DoraFunction(torch.autograd.Function):
+    """Autograd node of :func:`dora_linear` (derivation in this module's docstring)."""
+
+    @staticmethod
+    def forward(ctx, meta, x, weight, lora_A, lora_B, magnitude, bias):
+        x2d = _runtime.as_rows(x)
+        proj = _Proj(weight, lora_A, lora_B, None)
+        with _no_autocast(x.device):
+            norm = dora_weight_norm(weight, lora_A, lora_B, meta.scalings[0], meta)
+            scale = magnitude.detach().float() / norm
+            (u,), (xa,) = group_forward(x2d, [proj], meta, None, 0)
+            wide = torch.promote_types(torch.promote_types(u.dtype, meta.lora_dtype), magnitude.dtype)
+            y = u.to(wide) * scale.to(wide)
+            if bias is not None:
+                y += bias.to(wide)
+            y = y.to(meta.compute_dtype)
+        ctx.save_for_backward(x2d, xa, u, scale, norm, weight, lora_A, lora_B, magnitude, bias)
+        ctx.meta, ctx.x_shape = meta, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @_runtime.first_derivative_only
+    def backward(ctx, dy):
+        x2d, xa, u, scale, norm, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
+        need_x, need_w, need_a, need_b, need_m, need_bias = ctx.needs_input_grad[1:7]
+        meta = ctx.meta
+        dy2 = _runtime.as_rows(dy)
+        with _no_autocast(dy.device):
+            dm = (_rowdot(dy2, u) / norm).to(magnitude.dtype) if need_m else None
+            dbias = dy2.float().sum(0).to(bias.dtype) if need_bias else None
+            dy_scaled = (dy2.float() * scale).to(meta.compute_dtype)  # dY' = g * dY
+            needs = _Proj(need_w, need_a, need_b, False)
+            dx, (grads,) = group_backward([dy_scaled], x2d, [xa], [_Proj(weight, lora_A, lora_B, None)], meta,
+                                          None, 0, need_x, [needs])
+        return (None, None if dx is None else dx.view(ctx.x_shape), grads.weight, grads.lora_A, grads.lora_B, dm,
+                dbias)
+
+
+def dora_linear(x, weight, lora_A, lora_B, scaling, magnitude, bias=None, *, dropout=0.0, training=True):
+    """y = (m / n) * (x W^T + s (x A^T) B^T) + b with n = ||W + s B A|| per output row, detached (PEFT's DoRA),
+    with gradients for x, lora_A, lora_B, magnitude, bias (and W if it requires grad).
+
+    Args:
+        x: ``[..., in]`` float32/float16/bfloat16.
+        weight: ``[out, in]`` frozen dense weight (not an NF4Weight).
+        lora_A: ``[r, in]``, lora_B: ``[out, r]`` (PEFT layout, one dtype; required).
+        scaling: s, a finite real number.
+        magnitude: ``[out]`` float, DoRA's m (PEFT's ``lora_magnitude_vector``).
+        bias: ``[out]`` or None.
+        dropout, training: PEFT's ``lora_dropout``; only p = 0 or ``training=False`` (dropout inactive) is served.
+
+    Returns:
+        ``y [..., out]`` in the compute dtype (weight's, or autocast's), as :func:`~leantune.ops.lora_linear`.
+
+    Raises:
+        ValueError: :func:`~leantune.ops.lora_linear`'s cases (naming the argument), lora_A/lora_B None, an NF4
+            weight, a magnitude that is not a float ``[out]`` tensor on x's device, dropout > 0 in training.
+
+    Source: Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation" (eq. 5, section 4.3); PEFT 0.21
+    ``DoraLinearLayer.forward``; the derivation is in this module's docstring.
+    """
+    _check_x(x)
+    p = _check_dropout(dropout)
+    (weight, lora_A, lora_B, bias), scaling = _check_projection("", (weight, lora_A, lora_B, scaling, bias),
+                                                                x.shape[-1], x.device)
+    if lora_A is None:
+        raise ValueError("lora_A and lora_B must be tensors for dora_linear (DoRA needs an adapter)")
+    if isinstance(weight, NF4Weight):
+        raise ValueError("weight must be a dense tensor for dora_linear (an NF4Weight is not supported: the norm "
+                         "||W + s B A|| reads W)")
+    _runtime.check_tensor("magnitude", magnitude)
+    _runtime.check_shape("magnitude", magnitude, (weight.shape[0],), "[out] with out = weight's rows")
+    if magnitude.device != x.device:
+        raise ValueError(f"all tensors must be on one device: x on {x.device}, magnitude on {magnitude.device}")
+    meta = _meta(["the"], [((weight, lora_A, lora_B, bias), scaling)], x, p, training)
+    if meta.p > 0:
+        raise ValueError(f"dropout must be 0 when training for dora_linear (got {p}): DoRA with dropout needs the "
+                         "frozen GEMM on the dropped input as well, which is not fused")
+    return DoraFunction.apply(meta, x, weight, lora_A, lora_B, magnitude, bias)
