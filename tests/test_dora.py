@@ -1,0 +1,132 @@
+"""DoRA: ``ops.dora_linear`` against float64 formulas, and ``leantune.patch`` on PEFT's DoRA (``use_dora=True``).
+
+The op reference is DoRA's forward written from the paper / PEFT (``m / ||W + s B A||_row`` detached, times
+``x W^T + s x A^T B^T``, plus b) in float64, its gradients from float64 autograd. The model test compares the patched
+model with PEFT 0.21's own DoRA forward (the unpatched model): loss and every LoRA / magnitude gradient, fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from reference import F64, rel_err
+from test_patch_families import assert_grads_close, batch, loss_and_grads, tiny_peft_model
+
+import leantune
+from leantune import ops
+from leantune.ops.lora import dora_weight_norm
+
+
+def dora_reference(x, weight, lora_A, lora_B, scaling, magnitude, bias):
+    """DoRA's forward in float64 from the formula (the norm formed from W + s B A in full, detached)."""
+    norm = torch.linalg.vector_norm(weight + scaling * lora_B @ lora_A, dim=1).detach()
+    return (magnitude / norm) * (x @ weight.T + scaling * (x @ lora_A.T) @ lora_B.T) + bias
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_dora_linear_matches_float64_formula(backend, with_bias):
+    rows, inner, out, rank, scaling = 7, 24, 20, 3, 0.7
+    x = torch.randn(2, rows, inner, device=DEVICE, requires_grad=True)
+    weight = torch.randn(out, inner, device=DEVICE) / inner ** 0.5
+    lora_A = torch.randn(rank, inner, device=DEVICE, requires_grad=True)
+    lora_B = torch.randn(out, rank, device=DEVICE, requires_grad=True)
+    magnitude = (torch.rand(out, device=DEVICE) + 0.5).requires_grad_()
+    bias = torch.randn(out, device=DEVICE, requires_grad=True) if with_bias else None
+    y = ops.dora_linear(x, weight, lora_A, lora_B, scaling, magnitude, bias)
+    leaves = [t for t in (x, lora_A, lora_B, magnitude, bias) if t is not None]
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [t.detach().to(F64).requires_grad_() for t in leaves]
+    x64, a64, b64, m64 = ref_leaves[:4]
+    bias64 = ref_leaves[4] if with_bias else torch.zeros(out, dtype=F64, device=DEVICE)
+    ref = dora_reference(x64, weight.to(F64), a64, b64, scaling, m64, bias64)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.to(F64))
+    assert y.dtype == torch.float32 and y.shape == (2, rows, out)
+    assert rel_err(y, ref) <= 1e-5
+    for name, got, want in zip(["x", "lora_A", "lora_B", "magnitude", "bias"], grads, ref_grads):
+        assert rel_err(got, want) <= 1e-5, f"d{name}: {rel_err(got, want):.3g}"
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_weight_norm_by_expansion_matches_full_norm(backend, weight_dtype):
+    """||W + s B A|| per row from ||W||^2, W A^T and A A^T (no [out, in] temporary) against the norm of the full
+    matrix in float64; a bf16 W with fp32 adapters takes the skinny kernel on the Triton path."""
+    out, inner, rank, scaling = 33, 40, 5, 1.3
+    weight = torch.randn(out, inner, device=DEVICE).to(weight_dtype)
+    lora_A, lora_B = torch.randn(rank, inner, device=DEVICE), torch.randn(out, rank, device=DEVICE)
+    meta = ops.lora.api._meta(["the"], [((weight, lora_A, lora_B, None), scaling)], torch.empty(1, inner,
+                              dtype=weight_dtype, device=DEVICE), 0.0, False)
+    got = dora_weight_norm(weight, lora_A, lora_B, scaling, meta)
+    want = torch.linalg.vector_norm(weight.to(F64) + scaling * lora_B.to(F64) @ lora_A.to(F64), dim=1)
+    assert got.dtype == torch.float32 and got.shape == (out,)
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_dora_linear_rejects_bad_input():
+    x, weight = torch.randn(3, 8), torch.randn(6, 8)
+    lora_A, lora_B, magnitude = torch.randn(2, 8), torch.randn(6, 2), torch.rand(6) + 0.5
+    with pytest.raises(ValueError, match="magnitude"):
+        ops.dora_linear(x, weight, lora_A, lora_B, 1.0, torch.rand(5))
+    with pytest.raises(ValueError, match="lora_A and lora_B must be tensors"):
+        ops.dora_linear(x, weight, None, None, 1.0, magnitude)
+    with pytest.raises(ValueError, match="dropout must be 0 when training"):
+        ops.dora_linear(x, weight, lora_A, lora_B, 1.0, magnitude, dropout=0.1, training=True)
+    # dropout inactive in eval: served
+    y = ops.dora_linear(x, weight, lora_A, lora_B, 1.0, magnitude, dropout=0.1, training=False)
+    assert y.shape == (3, 6)
+
+
+def _dora_model(family):
+    """A tiny PEFT DoRA model with its magnitudes moved off their init (m = ||W + s B A||, so m / n != 1)."""
+    model = tiny_peft_model(family, use_dora=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(1.0 + 0.3 * torch.randn_like(param))
+    return model
+
+
+@pytest.mark.parametrize(("family", "impl", "shape"), [("llama", "torch", (2, 11)), ("qwen2", "torch", (2, 11)),
+                                                       ("llama", "triton", (1, 6))])
+def test_patched_dora_matches_peft(family, impl, shape, monkeypatch):
+    """Patched vs PEFT's DoRA forward: loss and every lora_A / lora_B / magnitude gradient (qwen2: q/k/v biases)."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", impl)
+    model = _dora_model(family)
+    model.train()
+    input_ids, labels = batch(*shape, pad_last=1)
+    ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
+    assert sum("lora_magnitude_vector" in name for name in ref_grads) == 14
+    calls = []
+    original = ops.dora_linear
+    monkeypatch.setattr(ops, "dora_linear", lambda *a, **k: calls.append(1) or original(*a, **k))
+    leantune.patch(model)
+    summary = model.leantune_summary
+    assert summary["counts"]["lora"] == 14 and summary["counts"]["dora"] == 14 and summary["unpatched"] == {}
+    assert summary["counts"]["lora_qkv"] == 0 and summary["counts"]["lora_mlp"] == 0
+    assert any("ops.dora_linear" in part for part in summary["fused"])
+    loss, _, grads = loss_and_grads(model, input_ids, labels)
+    assert len(calls) == 14, "every DoRA projection must run ops.dora_linear"
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads, tol=1e-4)
+    leantune.unpatch(model)
+
+
+def test_dora_with_dropout_in_training_keeps_peft_forward(monkeypatch):
+    """DoRA with lora_dropout in training: PEFT's forward, the summary says why; in eval the op serves it."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_peft_model("llama", use_dora=True, lora_dropout=0.1)
+    model.train()
+    input_ids, labels = batch()
+    torch.manual_seed(0)
+    ref_loss, _, _ = loss_and_grads(model, input_ids, labels)
+    leantune.patch(model)
+    summary = model.leantune_summary
+    assert summary["counts"]["lora"] == 0 and len(summary["unpatched"]) == 14
+    assert all("DoRA with lora_dropout in training" in why for why in summary["unpatched"].values())
+    torch.manual_seed(0)  # PEFT's forward both times: the same masks
+    loss, _, _ = loss_and_grads(model, input_ids, labels)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    model.eval()
+    leantune.patch(model)
+    assert model.leantune_summary["counts"]["dora"] == 14
