@@ -7,6 +7,8 @@ model with PEFT 0.21's own DoRA forward (the unpatched model): loss and every Lo
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -46,6 +48,37 @@ def test_dora_linear_matches_float64_formula(backend, with_bias):
     assert rel_err(y, ref) <= 1e-5
     for name, got, want in zip(["x", "lora_A", "lora_B", "magnitude", "bias"], grads, ref_grads):
         assert rel_err(got, want) <= 1e-5, f"d{name}: {rel_err(got, want):.3g}"
+
+
+def test_lora_qkv_with_dora_projections_matches_float64(backend):
+    """q DoRA (with bias), k plain LoRA, v frozen with bias, in one node: each output and every gradient."""
+    rows, hidden, rank = 5, 16, 2
+    outs, scalings = (12, 8, 8), (0.5, 2.0, 0.0)
+    x = torch.randn(rows, hidden, device=DEVICE, requires_grad=True)
+    weights = [torch.randn(o, hidden, device=DEVICE) / hidden ** 0.5 for o in outs]
+    a_q, a_k = (torch.randn(rank, hidden, device=DEVICE, requires_grad=True) for _ in range(2))
+    b_q = torch.randn(outs[0], rank, device=DEVICE, requires_grad=True)
+    b_k = torch.randn(outs[1], rank, device=DEVICE, requires_grad=True)
+    m_q = (torch.rand(outs[0], device=DEVICE) + 0.5).requires_grad_()
+    bias_q = torch.randn(outs[0], device=DEVICE, requires_grad=True)
+    bias_v = torch.randn(outs[2], device=DEVICE, requires_grad=True)
+    q = ops.DoraWeights(weights[0], a_q, b_q, scalings[0], m_q, bias_q)
+    k = ops.LoraWeights(weights[1], a_k, b_k, scalings[1])
+    v = ops.LoraWeights(weights[2], None, None, 0.0, bias_v)
+    ys = ops.lora_qkv(x, q, k, v)
+    leaves = [x, a_q, b_q, m_q, bias_q, a_k, b_k, bias_v]
+    dys = [torch.randn_like(y) for y in ys]
+    grads = torch.autograd.grad(ys, leaves, dys)
+    r = [t.detach().to(F64).requires_grad_() for t in leaves]
+    w64 = [w.to(F64) for w in weights]
+    refs = (dora_reference(r[0], w64[0], r[1], r[2], scalings[0], r[3], r[4]),
+            r[0] @ w64[1].T + scalings[1] * (r[0] @ r[5].T) @ r[6].T,
+            r[0] @ w64[2].T + r[7])
+    ref_grads = torch.autograd.grad(refs, r, [dy.to(F64) for dy in dys])
+    for y, ref in zip(ys, refs):
+        assert rel_err(y, ref) <= 1e-5
+    for i, (got, want) in enumerate(zip(grads, ref_grads)):
+        assert rel_err(got, want) <= 1e-5, f"gradient {i}: {rel_err(got, want):.3g}"
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
@@ -97,16 +130,18 @@ def test_patched_dora_matches_peft(family, impl, shape, monkeypatch):
     input_ids, labels = batch(*shape, pad_last=1)
     ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
     assert sum("lora_magnitude_vector" in name for name in ref_grads) == 14
-    calls = []
-    original = ops.dora_linear
-    monkeypatch.setattr(ops, "dora_linear", lambda *a, **k: calls.append(1) or original(*a, **k))
+    calls = collections.Counter()
+    for name in ("dora_linear", "lora_qkv", "lora_linear", "lora_mlp"):
+        original = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, __n=name, __f=original, **k: calls.update([__n]) or __f(*a, **k))
     leantune.patch(model)
     summary = model.leantune_summary
     assert summary["counts"]["lora"] == 14 and summary["counts"]["dora"] == 14 and summary["unpatched"] == {}
-    assert summary["counts"]["lora_qkv"] == 0 and summary["counts"]["lora_mlp"] == 0
+    assert summary["counts"]["lora_qkv"] == 2 and summary["counts"]["lora_mlp"] == 0
     assert any("ops.dora_linear" in part for part in summary["fused"])
     loss, _, grads = loss_and_grads(model, input_ids, labels)
-    assert len(calls) == 14, "every DoRA projection must run ops.dora_linear"
+    # per layer: q/k/v in one lora_qkv node, o_proj and gate/up/down through dora_linear; no plain LoRA op
+    assert calls == {"lora_qkv": 2, "dora_linear": 8}, calls
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads, tol=1e-4)
     leantune.unpatch(model)

@@ -113,7 +113,7 @@ def _qkv(self, family: Family, statuses, hidden_states):
         q_size = self.config.num_attention_heads * self.head_dim
         kv_size = self.config.num_key_value_heads * self.head_dim
         return qkv.split([q_size, kv_size, kv_size], dim=-1)
-    group = fused_group(statuses[:3])
+    group = fused_group(statuses[:3], dora=True)
     if group is not None:
         (q_w, k_w, v_w), p, training = group
         return ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training)

@@ -167,12 +167,13 @@ def carries_fusable_lora(module) -> bool:
     return fusable(lora_status(module))
 
 
-def fused_group(statuses) -> tuple[list[ops.LoraWeights], float, bool] | None:
+def fused_group(statuses, *, dora: bool = False) -> tuple[list[ops.LoraWeights], float, bool] | None:
     """LoraWeights for projections that read one input (their :func:`lora_status`), when one fused call can serve
-    all of them exactly."""
+    all of them exactly; ``dora``: whether that call takes DoRA projections (``lora_qkv`` does, ``lora_mlp`` not:
+    with DoRA on the MLP its projections run one at a time)."""
     if any(w is None for w, _, _, _ in statuses) or not any(_has_lora(w) for w, _, _, _ in statuses):
         return None
-    if any(is_dora(w) for w, _, _, _ in statuses):  # lora_qkv / lora_mlp have no DoRA path: one at a time
+    if not dora and any(is_dora(w) for w, _, _, _ in statuses):
         return None
     with_lora = [(p, t) for w, p, t, _ in statuses if _has_lora(w)]
     if len(set(with_lora)) != 1:  # one dropout p / mode for the whole group

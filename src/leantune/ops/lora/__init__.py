@@ -11,10 +11,10 @@ The package, read top down:
 """
 
 from .api import LoraGroupFunction, LoraMLPFunction, LoraWeights, lora_linear, lora_mlp, lora_qkv
-from .dora import DoraFunction, DoraWeights, dora_linear, dora_weight_norm
+from .dora import DoraGroupFunction, DoraWeights, dora_linear, dora_weight_norm
 from .glu_lowrank import glu_forward_lowrank
 from .passes import dropout_mask, dropout_seeds
 
-__all__ = ["DoraFunction", "DoraWeights", "LoraGroupFunction", "LoraMLPFunction", "LoraWeights", "dora_linear",
+__all__ = ["DoraGroupFunction", "DoraWeights", "LoraGroupFunction", "LoraMLPFunction", "LoraWeights", "dora_linear",
            "dora_weight_norm", "dropout_mask", "dropout_seeds", "glu_forward_lowrank", "lora_linear", "lora_mlp",
            "lora_qkv"]

@@ -35,6 +35,9 @@ Dropout: PEFT's DoRA with dropout runs the frozen GEMM twice (on x for the base 
 (g - 1) term); :func:`dora_linear` has no dropout path and refuses ``dropout > 0`` in training (``leantune.patch``
 keeps PEFT's forward there and says so).
 
+Groups: ``lora_qkv`` with DoRA projections runs q/k/v in one node (:class:`DoraGroupFunction`): x saved once and
+read once for the three xa's (the concatenated A's), one norm per projection, dX accumulated in one buffer.
+
 Saved for backward: x, xa, u ``[N, out]`` in the compute dtype, g and n ``[out]`` in fp32. Dtypes are
 :func:`leantune.ops.lora_linear`'s: u in the compute dtype c, y formed in promote(c, lora, magnitude) and cast to c.
 """
@@ -92,42 +95,96 @@ def _rowdot(dy, u) -> torch.Tensor:
     return total
 
 
-class DoraFunction(torch.autograd.Function):
-    """Autograd node of :func:`dora_linear` (derivation in this module's docstring)."""
+class DoraGroupFunction(torch.autograd.Function):
+    """Autograd node of :func:`dora_linear` and of :func:`~leantune.ops.lora_qkv` with DoRA projections: the
+    projections of one x, 5 tensors each (weight, lora_A, lora_B, magnitude, bias; magnitude None: a plain LoRA or
+    frozen projection, y = u + b). Saves x once, every xa, and per DoRA projection u, g and n (module docstring)."""
 
     @staticmethod
-    def forward(ctx, meta, x, weight, lora_A, lora_B, magnitude, bias):
+    def forward(ctx, meta, x, *tensors):
         x2d = _runtime.as_rows(x)
-        proj = _Proj(weight, lora_A, lora_B, None)
+        entries = [tensors[j:j + 5] for j in range(0, len(tensors), 5)]
+        projs = [_Proj(weight, lora_A, lora_B, None) for weight, lora_A, lora_B, _, _ in entries]
+        ys, saved = [], []
         with _no_autocast(x.device):
-            norm = dora_weight_norm(weight, lora_A, lora_B, meta.scalings[0], meta)
-            scale = magnitude.detach().float() / norm
-            (u,), (xa,) = group_forward(x2d, [proj], meta, None, 0)
-            wide = torch.promote_types(torch.promote_types(u.dtype, meta.lora_dtype), magnitude.dtype)
-            y = u.to(wide) * scale.to(wide)
-            if bias is not None:
-                y += bias.to(wide)
-            y = y.to(meta.compute_dtype)
-        ctx.save_for_backward(x2d, xa, u, scale, norm, weight, lora_A, lora_B, magnitude, bias)
-        ctx.meta, ctx.x_shape = meta, x.shape
-        return y.view(*x.shape[:-1], y.shape[-1])
+            us, xas = group_forward(x2d, projs, meta, None, 0)
+            for j, ((weight, lora_A, lora_B, magnitude, bias), u) in enumerate(zip(entries, us)):
+                if magnitude is None:
+                    ys.append(u if bias is None else u.add_(bias.to(u.dtype)))
+                    saved += [None, None, None]
+                    continue
+                norm = dora_weight_norm(weight, lora_A, lora_B, meta.scalings[j], meta)
+                scale = magnitude.detach().float() / norm
+                wide = torch.promote_types(torch.promote_types(u.dtype, meta.lora_dtype), magnitude.dtype)
+                y = u.to(wide) * scale.to(wide)
+                if bias is not None:
+                    y += bias.to(wide)
+                ys.append(y.to(meta.compute_dtype))
+                saved += [u, scale, norm]
+        ctx.save_for_backward(x2d, *tensors, *xas, *saved)
+        ctx.meta, ctx.x_shape, ctx.count = meta, x.shape, len(entries)
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
     @_runtime.first_derivative_only
-    def backward(ctx, dy):
-        x2d, xa, u, scale, norm, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
-        need_x, need_w, need_a, need_b, need_m, need_bias = ctx.needs_input_grad[1:7]
-        meta = ctx.meta
-        dy2 = _runtime.as_rows(dy)
-        with _no_autocast(dy.device):
-            dm = (_rowdot(dy2, u) / norm).to(magnitude.dtype) if need_m else None
-            dbias = dy2.float().sum(0).to(bias.dtype) if need_bias else None
-            dy_scaled = (dy2.float() * scale).to(meta.compute_dtype)  # dY' = g * dY
-            needs = _Proj(need_w, need_a, need_b, False)
-            dx, (grads,) = group_backward([dy_scaled], x2d, [xa], [_Proj(weight, lora_A, lora_B, None)], meta,
-                                          None, 0, need_x, [needs])
-        return (None, None if dx is None else dx.view(ctx.x_shape), grads.weight, grads.lora_A, grads.lora_B, dm,
-                dbias)
+    def backward(ctx, *dys):
+        x2d, *rest = ctx.saved_tensors
+        count, meta = ctx.count, ctx.meta
+        entries = [rest[j:j + 5] for j in range(0, 5 * count, 5)]
+        xas = rest[5 * count:6 * count]
+        saved = [rest[6 * count + 3 * j:6 * count + 3 * j + 3] for j in range(count)]
+        need_x, *flags = ctx.needs_input_grad[1:]
+        grads_out, scaled, needs = [], [], []
+        with _no_autocast(x2d.device):
+            for j, (dy, (_, _, _, magnitude, bias), (u, scale, norm)) in enumerate(zip(dys, entries, saved)):
+                need_w, need_a, need_b, need_m, need_bias = flags[5 * j:5 * j + 5]
+                dy2 = _runtime.as_rows(dy)
+                dm = (_rowdot(dy2, u) / norm).to(magnitude.dtype) if need_m else None
+                dbias = dy2.float().sum(0).to(bias.dtype) if need_bias else None
+                scaled.append(dy2 if magnitude is None else (dy2.float() * scale).to(meta.compute_dtype))  # dY'
+                grads_out.append((dm, dbias))
+                needs.append(_Proj(need_w, need_a, need_b, False))
+            projs = [_Proj(weight, lora_A, lora_B, None) for weight, lora_A, lora_B, _, _ in entries]
+            dx, grads = group_backward(scaled, x2d, xas, projs, meta, None, 0, need_x, needs)
+        flat = [t for g, (dm, dbias) in zip(grads, grads_out) for t in (g.weight, g.lora_A, g.lora_B, dm, dbias)]
+        return (None, None if dx is None else dx.view(ctx.x_shape), *flat)
+
+
+def _check_entry(name, proj, in_features, device):
+    """(weight, lora_A, lora_B, magnitude, bias), scaling for one projection of a DoRA group: a DoraWeights, or a
+    LoraWeights / 5-tuple (no magnitude: LoRA or plain frozen, as :func:`~leantune.ops.lora_linear`)."""
+    magnitude = None
+    if isinstance(proj, DoraWeights):
+        magnitude = proj.magnitude
+        proj = (proj.weight, proj.lora_A, proj.lora_B, proj.scaling, proj.bias)
+    (weight, lora_A, lora_B, bias), scaling = _check_projection(name, proj, in_features, device)
+    if isinstance(weight, NF4Weight) and (magnitude is not None or lora_A is not None):
+        raise ValueError(f"{name}weight must be a dense tensor in a DoRA call (an NF4Weight is not supported: the "
+                         "norm ||W + s B A|| reads W)")
+    if magnitude is not None:
+        if lora_A is None:
+            raise ValueError(f"{name}lora_A and {name}lora_B must be tensors for DoRA (DoRA needs an adapter)")
+        _runtime.check_tensor(f"{name}magnitude", magnitude)
+        _runtime.check_shape(f"{name}magnitude", magnitude, (weight.shape[0],), "[out] with out = weight's rows")
+        if magnitude.device != device:
+            raise ValueError(f"all tensors must be on one device: x on {device}, {name}magnitude on "
+                             f"{magnitude.device}")
+    return (weight, lora_A, lora_B, magnitude, bias), scaling
+
+
+def dora_group(x, named, dropout, training):
+    """The outputs of the projections ``named`` ((name prefix, DoraWeights / LoraWeights), ...) of one x through
+    :class:`DoraGroupFunction`: checks as :func:`dora_linear`'s."""
+    _check_x(x)
+    p = _check_dropout(dropout)
+    checked = [_check_entry(name, proj, x.shape[-1], x.device) for name, proj in named]
+    lora_view = [((w, a, b, bias), s) for (w, a, b, _, bias), s in checked]
+    meta = _meta([name.rstrip(".") or "the" for name, _ in named], lora_view, x, p, training)
+    if meta.p > 0:
+        raise ValueError(f"dropout must be 0 when training for DoRA (got {p}): DoRA with dropout needs the frozen "
+                         "GEMM on the dropped input as well, which is not fused")
+    flat = [t for entry, _ in checked for t in entry]
+    return DoraGroupFunction.apply(meta, x, *flat)
 
 
 def dora_linear(x, weight, lora_A, lora_B, scaling, magnitude, bias=None, *, dropout=0.0, training=True):
@@ -153,21 +210,4 @@ def dora_linear(x, weight, lora_A, lora_B, scaling, magnitude, bias=None, *, dro
     Source: Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation" (eq. 5, section 4.3); PEFT 0.21
     ``DoraLinearLayer.forward``; the derivation is in this module's docstring.
     """
-    _check_x(x)
-    p = _check_dropout(dropout)
-    (weight, lora_A, lora_B, bias), scaling = _check_projection("", (weight, lora_A, lora_B, scaling, bias),
-                                                                x.shape[-1], x.device)
-    if lora_A is None:
-        raise ValueError("lora_A and lora_B must be tensors for dora_linear (DoRA needs an adapter)")
-    if isinstance(weight, NF4Weight):
-        raise ValueError("weight must be a dense tensor for dora_linear (an NF4Weight is not supported: the norm "
-                         "||W + s B A|| reads W)")
-    _runtime.check_tensor("magnitude", magnitude)
-    _runtime.check_shape("magnitude", magnitude, (weight.shape[0],), "[out] with out = weight's rows")
-    if magnitude.device != x.device:
-        raise ValueError(f"all tensors must be on one device: x on {x.device}, magnitude on {magnitude.device}")
-    meta = _meta(["the"], [((weight, lora_A, lora_B, bias), scaling)], x, p, training)
-    if meta.p > 0:
-        raise ValueError(f"dropout must be 0 when training for dora_linear (got {p}): DoRA with dropout needs the "
-                         "frozen GEMM on the dropped input as well, which is not fused")
-    return DoraFunction.apply(meta, x, weight, lora_A, lora_B, magnitude, bias)
+    return dora_group(x, [("", DoraWeights(weight, lora_A, lora_B, scaling, magnitude, bias))], dropout, training)[0]
