@@ -39,7 +39,9 @@ Groups: ``lora_qkv`` with DoRA projections runs q/k/v in one node (:class:`DoraG
 read once for the three xa's (the concatenated A's), one norm per projection, dX accumulated in one buffer.
 
 Saved for backward: x, xa, u ``[N, out]`` in the compute dtype, g and n ``[out]`` in fp32. Dtypes are
-:func:`leantune.ops.lora_linear`'s: u in the compute dtype c, y formed in promote(c, lora, magnitude) and cast to c.
+:func:`leantune.ops.lora_linear`'s: u in the compute dtype c (the LoRA term added in promote(c, lora) and
+rounded to c), y = g u + b evaluated in fp32 and rounded once to c. Under a 16-bit base that is one rounding (of u)
+more than PEFT, which sums g z + g s lora + b in fp32 before its single cast.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from .api import _check_dropout, _check_projection, _check_x, _meta, _no_autocas
 from .kernels import skinny_matmul
 from .passes import _skinny_ok, group_backward, group_forward
 
-_ROWDOT_CHUNK = 4096  # rows per fp32 product in dm (bounds the temporary to 4096 x out fp32)
+_CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the norm and of dm are bounded to this many elements (16 MiB)
 
 
 class DoraWeights(NamedTuple):
@@ -79,19 +81,34 @@ def dora_weight_norm(weight, lora_A, lora_B, scaling, meta=None) -> torch.Tensor
         else:
             wa = weight.to(a.dtype) @ a.T
         b = lora_B.float()
-        w2 = torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square()
+        w2 = _row_sumsq(weight)
         cross = (b * wa).sum(1)
         low = (b @ (a @ a.T) * b).sum(1)  # ||(B A)_j||^2 = B_j (A A^T) B_j^T
         n2 = w2 + (2.0 * scaling) * cross + (scaling * scaling) * low
         return n2.clamp_min(0.0).sqrt()
 
 
+def _chunk_rows(width: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, width))
+
+
+def _row_sumsq(weight) -> torch.Tensor:
+    """||W_j||^2 per row in fp32 ``[out]``; a 16-bit W is upcast in row chunks (no fp32 copy of all of W)."""
+    if weight.dtype == torch.float32:
+        return torch.linalg.vector_norm(weight, dim=1).square()
+    step = _chunk_rows(weight.shape[1])
+    return torch.cat([torch.linalg.vector_norm(weight[i:i + step].float(), dim=1).square()
+                      for i in range(0, weight.shape[0], step)])
+
+
 def _rowdot(dy, u) -> torch.Tensor:
     """sum_i dy_ij u_ij in fp32 ``[out]``, in row chunks (bounded fp32 temporary)."""
+    if dy.dtype == u.dtype == torch.float32:
+        return (dy * u).sum(0)
     total = torch.zeros(dy.shape[1], dtype=torch.float32, device=dy.device)
-    for start in range(0, dy.shape[0], _ROWDOT_CHUNK):
-        stop = start + _ROWDOT_CHUNK
-        total += (dy[start:stop].float() * u[start:stop].float()).sum(0)
+    step = _chunk_rows(dy.shape[1])
+    for start in range(0, dy.shape[0], step):
+        total += (dy[start:start + step].float() * u[start:start + step].float()).sum(0)
     return total
 
 
@@ -115,11 +132,13 @@ class DoraGroupFunction(torch.autograd.Function):
                     continue
                 norm = dora_weight_norm(weight, lora_A, lora_B, meta.scalings[j], meta)
                 scale = magnitude.detach().float() / norm
-                wide = torch.promote_types(torch.promote_types(u.dtype, meta.lora_dtype), magnitude.dtype)
-                y = u.to(wide) * scale.to(wide)
-                if bias is not None:
-                    y += bias.to(wide)
-                ys.append(y.to(meta.compute_dtype))
+                # g * u + b evaluated in fp32 (g is fp32) and rounded once on the store: one pass, no temporary
+                y = torch.empty(u.shape, dtype=meta.compute_dtype, device=u.device)
+                if bias is None:
+                    torch.mul(u, scale, out=y)
+                else:
+                    torch.addcmul(bias, u, scale, out=y)
+                ys.append(y)
                 saved += [u, scale, norm]
         ctx.save_for_backward(x2d, *tensors, *xas, *saved)
         ctx.meta, ctx.x_shape, ctx.count = meta, x.shape, len(entries)
@@ -141,7 +160,11 @@ class DoraGroupFunction(torch.autograd.Function):
                 dy2 = _runtime.as_rows(dy)
                 dm = (_rowdot(dy2, u) / norm).to(magnitude.dtype) if need_m else None
                 dbias = dy2.float().sum(0).to(bias.dtype) if need_bias else None
-                scaled.append(dy2 if magnitude is None else (dy2.float() * scale).to(meta.compute_dtype))  # dY'
+                if magnitude is None:
+                    scaled.append(dy2)
+                else:  # dY' = g * dY, formed in fp32 and rounded once to the compute dtype
+                    scaled.append(torch.mul(dy2, scale, out=torch.empty(dy2.shape, dtype=meta.compute_dtype,
+                                                                        device=dy2.device)))
                 grads_out.append((dm, dbias))
                 needs.append(_Proj(need_w, need_a, need_b, False))
             projs = [_Proj(weight, lora_A, lora_B, None) for weight, lora_A, lora_B, _, _ in entries]
