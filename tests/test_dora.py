@@ -12,7 +12,7 @@ import collections
 import pytest
 import torch
 from conftest import DEVICE
-from reference import F64, rel_err
+from reference import F64, rel_err, tolerance
 from test_patch_families import assert_grads_close, batch, loss_and_grads, tiny_peft_model
 
 import leantune
@@ -165,3 +165,27 @@ def test_dora_with_dropout_in_training_keeps_peft_forward(monkeypatch):
     model.eval()
     leantune.patch(model)
     assert model.leantune_summary["counts"]["dora"] == 14
+
+
+def test_dora_linear_frozen_magnitude_and_bf16_base(backend):
+    """Only the adapters train (x and magnitude without grad); a bf16 base under fp32 adapters (PEFT's default
+    autocast_adapter_dtype) stays within the bf16 bar of the float64 formula (docs/design.md tolerance rule)."""
+    rows, inner, out, rank, scaling = 9, 32, 24, 4, 0.5
+    x = torch.randn(rows, inner, device=DEVICE).bfloat16()
+    weight = (torch.randn(out, inner, device=DEVICE) / inner ** 0.5).bfloat16()
+    lora_A = torch.randn(rank, inner, device=DEVICE, requires_grad=True)
+    lora_B = torch.randn(out, rank, device=DEVICE, requires_grad=True)
+    magnitude = torch.rand(out, device=DEVICE) + 0.5
+    y = ops.dora_linear(x, weight, lora_A, lora_B, scaling, magnitude)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (lora_A, lora_B), dy)
+    ref_leaves = [t.detach().to(F64).requires_grad_() for t in (lora_A, lora_B)]
+    ref = dora_reference(x.to(F64), weight.to(F64), *ref_leaves, scaling, magnitude.to(F64), 0.0)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.to(F64))
+    bf = [t.detach().bfloat16().requires_grad_() for t in (lora_A, lora_B)]
+    eager = dora_reference(x, weight, *bf, scaling, magnitude.bfloat16(), 0.0)
+    eager_grads = torch.autograd.grad(eager, bf, dy)
+    assert y.dtype == torch.bfloat16 and grads[0].dtype == torch.float32
+    assert rel_err(y, ref) <= tolerance(torch.bfloat16, rel_err(eager, ref))
+    for got, want, base in zip(grads, ref_grads, eager_grads):
+        assert rel_err(got, want) <= tolerance(torch.bfloat16, rel_err(base, want))
