@@ -137,11 +137,11 @@ def test_patched_dora_matches_peft(family, impl, shape, monkeypatch):
     leantune.patch(model)
     summary = model.leantune_summary
     assert summary["counts"]["lora"] == 14 and summary["counts"]["dora"] == 14 and summary["unpatched"] == {}
-    assert summary["counts"]["lora_qkv"] == 2 and summary["counts"]["lora_mlp"] == 0
+    assert summary["counts"]["lora_qkv"] == 2 and summary["counts"]["lora_mlp"] == 2
     assert any("ops.dora_linear" in part for part in summary["fused"])
     loss, _, grads = loss_and_grads(model, input_ids, labels)
-    # per layer: q/k/v in one lora_qkv node, o_proj and gate/up/down through dora_linear; no plain LoRA op
-    assert calls == {"lora_qkv": 2, "dora_linear": 8}, calls
+    # per layer: q/k/v in one lora_qkv node, the MLP in one lora_mlp node, o_proj through dora_linear
+    assert calls == {"lora_qkv": 2, "lora_mlp": 2, "dora_linear": 2}, calls
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads, tol=1e-4)
     leantune.unpatch(model)
@@ -189,3 +189,33 @@ def test_dora_linear_frozen_magnitude_and_bf16_base(backend):
     assert rel_err(y, ref) <= tolerance(torch.bfloat16, rel_err(eager, ref))
     for got, want, base in zip(grads, ref_grads, eager_grads):
         assert rel_err(got, want) <= tolerance(torch.bfloat16, rel_err(base, want))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh"])
+def test_lora_mlp_with_dora_projections_matches_float64(backend, activation):
+    """gate DoRA with a bias, up plain LoRA, down DoRA, in one node: the output and every gradient."""
+    rows, hidden, inter, rank = 5, 16, 24, 2
+    act = {"swiglu": torch.nn.functional.silu,
+           "geglu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[activation]
+    x = torch.randn(rows, hidden, device=DEVICE, requires_grad=True)
+    leaf = lambda *shape: torch.randn(*shape, device=DEVICE, requires_grad=True)  # noqa: E731
+    w_g, w_u = (torch.randn(inter, hidden, device=DEVICE) / hidden ** 0.5 for _ in range(2))
+    w_d = torch.randn(hidden, inter, device=DEVICE) / inter ** 0.5
+    a_g, b_g, a_u, b_u = leaf(rank, hidden), leaf(inter, rank), leaf(rank, hidden), leaf(inter, rank)
+    a_d, b_d = leaf(rank, inter), leaf(hidden, rank)
+    m_g = (torch.rand(inter, device=DEVICE) + 0.5).requires_grad_()
+    m_d = (torch.rand(hidden, device=DEVICE) + 0.5).requires_grad_()
+    bias_g = leaf(inter)
+    y = ops.lora_mlp(x, ops.DoraWeights(w_g, a_g, b_g, 0.5, m_g, bias_g), ops.LoraWeights(w_u, a_u, b_u, 2.0),
+                     ops.DoraWeights(w_d, a_d, b_d, 1.5, m_d), activation=activation)
+    leaves = [x, a_g, b_g, m_g, bias_g, a_u, b_u, a_d, b_d, m_d]
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    r = [t.detach().to(F64).requires_grad_() for t in leaves]
+    gate = dora_reference(r[0], w_g.to(F64), r[1], r[2], 0.5, r[3], r[4])
+    up = r[0] @ w_u.to(F64).T + 2.0 * (r[0] @ r[5].T) @ r[6].T
+    ref = dora_reference(act(gate) * up, w_d.to(F64), r[7], r[8], 1.5, r[9], 0.0)
+    ref_grads = torch.autograd.grad(ref, r, dy.to(F64))
+    assert rel_err(y, ref) <= 1e-5
+    for i, (got, want) in enumerate(zip(grads, ref_grads)):
+        assert rel_err(got, want) <= 1e-5, f"gradient {i}: {rel_err(got, want):.3g}"

@@ -15,8 +15,8 @@ of); the decoder layer keeps HF's forward, so norm placement and residual scalar
   with LoRA on its projections, ``ops.lora_mlp``. A plain (non-gated) MLP keeps HF's activation.
 - ``lora``: q/k/v -> ``ops.lora_qkv`` (a fused ``qkv_proj``: ``ops.lora_linear``), o_proj and the projections of a
   plain MLP -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at every forward). DoRA
-  projections: q/k/v -> ``ops.lora_qkv`` (its DoRA node), the others -> ``ops.dora_linear`` (one MLP projection
-  at a time: no DoRA path in ``lora_mlp``; DoRA with dropout in training keeps PEFT's forward). Other LoRA
+  projections: q/k/v -> ``ops.lora_qkv``, a gated MLP -> ``ops.lora_mlp`` (their DoRA nodes), the others ->
+  ``ops.dora_linear`` (DoRA with dropout in training keeps PEFT's forward). Other LoRA
   variants, several active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear`` bases keep
   PEFT's own forward (the summary lists them).
 - ``loss``: ``XForCausalLM.forward`` -> base model, then ``ops.linear_cross_entropy`` on the hidden states (labels
@@ -222,9 +222,9 @@ def _decoder_layer_parts(hf: nn.Module) -> str:
     return ""
 
 
-_DORA_NOTE = ("DoRA fused: q/k/v through ops.lora_qkv (DoRA node), o_proj and each MLP projection through "
-              "ops.dora_linear, one at a time in the MLP (ops.lora_mlp has no DoRA path); magnitude and ||W + sBA|| "
-              "rows formed once per call; DoRA with lora_dropout in training keeps PEFT's forward")
+_DORA_NOTE = ("DoRA fused: q/k/v through ops.lora_qkv, the gated MLP through ops.lora_mlp (their DoRA nodes; a "
+              "fused gate_up_proj one projection at a time), o_proj and the rest through ops.dora_linear; magnitude "
+              "and ||W + sBA|| rows formed once per call; DoRA with lora_dropout in training keeps PEFT's forward")
 
 
 def _fused_parts(family: Family, activation: str | None) -> list[str]:
@@ -276,7 +276,8 @@ def _count_lora(name: str, module: nn.Module, family: Family, counts, left, *, m
     counts["lora"] += len(fused)
     counts["dora"] += len(dora)
     counts["lora_qkv"] += int(any(p in fused for p in ("q_proj", "k_proj", "v_proj", "qkv_proj")))
-    grouped = [p for p in fused if p not in dora]  # DoRA MLP projections run ops.dora_linear one at a time
+    # a fused gate_up_proj with DoRA runs one projection at a time (blocks._gated)
+    grouped = [p for p in fused if p not in dora] if family.mlp == "gated_fused" else fused
     counts["lora_mlp"] += int(mlp_fused and family.mlp != "plain"
                               and all(p in grouped for p in family.mlp_projections))
 

@@ -66,7 +66,9 @@ def mlp_forward(self, x):
 
 def _gated(self, state, family: Family, x, modules, statuses):
     if state.lora and state.mlp:
-        group = fused_group(statuses)
+        # DoRA through lora_mlp's DoRA node, except a fused gate_up_proj (split below into LoraWeights halves): one
+        # projection at a time there
+        group = fused_group(statuses, dora=family.mlp != "gated_fused")
         if group is not None:
             weights, p, training = group
             if family.mlp == "gated_fused":

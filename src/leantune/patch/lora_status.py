@@ -169,8 +169,8 @@ def carries_fusable_lora(module) -> bool:
 
 def fused_group(statuses, *, dora: bool = False) -> tuple[list[ops.LoraWeights], float, bool] | None:
     """LoraWeights for projections that read one input (their :func:`lora_status`), when one fused call can serve
-    all of them exactly; ``dora``: whether that call takes DoRA projections (``lora_qkv`` does, ``lora_mlp`` not:
-    with DoRA on the MLP its projections run one at a time)."""
+    all of them exactly; ``dora``: whether that call takes DoRA projections (``lora_qkv`` and ``lora_mlp`` do; a
+    fused ``gate_up_proj``, split into LoraWeights halves, does not)."""
     if any(w is None for w, _, _, _ in statuses) or not any(_has_lora(w) for w, _, _, _ in statuses):
         return None
     if not dora and any(is_dora(w) for w, _, _, _ in statuses):

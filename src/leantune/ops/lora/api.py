@@ -411,7 +411,8 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
 
     Args:
         x: ``[..., H]`` float32/float16/bfloat16.
-        gate, up: :class:`LoraWeights` with weights ``[I, H]``; down: weights ``[H_out, I]``.
+        gate, up: :class:`LoraWeights` with weights ``[I, H]``; down: weights ``[H_out, I]``. Any of them may be a
+            :class:`~leantune.ops.DoraWeights` (DoRA: :mod:`.dora_mlp`'s node; dropout must then be inactive).
         activation: ``"swiglu"`` (silu, Llama/Qwen/Mistral), ``"geglu_tanh"`` (gelu tanh, Gemma),
             ``"geglu_erf"`` (exact gelu).
         dropout, training: as :func:`lora_linear`; one mask per projection (seeds in order gate, up, down).
@@ -432,6 +433,11 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
     dropout = _check_dropout(dropout)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    from .dora import DoraWeights  # .dora builds on this module: imported at call time
+    from .dora_mlp import dora_mlp
+
+    if any(isinstance(proj, DoraWeights) for proj in (gate, up, down)):
+        return dora_mlp(x, gate, up, down, activation, dropout, training)
     gu = [_check_projection(name, proj, x.shape[-1], x.device) for name, proj in (("gate.", gate), ("up.", up))]
     if gu[0][0][0].shape[0] != gu[1][0][0].shape[0]:
         raise ValueError(f"gate.weight and up.weight must have the same rows (intermediate size), got "
