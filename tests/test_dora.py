@@ -219,3 +219,30 @@ def test_lora_mlp_with_dora_projections_matches_float64(backend, activation):
     assert rel_err(y, ref) <= 1e-5
     for i, (got, want) in enumerate(zip(grads, ref_grads)):
         assert rel_err(got, want) <= 1e-5, f"gradient {i}: {rel_err(got, want):.3g}"
+
+
+def test_fused_gate_up_and_qkv_with_dora_match_peft(monkeypatch):
+    """Phi-3 (fused qkv_proj and gate_up_proj): every DoRA projection through ops.dora_linear, as PEFT's DoRA."""
+    import test_patch_structures as structures
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    targets = list(structures.FAMILIES["phi3"].projections)
+    model = get_peft_model(structures.tiny_model("phi3"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, use_dora=True))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(1.0 + 0.3 * torch.randn_like(param))
+    model.train()
+    input_ids = torch.randint(3, structures.VOCAB, (2, 9))
+    ref_loss, ref_grads = structures.loss_and_grads(model, input_ids, input_ids)
+    calls = collections.Counter()
+    original = ops.dora_linear
+    monkeypatch.setattr(ops, "dora_linear", lambda *a, **k: calls.update(["dora_linear"]) or original(*a, **k))
+    leantune.patch(model)
+    assert model.leantune_summary["counts"]["dora"] == 8 and model.leantune_summary["unpatched"] == {}
+    loss, grads = structures.loss_and_grads(model, input_ids, input_ids)
+    assert calls["dora_linear"] == 8  # per layer qkv_proj, o_proj, gate_up_proj, down_proj
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads, tol=1e-4)
