@@ -1,4 +1,5 @@
-r"""DoRA (weight-decomposed LoRA) on one projection, through the LoRA passes of :mod:`.passes`.
+r"""DoRA (weight-decomposed LoRA) on the projections of one input, through the LoRA passes of :mod:`.passes` (the
+gated MLP's DoRA node is :mod:`.dora_mlp`).
 
 Forward (Liu et al. 2024, "DoRA", eq. 5 with section 4.3's detached norm; PEFT 0.21
 ``peft/tuners/lora/dora.py`` ``DoraLinearLayer.forward`` called from ``variants.py`` ``DoraLinearVariant.forward``),
@@ -12,7 +13,7 @@ PEFT writes it as ``base(x) + (g - 1) * (x W^T) + g * s * lora(x)`` with base(x)
 reuses the base output, less the bias); that is the expression above. PEFT detaches n (``weight_norm.detach()``),
 so n gets no gradient: neither A, B nor W see a term through it.
 
-Backward, with u = x W^T + s xa B^T ``[N, out]`` (the unscaled LoRA output, saved), xa = x A^T ``[N, r]``, and
+Backward, with u = x W^T + s xa B^T ``[N, out]`` (the LoRA output before DoRA's scaling, saved), xa = x A^T, and
 dY' = g * dY (each column j of dY scaled by g_j): y = g * u + b, so
 
     dm_j = sum_i dY_ij u_ij / n_j       db = sum over rows of dY
@@ -24,9 +25,10 @@ The norm without W + s B A. Expanding the square of row j,
     n_j^2 = ||W_j||^2 + 2 s W_j . (B A)_j + s^2 ||(B A)_j||^2
           = ||W_j||^2 + 2 s sum_r B_jr (W A^T)_jr + s^2 sum_r B_jr (B (A A^T))_jr
 
-needs the row norms of W (one read of W), the skinny product W A^T ``[out, r]`` (one more read of W, on the
-Triton path by the split-K skinny kernel, W read as stored) and the Gram matrix A A^T ``[r, r]``: O(out r) memory,
-no ``[out, in]`` temporary (on the torch path W is cast to the LoRA dtype first when the dtypes differ). All in
+needs the row norms of W (one read of W, 16-bit rows upcast in bounded chunks), the skinny product W A^T
+``[out, r]`` (one more read of W: cuBLAS for an fp32 W; the split-K skinny kernel for a 16-bit W under fp32 adapters
+on the Triton path, W read as stored) and the Gram matrix A A^T ``[r, r]``: O(out r) memory, no W + s B A (the
+torch path, a CPU reference, casts a 16-bit W to the adapters' fp32 for W A^T: one transient copy). All in
 fp32 and once per call (per forward, not per token): PEFT forms W + s B A in x's dtype (lora_A's: fp32 for PEFT's
 fp32 adapters) and takes its norm; the expansion equals it in exact arithmetic and loses accuracy only where
 W + s B A nearly cancels W (n_j << ||W_j||, which DoRA's init n = ||W|| keeps far away).
@@ -181,7 +183,7 @@ def _check_entry(name, proj, in_features, device):
         magnitude = proj.magnitude
         proj = (proj.weight, proj.lora_A, proj.lora_B, proj.scaling, proj.bias)
     (weight, lora_A, lora_B, bias), scaling = _check_projection(name, proj, in_features, device)
-    if isinstance(weight, NF4Weight) and (magnitude is not None or lora_A is not None):
+    if isinstance(weight, NF4Weight):  # the DoRA nodes read dense weights only
         raise ValueError(f"{name}weight must be a dense tensor in a DoRA call (an NF4Weight is not supported: the "
                          "norm ||W + s B A|| reads W)")
     if magnitude is not None:
