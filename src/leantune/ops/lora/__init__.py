@@ -6,7 +6,8 @@ The package, read top down:
   backward, what is saved, dtypes) in its docstring.
 - :mod:`.passes`: the forward and backward passes of a group of projections that read one input.
 - :mod:`.kernels`: the Triton kernels of the LoRA branch (dropout, low-rank add, skinny products) and launchers.
-- :mod:`.dora`: DoRA on one projection (``dora_linear``), through the same passes, with its derivation.
+- :mod:`.dora`: DoRA (``dora_linear``, and ``lora_qkv`` with DoRA projections) through the same passes, with its
+  derivation; :mod:`.dora_mlp`: ``lora_mlp``'s DoRA node.
 - :mod:`.glu_lowrank`: the LoRA MLP's fused forward pass (gate/up low-rank terms added inside the GLU).
 """
 
