@@ -30,6 +30,7 @@ def _cases():
         "lora_linear": ([x], lambda x: ops.lora_linear(x, *lora)),
         "lora_qkv": ([x], lambda x: ops.lora_qkv(x, lora, lora, lora)),
         "lora_mlp": ([x], lambda x: ops.lora_mlp(x, lora, lora, down)),
+        "dora_linear": ([x], lambda x: ops.dora_linear(x, *lora[:4], 1.0 + small(16).abs())),
     }
 
 

@@ -372,6 +372,18 @@ def test_child_dry_run_on_cpu_agrees_between_implementations(tiny_config):
     assert other["first_loss"] != lt_off["first_loss"]
 
 
+def test_child_dry_run_with_dora_agrees_with_peft(tiny_config):
+    """--dora: PEFT's DoRA adapters on both sides; the patched run's first loss and grad norm agree with PEFT's."""
+    runs = [step.run_one_safe(RunSpec(impl, tiny_config, seq=16, batch=1, gc=False, warmup=0, steps=1, device="cpu",
+                                      dora=True)) for impl in ("hf+peft", "leantune")]
+    assert all(r["status"] == "ok" for r in runs), [r.get("error") for r in runs]
+    peft_run, leantune_run = runs
+    assert leantune_run["leantune_summary"]["counts"]["dora"] == 14
+    report.flag_agreement(runs)  # the bench's own agreement bar, as for plain LoRA
+    assert [r["agreement"] for r in runs] == ["reference", "ok"], runs[1].get("agreement")
+    assert RunSpec("leantune", tiny_config, seq=16, batch=1, gc=False, dora=True).name.endswith("_dora")
+
+
 def test_child_skips_liger_when_not_importable(tiny_config, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)  # import fails even if installed
     r = step.run_one_safe(RunSpec("hf+peft+liger", tiny_config, seq=8, batch=1, gc=False, device="cpu"))

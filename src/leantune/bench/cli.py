@@ -143,7 +143,7 @@ def _bench_e2e(args) -> int:
                       warmup=args.warmup, steps=args.steps, seed=args.seed, layers=args.layers,
                       budget_s=args.budget_s, matmul_tflops=args.matmul_tflops, nproc=args.nproc,
                       distributed=args.distributed, memory_cap_gib=args.memory_cap_gib, repeat=args.repeat,
-                      profile_steps=args.profile_steps)
+                      profile_steps=args.profile_steps, dora=args.dora)
     write_report(Path(args.out), compare_ratios=args.compare)
     return _none_ok([r.get("status") for r in results], args.out)
 
@@ -258,6 +258,8 @@ def add_commands(sub) -> None:
     e2e.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
                      help="cap each process's CUDA memory at this many GiB (a smaller card) (default: none)")
     e2e.add_argument("--compare", action="store_true", help="print ratios vs hf+peft (default: False)")
+    e2e.add_argument("--dora", action="store_true",
+                     help="PEFT's DoRA adapters (use_dora=True) instead of plain LoRA in every run (default: False)")
     _common(e2e)
     e2e.set_defaults(func=_bench_e2e)
 

@@ -44,13 +44,14 @@ def _attach(result: dict, ceilings: dict) -> dict:
 def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *, seq: int | None = None,
             batch: int | None = None, warmup: int = 2, steps: int = 20, seed: int = 0, layers: int | None = None,
             budget_s: float = 540.0, matmul_tflops: float | None = None, nproc: int = 1, distributed: str = "none",
-            memory_cap_gib: float | None = None, repeat: int = 1, profile_steps: int = 3,
+            memory_cap_gib: float | None = None, repeat: int = 1, profile_steps: int = 3, dora: bool = False,
             log=print) -> list[dict]:
     """Every (config, gc, impl) run in its own child, ``repeat`` times interleaved; JSON per (config, gc, impl) in
     ``out``; returns the results of this call (one per (config, gc, impl) that ran, repeats combined).
     ``distributed`` "ddp" or "fsdp" launches each child under torchrun with ``nproc`` processes (one GPU each;
     ``seq`` x ``batch`` per GPU; tokens/s global, MFU per GPU, peak of the busiest GPU). ``profile_steps`` steps
-    after the timed ones run under torch.profiler (GPU-busy fraction; 0: none). Raises ValueError for repeat < 1."""
+    after the timed ones run under torch.profiler (GPU-busy fraction; 0: none). ``dora``: PEFT's DoRA adapters
+    (``use_dora=True``) in every run. Raises ValueError for repeat < 1."""
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +63,7 @@ def run_e2e(configs: list[str], impls: list[str], gcs: list[bool], out: Path, *,
             for impl in impls:
                 specs.append(RunSpec(impl, config_path, seq or default_seq, batch or default_batch, gc, warmup,
                                      steps, seed, layers=layers, nproc=nproc, distributed=distributed,
-                                     memory_cap_gib=memory_cap_gib, profile_steps=profile_steps))
+                                     memory_cap_gib=memory_cap_gib, profile_steps=profile_steps, dora=dora))
     budget = Budget(budget_s)
     ceilings = get_ceilings(out, budget, matmul_tflops)
     log(f"matmul ceiling: {ceilings.get('matmul_flop_per_s', math.nan) / 1e12:.0f} TFLOP/s "

@@ -66,6 +66,7 @@ class RunSpec:
     distributed: str = "none"  # "none" (one plain process), "ddp" or "fsdp"
     memory_cap_gib: float | None = None  # torch.cuda.set_per_process_memory_fraction to this many GiB (a smaller card)
     profile_steps: int = 0  # steps of the profiled pass after the timed ones (0: none)
+    dora: bool = False  # PEFT's DoRA (use_dora=True) on every adapter
 
     def __post_init__(self):
         if not known_impl(self.impl):
@@ -86,7 +87,7 @@ class RunSpec:
         world = "" if self.distributed == "none" else f"_{self.distributed}{self.nproc}"
         cap = "" if self.memory_cap_gib is None else f"_cap{self.memory_cap_gib:g}"
         return (f"{model_name(self.config)}{layers}_{self.impl}_s{self.seq}_b{self.batch}_gc"
-                f"{'on' if self.gc else 'off'}{world}{cap}").replace("+", "-")
+                f"{'on' if self.gc else 'off'}{world}{cap}{'_dora' if self.dora else ''}").replace("+", "-")
 
 
 def _sync(device: str) -> None:

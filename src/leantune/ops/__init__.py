@@ -15,18 +15,20 @@ from .distillation import linear_distillation_loss
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs
-from .lora import LoraWeights, lora_linear, lora_mlp, lora_qkv
+from .lora import DoraWeights, LoraWeights, dora_linear, lora_linear, lora_mlp, lora_qkv
 from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from .rms_norm import rms_norm
 from .rope import rope
 
 __all__ = [
+    "DoraWeights",
     "LoraWeights",
     "NF4Weight",
     "backend",
     "backend_choice",
     "cross_entropy",
     "deferred_error_flags",
+    "dora_linear",
     "dequantize_nf4",
     "geglu",
     "linear_cross_entropy",

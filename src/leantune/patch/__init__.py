@@ -14,9 +14,11 @@ of); the decoder layer keeps HF's forward, so norm placement and residual scalar
 - ``mlp``: gated ``{Family}MLP`` (separate gate/up or a fused ``gate_up_proj``) -> ``ops.swiglu`` / ``ops.geglu``;
   with LoRA on its projections, ``ops.lora_mlp``. A plain (non-gated) MLP keeps HF's activation.
 - ``lora``: q/k/v -> ``ops.lora_qkv`` (a fused ``qkv_proj``: ``ops.lora_linear``), o_proj and the projections of a
-  plain MLP -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at every forward). DoRA, several
-  active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear`` bases keep PEFT's own forward
-  (the summary lists them).
+  plain MLP -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at every forward). DoRA
+  projections: q/k/v -> ``ops.lora_qkv``, a gated MLP -> ``ops.lora_mlp`` (their DoRA nodes), the others ->
+  ``ops.dora_linear`` (DoRA with dropout in training keeps PEFT's forward). Other LoRA
+  variants, several active adapters, merged or disabled adapters, ``lora_bias`` and non-``nn.Linear`` bases keep
+  PEFT's own forward (the summary lists them).
 - ``loss``: ``XForCausalLM.forward`` -> base model, then ``ops.linear_cross_entropy`` on the hidden states (labels
   shifted as HF does, ``num_items_in_batch`` honoured, final-logit softcap as data). With labels, ``logits`` is
   None in training (never formed); in eval mode they are computed as HF does, beside the fused loss. Without labels
@@ -47,6 +49,7 @@ from .forwards import (
     lora_status,
     unbind,
 )
+from .lora_status import is_dora
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
 from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp
 
@@ -55,6 +58,8 @@ logger = logging.getLogger(__name__)
 KINDS = ("rms_norm", "rope", "mlp", "loss", "lora")
 _MODEL_ATTR = "_leantune_model"  # on the HF causal LM: (family name, flags) of the current patch
 SUMMARY_ATTR = "leantune_summary"
+# the summary's counts; "dora": DoRA projections served by ops.dora_linear (also counted in "lora")
+_COUNTS = ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp", "dora")
 
 
 def _bind(module: nn.Module, state: ModuleState) -> None:
@@ -178,9 +183,9 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         enable_offloaded_checkpoints(model)
     summary = {
         "family": family.name,
-        "counts": {k: counts[k] for k in ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp")},
+        "counts": {k: counts[k] for k in _COUNTS},
         "off": [k for k, on in zip(KINDS, (rms_norm, rope, mlp, loss, lora)) if not on],
-        "fused": _fused_parts(family, activation),
+        "fused": _fused_parts(family, activation) + ([_DORA_NOTE] if counts["dora"] else []),
         "kept": family.kept(),
         "offload_checkpoints": offload_checkpoints,
         "tile_mlp": tile_mlp,
@@ -201,7 +206,7 @@ def _not_covered(hf: nn.Module, model_type) -> None:
                   f"tile_mlp not applied (supported: "
                   f"{', '.join(sorted(FAMILIES))}; strict=True raises instead)", UserWarning, stacklevel=3)
     hf.__dict__[SUMMARY_ATTR] = {
-        "family": None, "counts": dict.fromkeys(("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp"), 0),
+        "family": None, "counts": dict.fromkeys(_COUNTS, 0),
         "off": list(KINDS), "fused": [], "kept": {"<model>": reason}, "offload_checkpoints": False,
         "tile_mlp": None, "loss_runs": "HF's forward (model type not covered)", "unpatched": {"<model>": reason},
     }
@@ -215,6 +220,11 @@ def _decoder_layer_parts(hf: nn.Module) -> str:
         if isinstance(module, nn.ModuleList) and len(module) and len(module) == layers:
             return f"{type(module[0]).__name__}: " + ", ".join(sorted({type(c).__name__ for c in module[0].children()}))
     return ""
+
+
+_DORA_NOTE = ("DoRA fused: q/k/v through ops.lora_qkv, the gated MLP through ops.lora_mlp (their DoRA nodes; a "
+              "fused gate_up_proj one projection at a time), o_proj and the rest through ops.dora_linear; magnitude "
+              "and ||W + sBA|| rows formed once per call; DoRA with lora_dropout in training keeps PEFT's forward")
 
 
 def _fused_parts(family: Family, activation: str | None) -> list[str]:
@@ -251,7 +261,7 @@ def _name(fn) -> str:
 
 
 def _count_lora(name: str, module: nn.Module, family: Family, counts, left, *, mlp_fused: bool) -> None:
-    fused = []
+    fused, dora = [], []
     for proj in family.projections:
         child = getattr(module, proj, None)
         if child is None:
@@ -259,11 +269,17 @@ def _count_lora(name: str, module: nn.Module, family: Family, counts, left, *, m
         weights, _, _, reason = lora_status(child)
         if weights is not None and weights.lora_A is not None:
             fused.append(proj)
+            if is_dora(weights):
+                dora.append(proj)
         elif hasattr(child, "lora_A"):  # a PEFT layer the fused ops cannot reproduce exactly
             left[f"{name}.{proj}"] = f"PEFT's forward kept: {reason}"
     counts["lora"] += len(fused)
+    counts["dora"] += len(dora)
     counts["lora_qkv"] += int(any(p in fused for p in ("q_proj", "k_proj", "v_proj", "qkv_proj")))
-    counts["lora_mlp"] += int(mlp_fused and family.mlp != "plain" and all(p in fused for p in family.mlp_projections))
+    # a fused gate_up_proj with DoRA runs one projection at a time (blocks._gated)
+    grouped = [p for p in fused if p not in dora] if family.mlp == "gated_fused" else fused
+    counts["lora_mlp"] += int(mlp_fused and family.mlp != "plain"
+                              and all(p in grouped for p in family.mlp_projections))
 
 
 def _describe(summary) -> str:
@@ -302,8 +318,7 @@ def unpatch(model):
     if was_patched or SUMMARY_ATTR in hf.__dict__:
         # the summary stays readable and says so (reading it raised AttributeError before)
         hf.__dict__[SUMMARY_ATTR] = {
-            "family": None, "counts": dict.fromkeys(("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv",
-                                                      "lora_mlp"), 0),
+            "family": None, "counts": dict.fromkeys(_COUNTS, 0),
             "off": list(KINDS), "offload_checkpoints": False, "tile_mlp": None,
             "loss_runs": "not leantune's: the model is unpatched (leantune.unpatch)",
             "unpatched": {"model": "leantune.unpatch"},

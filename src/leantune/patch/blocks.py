@@ -66,7 +66,9 @@ def mlp_forward(self, x):
 
 def _gated(self, state, family: Family, x, modules, statuses):
     if state.lora and state.mlp:
-        group = fused_group(statuses)
+        # DoRA through lora_mlp's DoRA node, except a fused gate_up_proj (split below into LoraWeights halves): one
+        # projection at a time there
+        group = fused_group(statuses, dora=family.mlp != "gated_fused")
         if group is not None:
             weights, p, training = group
             if family.mlp == "gated_fused":
@@ -113,7 +115,7 @@ def _qkv(self, family: Family, statuses, hidden_states):
         q_size = self.config.num_attention_heads * self.head_dim
         kv_size = self.config.num_key_value_heads * self.head_dim
         return qkv.split([q_size, kv_size, kv_size], dim=-1)
-    group = fused_group(statuses[:3])
+    group = fused_group(statuses[:3], dora=True)
     if group is not None:
         (q_w, k_w, v_w), p, training = group
         return ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training)

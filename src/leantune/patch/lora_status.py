@@ -76,8 +76,10 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
     ``weights`` is None when the fused ops cannot reproduce the module's forward exactly, and ``reason`` then says
     why; otherwise ``reason`` is None. A plain frozen ``nn.Linear``
     gives ``LoraWeights(weight, None, None, 0.0, bias)``. For a PEFT ``lora.Linear`` this mirrors
-    ``peft.tuners.lora.layer.Linear.forward``: one active adapter, not merged, adapters enabled, no variant (DoRA),
-    no ``lora_bias``, a frozen ``nn.Linear`` base; scaling, dropout p and the base bias come from PEFT's module.
+    ``peft.tuners.lora.layer.Linear.forward``: one active adapter, not merged, adapters enabled, no variant other
+    than DoRA, no ``lora_bias``, a frozen ``nn.Linear`` base; scaling, dropout p and the base bias come from PEFT's
+    module. DoRA (PEFT's ``DoraLinearVariant``) gives an :class:`~leantune.ops.DoraWeights` with the magnitude
+    vector, when its base is a dense frozen ``nn.Linear`` and its dropout is inactive (p = 0 or eval mode).
     PEFT's ``lora.bnb.Linear4bit`` (a model loaded in 4-bit by transformers / bitsandbytes, QLoRA) is read the same
     way, its base weight as an :class:`~leantune.ops.NF4Weight` (nf4, blocksize 64, double quantisation).
     """
@@ -96,8 +98,14 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
     if len(active) != 1:
         return None, 0.0, False, f"{len(active)} active adapters"
     name = active[0]
+    magnitude = None
     if name in module.lora_variant or getattr(module, "use_dora", {}).get(name, False):
-        return None, 0.0, False, "DoRA / LoRA variant"
+        variant = module.lora_variant.get(name)
+        if type(variant).__name__ != "DoraLinearVariant" or name not in module.lora_magnitude_vector:
+            return None, 0.0, False, f"LoRA variant {type(variant).__name__}"
+        magnitude = module.lora_magnitude_vector[name]
+        if has_hooks(magnitude):
+            return None, 0.0, False, "DoRA magnitude layer with hooks"
     if module.fan_in_fan_out or not getattr(module, "cast_input_dtype_enabled", True):
         return None, 0.0, False, "fan_in_fan_out or input casting disabled"
     lora_A, lora_B = module.lora_A[name], module.lora_B[name]
@@ -106,6 +114,8 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
     if has_hooks(module) or has_hooks(lora_A) or has_hooks(lora_B):
         return None, 0.0, False, "forward hooks"
     base = module.base_layer
+    if magnitude is not None and (quantized or not _frozen_linear(base)):  # the norm ||W + s B A|| reads W
+        return None, 0.0, False, f"DoRA over a {type(base).__name__} base (ops.dora_linear takes a dense frozen W)"
     if quantized:  # QLoRA: the base's NF4 codes go to the fused ops, which dequantise them
         weight, reason = _nf4_base(base)
         if weight is None:
@@ -127,6 +137,12 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
         p, training = 0.0, False
     else:
         return None, 0.0, False, f"dropout {type(dropout).__name__}"
+    if magnitude is not None:
+        if p > 0 and training:  # PEFT's DoRA then runs the frozen GEMM on the dropped input too: not fused
+            return None, 0.0, False, "DoRA with lora_dropout in training (ops.dora_linear has no dropout path)"
+        weights = ops.DoraWeights(weight, lora_A.weight, lora_B.weight, module.scaling[name], magnitude.weight,
+                                  base.bias)
+        return weights, p, training, None
     weights = ops.LoraWeights(weight, lora_A.weight, lora_B.weight, module.scaling[name], base.bias)
     return weights, p, training, None
 
@@ -135,8 +151,14 @@ def _has_lora(weights: ops.LoraWeights) -> bool:
     return weights.lora_A is not None
 
 
+def is_dora(weights) -> bool:
+    """Whether a :func:`lora_status` weights entry is a DoRA projection (``ops.dora_linear`` serves it)."""
+    return isinstance(weights, ops.DoraWeights)
+
+
 def fusable(status) -> bool:
-    """Whether a :func:`lora_status` result is a LoRA projection that ``ops.lora_linear`` reproduces exactly."""
+    """Whether a :func:`lora_status` result is a LoRA projection that ``ops.lora_linear`` (``ops.dora_linear`` for
+    DoRA) reproduces exactly."""
     return status[0] is not None and _has_lora(status[0])
 
 
@@ -145,10 +167,13 @@ def carries_fusable_lora(module) -> bool:
     return fusable(lora_status(module))
 
 
-def fused_group(statuses) -> tuple[list[ops.LoraWeights], float, bool] | None:
+def fused_group(statuses, *, dora: bool = False) -> tuple[list[ops.LoraWeights], float, bool] | None:
     """LoraWeights for projections that read one input (their :func:`lora_status`), when one fused call can serve
-    all of them exactly."""
+    all of them exactly; ``dora``: whether that call takes DoRA projections (``lora_qkv`` and ``lora_mlp`` do; a
+    fused ``gate_up_proj``, split into LoraWeights halves, does not)."""
     if any(w is None for w, _, _, _ in statuses) or not any(_has_lora(w) for w, _, _, _ in statuses):
+        return None
+    if not dora and any(is_dora(w) for w, _, _, _ in statuses):
         return None
     with_lora = [(p, t) for w, p, t, _ in statuses if _has_lora(w)]
     if len(set(with_lora)) != 1:  # one dropout p / mode for the whole group
@@ -162,5 +187,7 @@ def project(module, x, status):
     fused op serves it exactly."""
     if status is not None and fusable(status):
         weights, p, training, _ = status
+        if is_dora(weights):
+            return ops.dora_linear(x, *weights, dropout=p, training=training)
         return ops.lora_linear(x, *weights, dropout=p, training=training)
     return module(x)

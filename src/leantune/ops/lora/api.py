@@ -383,7 +383,9 @@ def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
     Args:
         x: ``[..., H]`` float32/float16/bfloat16.
         q, k, v: :class:`LoraWeights` with weights ``[out_j, H]`` of one dtype; adapters of one dtype (or None for a
-            plain frozen projection); Qwen2-style biases allowed.
+            plain frozen projection); Qwen2-style biases allowed. Any of them may be a
+            :class:`~leantune.ops.DoraWeights` (DoRA, :mod:`.dora`; then dropout must be inactive): each output is
+            then :func:`~leantune.ops.dora_linear`'s (or lora_linear's for the others), still in one node.
         dropout, training: as :func:`lora_linear`; one independent mask per projection (seeds in order q, k, v).
 
     Returns:
@@ -396,7 +398,12 @@ def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
 
     Source: three PEFT ``lora.Linear.forward`` calls on one input (HF attention's q/k/v projections).
     """
-    return tuple(_lora_group(x, [("q.", q), ("k.", k), ("v.", v)], dropout, training))
+    named = [("q.", q), ("k.", k), ("v.", v)]
+    from .dora import DoraWeights, dora_group  # .dora builds on this module: imported at call time
+
+    if any(isinstance(proj, DoraWeights) for _, proj in named):
+        return tuple(dora_group(x, named, dropout, training))
+    return tuple(_lora_group(x, named, dropout, training))
 
 
 def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=True):
@@ -404,7 +411,8 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
 
     Args:
         x: ``[..., H]`` float32/float16/bfloat16.
-        gate, up: :class:`LoraWeights` with weights ``[I, H]``; down: weights ``[H_out, I]``.
+        gate, up: :class:`LoraWeights` with weights ``[I, H]``; down: weights ``[H_out, I]``. Any of them may be a
+            :class:`~leantune.ops.DoraWeights` (DoRA: :mod:`.dora_mlp`'s node; dropout must then be inactive).
         activation: ``"swiglu"`` (silu, Llama/Qwen/Mistral), ``"geglu_tanh"`` (gelu tanh, Gemma),
             ``"geglu_erf"`` (exact gelu).
         dropout, training: as :func:`lora_linear`; one mask per projection (seeds in order gate, up, down).
@@ -425,6 +433,11 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
     dropout = _check_dropout(dropout)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    from .dora import DoraWeights  # .dora builds on this module: imported at call time
+    from .dora_mlp import dora_mlp
+
+    if any(isinstance(proj, DoraWeights) for proj in (gate, up, down)):
+        return dora_mlp(x, gate, up, down, activation, dropout, training)
     gu = [_check_projection(name, proj, x.shape[-1], x.device) for name, proj in (("gate.", gate), ("up.", up))]
     if gu[0][0][0].shape[0] != gu[1][0][0].shape[0]:
         raise ValueError(f"gate.weight and up.weight must have the same rows (intermediate size), got "
