@@ -54,7 +54,7 @@ import torch
 
 from .. import _runtime
 from ..nf4 import NF4Weight
-from .api import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
+from .entries import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
 from .kernels import skinny_matmul
 from .passes import _skinny_ok, group_backward, group_forward
 

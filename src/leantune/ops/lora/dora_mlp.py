@@ -23,8 +23,8 @@ import torch
 
 from .. import _runtime
 from ..glu import glu_backward, glu_forward
-from .api import _check_dropout, _check_x, _meta, _no_autocast, _Proj
 from .dora import _check_entry, _rowdot, dora_weight_norm
+from .entries import _check_dropout, _check_x, _meta, _no_autocast, _Proj
 from .passes import group_backward, group_forward
 
 
