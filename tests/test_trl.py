@@ -370,3 +370,27 @@ def test_sft_metrics_off_are_left_out_of_the_logs(tiny_folder, tmp_path, fresh_s
     assert all("entropy" not in h and "mean_token_accuracy" not in h for h in logs)
     patch_trainer(trainer)  # metrics on again: the wrapper is taken off
     assert "log" not in trainer.__dict__
+
+
+def test_loss_runs_says_which_head_ran(tiny_folder, tmp_path, fresh_seed):
+    """A bare leantune.patch before the trainer is built: TRL's wrapper comes after it and its chunked head serves
+    the fused_lm_head calls; the summary says so from what ran (leantune's loss count 0), and patch_trainer's head
+    reports its own calls."""
+    model, _ = _lora_model(tiny_folder, fresh_seed)
+    leantune.patch(model)
+    hf = model.get_base_model()
+    assert hf.leantune_summary["loss_runs"] == "ops.linear_cross_entropy (leantune's causal-LM forward)"
+    trainer = _sft_trainer(tiny_folder, tmp_path, fresh_seed, model=model)
+    input_ids = torch.randint(0, hf.config.vocab_size, (2, 13))
+    hf.train()(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    runs = hf.leantune_summary["loss_runs"]
+    assert "TRL's chunked head" in runs and "patch_trainer" in runs and runs.endswith(": 0 losses so far")
+    assert dict(hf.leantune_summary.items())["loss_runs"] == runs == copy.deepcopy(hf.leantune_summary)["loss_runs"]
+    hf(input_ids=input_ids, labels=input_ids)  # a plain labelled call reaches leantune's forward
+    assert hf.leantune_summary["loss_runs"].endswith(": 1 losses so far")
+    patch_trainer(trainer)
+    hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert hf.leantune_summary["loss_runs"].endswith("leantune's head 1 fused_lm_head calls, TRL's chunked head 0")
+    leantune.patch(model, loss=False)  # leantune's head steps aside: TRL's runs, and the count says so
+    hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert hf.leantune_summary["loss_runs"].endswith("leantune's head 1 fused_lm_head calls, TRL's chunked head 1")

@@ -83,6 +83,7 @@ class FusedLMHead:
         outputs: the per-token fields TRL asked its head for (``log_probs`` always).
         metrics: whether the statistics are computed (else zeros).
         calls: how many ``fused_lm_head=True`` calls leantune's head served.
+        passed: how many ``fused_lm_head=True`` calls went on to the forward behind it (TRL's chunked head).
     """
 
     leantune_loss = "ops.linear_cross_entropy per token (TRL's fused_lm_head calls, leantune.integrations.trl)"
@@ -91,7 +92,12 @@ class FusedLMHead:
                  temperature: float | None = None):
         self.model, self.previous, self.outputs, self.metrics = model, previous, tuple(outputs), metrics
         self.temperature = temperature  # set: GRPO's head (ops.linear_log_probs at that temperature)
-        self.calls = 0
+        self.calls = self.passed = 0
+
+    def leantune_runs(self, configured: str) -> str:
+        """The summary's ``loss_runs`` (``leantune.patch.PatchSummary``): ``configured`` and which head ran how often."""
+        return (f"{configured}; ran so far: leantune's head {self.calls} fused_lm_head calls, TRL's chunked head "
+                f"{self.passed}")
 
     @property
     def __signature__(self):  # transformers' generate checks its keyword arguments against the forward's
@@ -112,6 +118,7 @@ class FusedLMHead:
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
         if not self._serves() or kwargs.get("output_router_logits"):
+            self.passed += bool(fused_lm_head)
             return self.previous(*args, fused_lm_head=fused_lm_head, **kwargs)
         if not fused_lm_head:
             return causal_lm_forward(self.model, *args, **kwargs)
