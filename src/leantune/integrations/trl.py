@@ -95,7 +95,8 @@ class FusedLMHead:
         self.calls = self.passed = 0
 
     def leantune_runs(self, configured: str) -> str:
-        """The summary's ``loss_runs`` (``leantune.patch.PatchSummary``): ``configured`` and which head ran how often."""
+        """The summary's ``loss_runs`` (``leantune.patch.PatchSummary``): ``configured`` and which head ran how
+        often."""
         return (f"{configured}; ran so far: leantune's head {self.calls} fused_lm_head calls, TRL's chunked head "
                 f"{self.passed}")
 

@@ -372,6 +372,7 @@ def holds_leantune(fn, module, depth: int = 4) -> bool:
     return False
 
 
-__all__ = ["FORWARDS", "LOSS_CALLS_ATTR", "LOSS_HEAD_ATTR", "STATE_ATTR", "BoundForward", "ModuleState", "acquire_rope", "bind",
+__all__ = ["FORWARDS", "LOSS_CALLS_ATTR", "LOSS_HEAD_ATTR", "STATE_ATTR", "BoundForward", "ModuleState",
+           "acquire_rope", "bind",
            "carries_fusable_lora", "causal_lm_forward", "holds_leantune", "is_leantune_forward", "lora_status",
            "release_rope", "rope_installed", "unbind"]
