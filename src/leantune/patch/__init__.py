@@ -138,16 +138,17 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         strict: raise for a model type that has no family row, instead of warning and leaving the model unpatched.
 
     Returns:
-        ``model``. Its summary (counts per kind, ``fused``: the family's parts that run leantune's ops, ``kept``:
-        parts of its layers that keep HF's forward and why, ``loss_runs``: the loss that the model's forward runs,
-        re-read at each access from what is installed and what ran (:class:`PatchSummary`), and ``unpatched``:
-        modules left alone and why) is logged at INFO and stored as ``leantune_summary`` on the transformers model
-        (reachable through PEFT wrappers). A model type without a row is left unpatched with a ``UserWarning`` naming what is missing (its summary has ``family`` None). A wrapper forward put on the
-        causal LM by someone else (TRL's fused LM head) is kept: patched before it, leantune's forward inside runs
-        where the wrapper calls it; patched after, the loss is the wrapper's unless it holds leantune's forward or
-        is leantune's own head (:mod:`leantune.integrations.trl`). LoRA counts are as of the call: patching before
-        ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time (call ``patch`` again to
-        refresh the summary; patching twice is harmless).
+        ``model``. Its summary (counts per kind, ``fused``: the family's parts that run leantune's ops,
+        ``kept``: parts of its layers that keep HF's forward and why, ``loss_runs``: the loss that the model's
+        forward runs, re-read at each access from what is installed and what ran (:class:`PatchSummary`), and
+        ``unpatched``: modules left alone and why) is logged at INFO and stored as ``leantune_summary`` on the
+        transformers model (reachable through PEFT wrappers). A model type without a row is left unpatched with
+        a ``UserWarning`` naming what is missing (its summary has ``family`` None). A wrapper forward put on the
+        causal LM by someone else (TRL's fused LM head) is kept: patched before it, leantune's forward inside
+        runs where the wrapper calls it; patched after, the loss is the wrapper's unless it holds leantune's
+        forward or is leantune's own head (:mod:`leantune.integrations.trl`). LoRA counts are as of the call:
+        patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time (call
+        ``patch`` again to refresh the summary; patching twice is harmless).
 
     Raises:
         ValueError: ``config.model_type`` has no family row and ``strict`` is set (the message lists the supported
