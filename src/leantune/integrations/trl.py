@@ -46,7 +46,9 @@ gives TRL's head back, a later ``leantune.patch`` takes it again); the summary's
 
 TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
 model has none, :func:`patch_trainer` makes the patched forward form the logits in training too (the loss still
-from the fused op); without this function, ``leantune.patch(model, loss=False)`` is the choice for such clients.
+from the fused op); without this function, ``leantune.patch(model, loss=False)`` is the choice for such clients,
+and after a bare patch the logits such a TRL trainer reads in training are a stand-in whose use raises a TypeError
+naming both fixes (:mod:`leantune.patch.missing_logits`).
 """
 
 from __future__ import annotations
