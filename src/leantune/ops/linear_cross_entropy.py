@@ -42,7 +42,7 @@ import numbers
 
 import torch
 
-from . import _runtime
+from . import _loss_options, _runtime
 from ._loss import STATISTICS, check_options, check_statistics, mean_divisor, reduce, row_scale
 from .cross_entropy import gradient_rows, loss_rows, row_statistics
 
@@ -245,7 +245,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ignore_index=-100,
                          label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean", num_items=None,
-                         chunk_bytes=None, statistics=(), checks="eager"):
+                         chunk_bytes=None, statistics=(), checks="eager", ce_weight=None, use_token_scaling=False,
+                         return_token_accuracy=False):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without an [N, V] tensor; grads for all three.
 
     Args:
@@ -263,11 +264,16 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``: per-row statistics of
             softmax(z) for logging (entropy -sum p log p, log sum p^2, mean z, argmax z == label; formulas in
             :mod:`leantune.ops.cross_entropy`), read from the forward's logits chunks (the "low" path runs).
+        ce_weight, use_token_scaling, return_token_accuracy: Liger's options (formulas: :mod:`._loss_options`):
+            ``ce_weight`` ``[V]`` per-class weights as torch's ``F.cross_entropy(weight=)`` (hidden's device);
+            ``use_token_scaling`` multiplies each row's loss by its detached softmax(z)[label]; with
+            ``return_token_accuracy`` the top-1 accuracy over valid rows (0-dim fp32) is returned last. Any of them
+            runs the "low" path (per-row gradient scales); off, nothing changes.
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. Gradients for hidden, and for weight/bias when they require
         grad, in their own dtypes. With ``statistics``: ``(loss, {name: [N] tensor})``, fp32 (``is_top1`` bool),
-        without gradient.
+        without gradient. With ``return_token_accuracy``: ``(loss, accuracy)`` or ``(loss, statistics, accuracy)``.
 
     Raises:
         ValueError: non-float or mismatched dtypes (outside autocast), wrong shapes (hidden not 2-D, weight not
@@ -276,6 +282,12 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
             error of :func:`cross_entropy`.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
+    if ce_weight is not None or use_token_scaling is not False or return_token_accuracy is not False:
+        return _with_options(hidden, weight, labels, bias, memory=memory, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss, reduction=reduction,
+                             num_items=num_items, chunk_bytes=chunk_bytes, statistics=statistics, checks=checks,
+                             ce_weight=ce_weight, use_token_scaling=use_token_scaling,
+                             return_token_accuracy=return_token_accuracy)
     _runtime.check_tensor("hidden", hidden)
     _runtime.check_tensor("weight", weight)
     if hidden.dim() != 2:
@@ -318,3 +330,26 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
     if poison is not None:
         loss = loss + poison
     return (loss, dict(zip(statistics, stats))) if statistics else loss
+
+
+def _with_options(hidden, weight, labels, bias, *, reduction, num_items, statistics, ce_weight, use_token_scaling,
+                  return_token_accuracy, **kwargs):
+    """Liger's options on the op's rows (:mod:`._loss_options`)."""
+    if not isinstance(return_token_accuracy, bool):
+        raise ValueError(f"return_token_accuracy must be a bool, got {return_token_accuracy!r}")
+    _runtime.check_tensor("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    _loss_options.check_extras(labels, weight.shape[0], ce_weight, "ce_weight", use_token_scaling,
+                               kwargs["label_smoothing"], kwargs["z_loss"])
+    _loss_options.check_reduction(reduction, num_items)
+    asked = check_statistics(statistics)
+    wanted = asked + (("is_top1",) if return_token_accuracy and "is_top1" not in asked else ())
+    out = linear_cross_entropy(hidden, weight, labels, bias, reduction="none", statistics=wanted, **kwargs)
+    rows, stats = out if wanted else (out, {})
+    loss = _loss_options.reduce_rows(rows, labels, kwargs["ignore_index"], reduction, num_items, ce_weight,
+                                     use_token_scaling)
+    result = (loss, {name: stats[name] for name in asked}) if asked else (loss,)
+    if return_token_accuracy:
+        result += (_loss_options.token_accuracy(stats["is_top1"], labels, kwargs["ignore_index"]),)
+    return result if len(result) > 1 else result[0]
