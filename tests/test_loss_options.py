@@ -130,3 +130,45 @@ def test_options_add_no_host_sync_when_deferred(monkeypatch, backend):
                                  reduction="none", return_token_accuracy=True, checks="deferred")[0]
     assert watch.calls == [], watch.calls
     assert torch.isfinite(loss) and rows.shape == (N,)
+
+
+@pytest.mark.parametrize("reduction,num_items", [("mean", None), ("sum", None), ("mean", 20)])
+def test_return_z_loss_matches_reference(backend, reduction, num_items):
+    """return_z_loss: the loss (with its z-loss term) unchanged, and the term z_loss * lse^2 reduced as the loss."""
+    hidden, weight, bias, labels, _ = _draw()
+    z_coef, softcap = 0.3, 4.0
+    leaves = [t.detach().to(F64).requires_grad_() for t in (hidden, weight, bias)]
+    z = softcap * torch.tanh((leaves[0] @ leaves[1].T + leaves[2]) / softcap)
+    valid = labels != IGNORE
+    lse = torch.logsumexp(z, -1)
+    nll = torch.where(valid, lse - z.gather(1, torch.where(valid, labels, 0)[:, None])[:, 0], 0.0)
+    term = torch.where(valid, z_coef * lse**2, 0.0)
+    divisor = 1.0 if reduction == "sum" else (num_items or valid.sum())
+    ref_loss, ref_term = (nll + term).sum() / divisor, term.sum() / divisor
+    ref_grads = torch.autograd.grad(ref_loss, leaves)
+
+    loss, term_out, accuracy = ops.linear_cross_entropy(hidden, weight, labels, bias, z_loss=z_coef, softcap=softcap,
+                                                        reduction=reduction, num_items=num_items,
+                                                        return_z_loss=True, return_token_accuracy=True)
+    plain = ops.linear_cross_entropy(hidden, weight, labels, bias, z_loss=z_coef, softcap=softcap,
+                                     reduction=reduction, num_items=num_items)
+    assert_close("loss", loss, ref_loss, torch.float32)
+    assert_close("loss vs the op without options", loss, plain, torch.float32)
+    assert_close("z-loss term", term_out, ref_term, torch.float32)
+    assert not term_out.requires_grad and accuracy.shape == ()
+    for name, got, want in zip("hwb", torch.autograd.grad(loss, (hidden, weight, bias)), ref_grads):
+        assert_close(f"d{name}", got, want, torch.float32)
+
+    logits = (hidden.detach() @ weight.detach().T + bias.detach()).requires_grad_()
+    loss, term_out = ops.cross_entropy(logits, labels, z_loss=z_coef, softcap=softcap, reduction=reduction,
+                                       num_items=num_items, return_z_loss=True)
+    assert_close("cross_entropy loss", loss, ref_loss, torch.float32)
+    assert_close("cross_entropy z-loss term", term_out, ref_term, torch.float32)
+    (grad,) = torch.autograd.grad(loss, (logits,))
+    ref_logits = logits.detach().to(F64).requires_grad_()
+    zr = softcap * torch.tanh(ref_logits / softcap)
+    lse_r = torch.logsumexp(zr, -1)
+    rows = torch.where(valid, lse_r - zr.gather(1, torch.where(valid, labels, 0)[:, None])[:, 0] + z_coef * lse_r**2,
+                       0.0)
+    (want,) = torch.autograd.grad(rows.sum() / divisor, (ref_logits,))
+    assert_close("cross_entropy dlogits", grad, want, torch.float32)

@@ -15,6 +15,8 @@ Formulas, per row i with label y_i, valid_i = (y_i != ignore_index), loss row l_
 - token scaling (Liger's ``use_token_scaling``): r_i = p_i l_i with p_i = softmax(z_i)[y_i] = exp(-l_i), detached
   (no gradient through the scale); refused with label smoothing or z-loss, where l_i is not -log p_i. The mean
   divides by count(valid) (or ``num_items``), as without scaling.
+- z-loss term (``return_z_loss``): z_loss * lse(z_i)^2 at valid rows, reduced as the loss, detached (for logging:
+  its gradient is already in the loss); returned after the loss (and the statistics), before the accuracy.
 - token accuracy: sum(valid_i and argmax z_i == y_i) / max(count(valid), 1), a 0-dim fp32 tensor without gradient
   (the first maximum on ties, as torch.argmax); returned last, after the loss (and the statistics).
 
@@ -95,3 +97,37 @@ def token_accuracy(is_top1, labels, ignore_index):
     """sum(valid and top-1) / max(count(valid), 1) as a 0-dim fp32 tensor (no host read)."""
     valid = labels != ignore_index
     return ((is_top1 & valid).sum().float() / valid.sum().clamp_min(1).float()).detach()
+
+
+def z_loss_term(lse, labels, ignore_index, z_loss, reduction, num_items):
+    """The z-loss part of the loss for ``return_z_loss``: z_loss * lse_i^2 at valid rows, reduced as the loss (the
+    mean over count(valid) or ``num_items``), detached (its gradient is already in the loss)."""
+    valid = labels != ignore_index
+    rows = torch.where(valid, z_loss * lse.detach().float() ** 2, 0.0)
+    return reduce_rows(rows, labels, ignore_index, reduction, num_items, None, False).detach()
+
+
+def cross_entropy_with_options(logits, labels, *, reduction, num_items, weight, use_token_scaling, return_z_loss,
+                  return_token_accuracy, **kwargs):
+    """:func:`leantune.ops.cross_entropy` with Liger's options on its rows (module docstring)."""
+    from .cross_entropy import _cross_entropy, _softcap_torch  # that module imports this one
+
+    for name, value in (("return_token_accuracy", return_token_accuracy), ("return_z_loss", return_z_loss)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    check_extras(labels, logits.shape[1], weight, "weight", use_token_scaling,
+                               kwargs["label_smoothing"], kwargs["z_loss"])
+    check_reduction(reduction, num_items)
+    out = _cross_entropy(logits, labels, reduction="none", num_items=None, with_lse=return_z_loss,
+                         **kwargs)
+    rows, lse = out if return_z_loss else (out, None)
+    result = (reduce_rows(rows, labels, kwargs["ignore_index"], reduction, num_items, weight,
+                                        use_token_scaling),)
+    if return_z_loss:
+        result += (z_loss_term(lse, labels, kwargs["ignore_index"], kwargs["z_loss"], reduction,
+                                             num_items),)
+    if return_token_accuracy:
+        with torch.no_grad():
+            z = logits.float() if kwargs["softcap"] is None else _softcap_torch(logits.float(), kwargs["softcap"])[0]
+            result += (token_accuracy(z.argmax(-1) == labels, labels, kwargs["ignore_index"]),)
+    return result if len(result) > 1 else result[0]

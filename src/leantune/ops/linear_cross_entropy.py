@@ -204,8 +204,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             b = None if bias is None else bias.to(compute_dtype)
             fast = memory == "fast" and reduction != "none" and any(wants) and not statistics
             ctx.fast = fast
+            # "lse" (internal, for return_z_loss) is the forward's own lse: no statistics pass for it alone
             stats = {name: _runtime.empty((hidden.shape[0],), dtype=torch.bool if name == "is_top1" else torch.float32,
-                                          device=hidden.device) for name in STATISTICS} if statistics else None
+                                          device=hidden.device) for name in STATISTICS} \
+                if set(statistics) - {"lse"} else None
             if fast:
                 grad_scale = (1.0 / divisor) if reduction == "mean" else torch.ones(
                     (), dtype=torch.float32, device=hidden.device)
@@ -215,7 +217,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 loss, lse, *_ = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, None, (False,) * 3,
                                                  stats)
                 ctx.save_for_backward(h, w, b, labels, lse, divisor)
-        picked = [stats[name] for name in statistics] if statistics else []
+        picked = [lse.clone() if name == "lse" else stats[name] for name in statistics] if statistics else []
         ctx.mark_non_differentiable(*picked)
         return (reduce(loss, reduction, divisor), *picked)
 
@@ -246,7 +248,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ignore_index=-100,
                          label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean", num_items=None,
                          chunk_bytes=None, statistics=(), checks="eager", ce_weight=None, use_token_scaling=False,
-                         return_token_accuracy=False):
+                         return_token_accuracy=False, return_z_loss=False):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without an [N, V] tensor; grads for all three.
 
     Args:
@@ -264,16 +266,18 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``: per-row statistics of
             softmax(z) for logging (entropy -sum p log p, log sum p^2, mean z, argmax z == label; formulas in
             :mod:`leantune.ops.cross_entropy`), read from the forward's logits chunks (the "low" path runs).
-        ce_weight, use_token_scaling, return_token_accuracy: Liger's options (formulas: :mod:`._loss_options`):
-            ``ce_weight`` ``[V]`` per-class weights as torch's ``F.cross_entropy(weight=)`` (hidden's device);
-            ``use_token_scaling`` multiplies each row's loss by its detached softmax(z)[label]; with
-            ``return_token_accuracy`` the top-1 accuracy over valid rows (0-dim fp32) is returned last. Any of them
-            runs the "low" path (per-row gradient scales); off, nothing changes.
+        ce_weight, use_token_scaling, return_z_loss, return_token_accuracy: Liger's options (formulas:
+            :mod:`._loss_options`): ``ce_weight`` ``[V]`` per-class weights as torch's ``F.cross_entropy(weight=)``
+            (hidden's device); ``use_token_scaling`` multiplies each row's loss by its detached softmax(z)[label];
+            ``return_z_loss`` also returns the z-loss part of the loss (detached); ``return_token_accuracy`` the
+            top-1 accuracy over valid rows (0-dim fp32), last. Any of them runs the "low" path (per-row gradient
+            scales); off, nothing changes.
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. Gradients for hidden, and for weight/bias when they require
         grad, in their own dtypes. With ``statistics``: ``(loss, {name: [N] tensor})``, fp32 (``is_top1`` bool),
-        without gradient. With ``return_token_accuracy``: ``(loss, accuracy)`` or ``(loss, statistics, accuracy)``.
+        without gradient. With ``return_z_loss`` / ``return_token_accuracy``: a tuple ``(loss, [statistics],
+        [z_loss], [accuracy])`` holding those asked for, in that order.
 
     Raises:
         ValueError: non-float or mismatched dtypes (outside autocast), wrong shapes (hidden not 2-D, weight not
@@ -282,12 +286,20 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
             error of :func:`cross_entropy`.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    if ce_weight is not None or use_token_scaling is not False or return_token_accuracy is not False:
-        return _with_options(hidden, weight, labels, bias, memory=memory, ignore_index=ignore_index,
-                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss, reduction=reduction,
-                             num_items=num_items, chunk_bytes=chunk_bytes, statistics=statistics, checks=checks,
-                             ce_weight=ce_weight, use_token_scaling=use_token_scaling,
-                             return_token_accuracy=return_token_accuracy)
+    kwargs = dict(memory=memory, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+                  z_loss=z_loss, reduction=reduction, num_items=num_items, chunk_bytes=chunk_bytes,
+                  statistics=statistics, checks=checks)
+    if (ce_weight is not None or use_token_scaling is not False or return_token_accuracy is not False
+            or return_z_loss is not False):
+        return _with_options(hidden, weight, labels, bias, ce_weight=ce_weight, use_token_scaling=use_token_scaling,
+                             return_token_accuracy=return_token_accuracy, return_z_loss=return_z_loss, **kwargs)
+    return _linear_cross_entropy(hidden, weight, labels, bias, **kwargs)
+
+
+def _linear_cross_entropy(hidden, weight, labels, bias, *, memory, ignore_index, label_smoothing, softcap, z_loss,
+                          reduction, num_items, chunk_bytes, statistics, checks, lse=False):
+    """:func:`linear_cross_entropy` without Liger's options; ``lse``: also return the rows' fp32 lse as the
+    statistic "lse" (for ``return_z_loss``)."""
     _runtime.check_tensor("hidden", hidden)
     _runtime.check_tensor("weight", weight)
     if hidden.dim() != 2:
@@ -304,7 +316,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         chunk_bytes = DEFAULT_CHUNK_BYTES[memory]
     elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    statistics = check_statistics(statistics)
+    statistics = check_statistics(statistics) + (("lse",) if lse else ())
     _runtime.check_same_device(hidden=hidden, weight=weight, bias=bias,
                                labels=labels if isinstance(labels, torch.Tensor) else None)
     compute_dtype = _runtime.autocast_dtype(hidden.device)
@@ -333,10 +345,11 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
 
 
 def _with_options(hidden, weight, labels, bias, *, reduction, num_items, statistics, ce_weight, use_token_scaling,
-                  return_token_accuracy, **kwargs):
+                  return_token_accuracy, return_z_loss, **kwargs):
     """Liger's options on the op's rows (:mod:`._loss_options`)."""
-    if not isinstance(return_token_accuracy, bool):
-        raise ValueError(f"return_token_accuracy must be a bool, got {return_token_accuracy!r}")
+    for name, value in (("return_token_accuracy", return_token_accuracy), ("return_z_loss", return_z_loss)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
     _runtime.check_tensor("weight", weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
@@ -344,12 +357,18 @@ def _with_options(hidden, weight, labels, bias, *, reduction, num_items, statist
                                kwargs["label_smoothing"], kwargs["z_loss"])
     _loss_options.check_reduction(reduction, num_items)
     asked = check_statistics(statistics)
-    wanted = asked + (("is_top1",) if return_token_accuracy and "is_top1" not in asked else ())
-    out = linear_cross_entropy(hidden, weight, labels, bias, reduction="none", statistics=wanted, **kwargs)
-    rows, stats = out if wanted else (out, {})
+    wanted = (asked + (("is_top1",) if return_token_accuracy and "is_top1" not in asked else ())
+)
+    out = _linear_cross_entropy(hidden, weight, labels, bias, reduction="none", num_items=None, statistics=wanted,
+                                lse=return_z_loss, **kwargs)
+    rows, stats = out if wanted or return_z_loss else (out, {})
     loss = _loss_options.reduce_rows(rows, labels, kwargs["ignore_index"], reduction, num_items, ce_weight,
                                      use_token_scaling)
     result = (loss, {name: stats[name] for name in asked}) if asked else (loss,)
+    if return_z_loss:
+        result += (_loss_options.z_loss_term(stats["lse"], labels, kwargs["ignore_index"], kwargs["z_loss"],
+                                             reduction, num_items),)
     if return_token_accuracy:
         result += (_loss_options.token_accuracy(stats["is_top1"], labels, kwargs["ignore_index"]),)
     return result if len(result) > 1 else result[0]
+
