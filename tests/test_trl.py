@@ -418,7 +418,13 @@ def test_rloo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, 
     hf = trainer.model.get_base_model()
     assert "ops.linear_log_probs at temperature 0.8 per token (RLOOTrainer's" in hf.leantune_summary["loss_runs"]
     logs = _train(trainer, fresh_seed)
-    _compare(ref_logs, logs, ("grad_norm", "entropy", "reward", "reward_std"))
+    _compare(ref_logs, logs, ("entropy", "reward", "reward_std"))
+    for step, (ref, out) in enumerate(zip(ref_logs, logs)):
+        if float(ref["reward_std"]) > 0:
+            _compare([ref], [out], ("grad_norm",))
+        else:  # equal rewards, zero advantages: only beta KL's gradient, ~1e-2 (one draw: 0.0157, 8.8e-7 apart),
+            # formed from the log-prob gradients of full-size steps (~1): its rounding is absolute
+            assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= 2e-6, (step, out, ref)
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):  # differences that cancel in fp32 (GRPO's test)
         assert abs(float(out["loss"]) - float(ref["loss"])) <= 1e-6, (step, out["loss"], ref["loss"])
         assert abs(float(out["kl"]) - float(ref["kl"])) <= 5e-7, (step, out["kl"], ref["kl"])
