@@ -422,9 +422,10 @@ def test_rloo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, 
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):
         if float(ref["reward_std"]) > 0:
             _compare([ref], [out], ("grad_norm",))
-        else:  # equal rewards, zero advantages: only beta KL's gradient, ~1e-2 (one draw: 0.0157, 8.8e-7 apart),
-            # formed from the log-prob gradients of full-size steps (~1): its rounding is absolute
-            assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= 2e-6, (step, out, ref)
+        else:  # equal rewards, zero advantages: only beta KL's gradient, (exp(d) - 1) dlogp for log-prob gaps
+            # d ~ 1e-3 to the reference, whose fp32 rounding is eps / d ~ 1e-4 relative (draws: 5.6e-5, 9.5e-6)
+            assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= 1e-4 * float(ref["grad_norm"]), (
+                step, out, ref)
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):  # differences that cancel in fp32 (GRPO's test)
         assert abs(float(out["loss"]) - float(ref["loss"])) <= 1e-6, (step, out["loss"], ref["loss"])
         assert abs(float(out["kl"]) - float(ref["kl"])) <= 5e-7, (step, out["kl"], ref["kl"])
