@@ -128,6 +128,7 @@ def cross_entropy_with_options(logits, labels, *, reduction, num_items, weight, 
                                              num_items),)
     if return_token_accuracy:
         with torch.no_grad():
-            z = logits.float() if kwargs["softcap"] is None else _softcap_torch(logits.float(), kwargs["softcap"])[0]
+            # no softcap: argmax of the logits as they are (a 16-bit value widens exactly; no [N, V] fp32 copy)
+            z = logits if kwargs["softcap"] is None else _softcap_torch(logits.float(), kwargs["softcap"])[0]
             result += (token_accuracy(z.argmax(-1) == labels, labels, kwargs["ignore_index"]),)
     return result if len(result) > 1 else result[0]
