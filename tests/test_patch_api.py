@@ -465,3 +465,34 @@ def test_num_items_zero_without_targets_gives_zero_loss(backend_name, monkeypatc
         assert loss.item() == 0.0
         for g in torch.autograd.grad(loss.sum(), params):
             assert torch.equal(g, torch.zeros_like(g))
+
+
+FAKE_OLD_TRL_LOOP = '''
+def compute_loss(model, inputs):
+    outputs = model(**inputs)
+    logits = outputs.logits[..., :-1, :]  # TRL <= 1.14's SFTTrainer: loss and metrics from the logits
+    return logits.sum()
+'''
+
+
+def test_old_trl_reading_training_logits_gets_the_fix_named(monkeypatch):
+    """TRL <= 1.14 (no fused LM head) reads outputs.logits in training: after a bare patch a caller from a ``trl.``
+    module gets a stand-in whose use raises a TypeError naming patch_trainer and loss=False (it was None, and
+    "'NoneType' object is not subscriptable"); other callers, and callers under a TRL with the fused head, get None."""
+    from leantune.patch import missing_logits
+
+    model = leantune.patch(tiny_peft_model("llama").train())
+    input_ids, labels = batch()
+    namespace = {"__name__": "trl.trainer.sft_trainer"}  # a fake trainer loop, as a TRL module
+    exec(FAKE_OLD_TRL_LOOP, namespace)  # noqa: S102
+    monkeypatch.setattr(missing_logits, "_lacks", [True])
+    with pytest.raises(TypeError, match=r"patch_trainer\(trainer\).*loss=False"):
+        namespace["compute_loss"](model, {"input_ids": input_ids, "labels": labels})
+    out = model(input_ids=input_ids, labels=labels)
+    assert out.logits is None and torch.isfinite(out.loss)
+    with pytest.raises(TypeError, match="patch_trainer"):
+        torch.log_softmax(missing_logits.MISSING, -1)
+    assert not missing_logits.MISSING and copy.deepcopy(missing_logits.MISSING) is not None
+    monkeypatch.setattr(missing_logits, "_lacks", [False])  # TRL >= 1.15: its calls never read them here
+    with pytest.raises(TypeError, match="NoneType"):
+        namespace["compute_loss"](model, {"input_ids": input_ids, "labels": labels})

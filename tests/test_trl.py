@@ -247,12 +247,12 @@ def test_trainer_without_fused_head_gets_logits_in_training(tiny_folder, tmp_pat
 
 
 def test_trainer_that_may_differentiate_statistics_keeps_trl_head(tiny_folder, tmp_path, fresh_seed):
-    """leantune's statistics carry no gradient: a TRL trainer outside SFT/DPO/GRPO (RLOO) keeps TRL's head."""
-    trainer = object.__new__(trl.RLOOTrainer)  # not built: only its class and model are read
+    """leantune's statistics carry no gradient: a TRL trainer outside SFT/DPO/KTO/GRPO/RLOO keeps TRL's head."""
+    trainer = object.__new__(trl.RewardTrainer)  # not built: only its class and model are read
     trainer.model = _sft_trainer(tiny_folder, tmp_path, fresh_seed).model  # carries TRL's fused head
     patch_trainer(trainer)
     hf = trainer.model.get_base_model()
-    assert "RLOOTrainer is not an SFTTrainer, DPOTrainer or GRPOTrainer" in hf.leantune_summary["loss_runs"]
+    assert "RewardTrainer is not an SFTTrainer, DPOTrainer, KTOTrainer" in hf.leantune_summary["loss_runs"]
     input_ids = torch.randint(0, 259, (2, 15))
     out = hf.train()(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
     assert loss_head_calls(hf) == 0 and torch.isfinite(out.loss)
@@ -370,3 +370,94 @@ def test_sft_metrics_off_are_left_out_of_the_logs(tiny_folder, tmp_path, fresh_s
     assert all("entropy" not in h and "mean_token_accuracy" not in h for h in logs)
     patch_trainer(trainer)  # metrics on again: the wrapper is taken off
     assert "log" not in trainer.__dict__
+
+
+def test_loss_runs_says_which_head_ran(tiny_folder, tmp_path, fresh_seed):
+    """A bare leantune.patch before the trainer is built: TRL's wrapper comes after it and its chunked head serves
+    the fused_lm_head calls; the summary says so from what ran (leantune's loss count 0), and patch_trainer's head
+    reports its own calls."""
+    model, _ = _lora_model(tiny_folder, fresh_seed)
+    leantune.patch(model)
+    hf = model.get_base_model()
+    assert hf.leantune_summary["loss_runs"] == "ops.linear_cross_entropy (leantune's causal-LM forward)"
+    trainer = _sft_trainer(tiny_folder, tmp_path, fresh_seed, model=model)
+    input_ids = torch.randint(0, hf.config.vocab_size, (2, 13))
+    hf.train()(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    runs = hf.leantune_summary["loss_runs"]
+    assert "TRL's chunked head" in runs and "patch_trainer" in runs and runs.endswith(": 0 losses so far")
+    assert dict(hf.leantune_summary.items())["loss_runs"] == runs == copy.deepcopy(hf.leantune_summary)["loss_runs"]
+    hf(input_ids=input_ids, labels=input_ids)  # a plain labelled call reaches leantune's forward
+    assert hf.leantune_summary["loss_runs"].endswith(": 1 losses so far")
+    patch_trainer(trainer)
+    hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert hf.leantune_summary["loss_runs"].endswith("leantune's head 1 fused_lm_head calls, TRL's chunked head 0")
+    leantune.patch(model, loss=False)  # leantune's head steps aside: TRL's runs, and the count says so
+    hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert hf.leantune_summary["loss_runs"].endswith("leantune's head 1 fused_lm_head calls, TRL's chunked head 1")
+
+
+def _rloo_trainer(folder, tmp_path, seed, **overrides):
+    model, tok = _lora_model(folder, seed)
+    rng = random.Random(3)
+    prompts = [{"prompt": _phrase(rng)} for _ in range(8)]
+    args = trl.RLOOConfig(**_common(tmp_path, max_completion_length=6, num_generations=4,
+                                    per_device_train_batch_size=4, beta=0.1, temperature=0.8, **overrides))
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) / 10 + c.count("e") for c in completions]
+
+    return trl.RLOOTrainer(model=model, args=args, reward_funcs=reward, processing_class=tok,
+                           train_dataset=datasets.Dataset.from_list(prompts))
+
+
+def test_rloo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, tmp_path, fresh_seed):
+    """RLOOTrainer (fp32, LoRA, beta > 0, temperature 0.8): the logged loss, KL, entropy, rewards and gradient norm
+    equal plain TRL's per step, and its fused_lm_head calls (reference and policy) went to leantune's head."""
+    ref_logs = _train(_rloo_trainer(tiny_folder, tmp_path, fresh_seed), fresh_seed)
+    trainer = patch_trainer(_rloo_trainer(tiny_folder, tmp_path, fresh_seed))
+    hf = trainer.model.get_base_model()
+    assert "ops.linear_log_probs at temperature 0.8 per token (RLOOTrainer's" in hf.leantune_summary["loss_runs"]
+    logs = _train(trainer, fresh_seed)
+    _compare(ref_logs, logs, ("entropy", "reward", "reward_std"))
+    for step, (ref, out) in enumerate(zip(ref_logs, logs)):
+        if float(ref["reward_std"]) > 0:
+            _compare([ref], [out], ("grad_norm",))
+        else:  # equal rewards, zero advantages: only beta KL's gradient, (exp(d) - 1) dlogp for log-prob gaps
+            # d ~ 1e-3 to the reference, whose fp32 rounding is eps / d ~ 1e-4 relative (draws: 5.6e-5, 9.5e-6)
+            assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= 1e-4 * float(ref["grad_norm"]), (
+                step, out, ref)
+    for step, (ref, out) in enumerate(zip(ref_logs, logs)):  # differences that cancel in fp32 (GRPO's test)
+        assert abs(float(out["loss"]) - float(ref["loss"])) <= 1e-6, (step, out["loss"], ref["loss"])
+        assert abs(float(out["kl"]) - float(ref["kl"])) <= 5e-7, (step, out["kl"], ref["kl"])
+    # per step: the old log-probs (no gradient), the reference pass and the policy pass; none passed on to TRL's head
+    assert loss_head_calls(trainer.model) == 3 * STEPS and hf.forward.passed == 0
+
+
+def _kto_rows(n=16):
+    rng = random.Random(4)
+    return [{"prompt": _phrase(rng), "completion": " " + _phrase(rng), "label": i % 2 == 0} for i in range(n)]
+
+
+def _kto_trainer(folder, tmp_path, seed):
+    model, tok = _lora_model(folder, seed)
+    args = trl.KTOConfig(**_common(tmp_path, max_length=64, per_device_train_batch_size=4))
+    return trl.KTOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(_kto_rows()),
+                          processing_class=tok)
+
+
+def test_kto_trainer_matches_trl_head_and_runs_leantune_loss(tiny_folder, tmp_path, fresh_seed):
+    """KTOTrainer (fp32, LoRA; the reference is the model with adapters disabled): logged loss, gradient norm,
+    log-probs, KL, entropy and mean logits equal plain TRL's per step; every fused_lm_head call was leantune's."""
+    ref_logs = _train(_kto_trainer(tiny_folder, tmp_path, fresh_seed), fresh_seed)
+    trainer = patch_trainer(_kto_trainer(tiny_folder, tmp_path, fresh_seed))
+    hf = trainer.model.get_base_model()
+    assert "TRL's fused_lm_head calls" in hf.leantune_summary["loss_runs"]
+    logs = _train(trainer, fresh_seed)
+    keys = [k for k in ("loss", "grad_norm", "entropy", "logits/chosen", "logits/rejected", "logps/chosen",
+                        "logps/rejected") if k in ref_logs[0]]
+    assert {"loss", "grad_norm", "entropy"} <= set(keys)
+    _compare(ref_logs, logs, tuple(keys))
+    for step, (ref, out) in enumerate(zip(ref_logs, logs)):  # beta KL, a difference of near-equal sums: absolute
+        assert abs(float(out["kl"]) - float(ref["kl"])) <= 1e-5, (step, out["kl"], ref["kl"])
+    # per step: policy and reference, each on the batch and on its mismatched KL pairs
+    assert loss_head_calls(trainer.model) == 4 * STEPS and hf.forward.passed == 0

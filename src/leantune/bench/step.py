@@ -285,7 +285,7 @@ def _summary(model):
 
     for module in model.modules():
         if SUMMARY_ATTR in module.__dict__:
-            return json.loads(json.dumps(module.__dict__[SUMMARY_ATTR], default=str))
+            return json.loads(json.dumps(dict(module.__dict__[SUMMARY_ATTR].items()), default=str))
     return None
 
 

@@ -1,5 +1,5 @@
-"""TRL's SFTTrainer, DPOTrainer and GRPOTrainer with leantune's loss head: ``patch_trainer(trainer)`` after building
-the trainer.
+"""TRL's SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer with leantune's loss head:
+``patch_trainer(trainer)`` after building the trainer.
 
 Design: docs/design.md, "TRL's trainers" (and "Patch seams" for the wrappers and ``unpatch``).
 
@@ -35,10 +35,13 @@ computed either way.
 GRPOTrainer (policy and a separate reference model): its ``fused_lm_head=True`` calls (TRL's
 ``_get_per_token_logps_and_entropies``, with and without gradient) are served by ``ops.linear_log_probs`` at TRL's
 temperature: log softmax(z / T)[label] per target row, and the entropy of softmax(z / T), differentiable, for
-TRL's entropy metric, high-entropy token mask and entropy bonus.
+TRL's entropy metric, high-entropy token mask and entropy bonus. RLOOTrainer makes the same calls (log-probs at
+its temperature, the entropy for its metric) and gets the same head. KTOTrainer's calls (temperature 1: the
+policy's and reference's per-sequence log-prob sums and its KL term; entropy, detached, and mean logits for its
+metrics) are served as DPO's.
 
 TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
-SFTTrainer, DPOTrainer or GRPOTrainer (RLOO, KTO: not yet routed), for SFT/DPO a temperature other than 1, a logit
+SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer or RLOOTrainer, for SFT/DPO/KTO a temperature other than 1, a logit
 scale other than 1, ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks,
 FSDP2's sharded weight), MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call
 gives TRL's head back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which.
@@ -46,7 +49,9 @@ gives TRL's head back, a later ``leantune.patch`` takes it again); the summary's
 
 TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
 model has none, :func:`patch_trainer` makes the patched forward form the logits in training too (the loss still
-from the fused op); without this function, ``leantune.patch(model, loss=False)`` is the choice for such clients.
+from the fused op); without this function, ``leantune.patch(model, loss=False)`` is the choice for such clients,
+and after a bare patch the logits such a TRL trainer reads in training are a stand-in whose use raises a TypeError
+naming both fixes (:mod:`leantune.patch.missing_logits`).
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class FusedLMHead:
         outputs: the per-token fields TRL asked its head for (``log_probs`` always).
         metrics: whether the statistics are computed (else zeros).
         calls: how many ``fused_lm_head=True`` calls leantune's head served.
+        passed: how many ``fused_lm_head=True`` calls went on to the forward behind it (TRL's chunked head).
     """
 
     leantune_loss = "ops.linear_cross_entropy per token (TRL's fused_lm_head calls, leantune.integrations.trl)"
@@ -91,7 +97,13 @@ class FusedLMHead:
                  temperature: float | None = None):
         self.model, self.previous, self.outputs, self.metrics = model, previous, tuple(outputs), metrics
         self.temperature = temperature  # set: GRPO's head (ops.linear_log_probs at that temperature)
-        self.calls = 0
+        self.calls = self.passed = 0
+
+    def leantune_runs(self, configured: str) -> str:
+        """The summary's ``loss_runs`` (``leantune.patch.PatchSummary``): ``configured`` and which head ran how
+        often."""
+        return (f"{configured}; ran so far: leantune's head {self.calls} fused_lm_head calls, TRL's chunked head "
+                f"{self.passed}")
 
     @property
     def __signature__(self):  # transformers' generate checks its keyword arguments against the forward's
@@ -112,6 +124,7 @@ class FusedLMHead:
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
         if not self._serves() or kwargs.get("output_router_logits"):
+            self.passed += bool(fused_lm_head)
             return self.previous(*args, fused_lm_head=fused_lm_head, **kwargs)
         if not fused_lm_head:
             return causal_lm_forward(self.model, *args, **kwargs)
@@ -198,27 +211,35 @@ def _take_head(model, metrics: bool, trainer) -> str:
     settings = _trl_head_settings(forward)
     if settings is None:  # TRL <= 1.14 (or a plain Trainer): outputs.logits may be read in training
         return "no fused head"
-    from trl import DPOTrainer, SFTTrainer
-
     grpo = _grpo_head(trainer, settings)
     if grpo is not None:
         return _take_grpo_head(hf, forward, settings, metrics, trainer, grpo)
-    # RLOO and the rest may differentiate the statistics, which leantune's head computes without gradient
-    why = _why_not_served(settings) if isinstance(trainer, (SFTTrainer, DPOTrainer)) else (
-        f"{type(trainer).__name__} is not an SFTTrainer, DPOTrainer or GRPOTrainer (it may differentiate the "
-        "statistics)")
+    # the rest may differentiate the statistics, which leantune's head computes without gradient
+    why = _why_not_served(settings) if isinstance(trainer, _statistics_trainers()) else (
+        f"{type(trainer).__name__} is not an SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer or RLOOTrainer (it may "
+        "differentiate the statistics)")
     if why is not None:
         return f"TRL's fused head kept: {why}"
     hf.forward = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics)
     return "leantune"
 
 
-def _grpo_head(trainer, settings: dict):
-    """None for a trainer other than TRL's GRPOTrainer; for one, why TRL's head stays ("" when leantune's
-    log-prob head serves it)."""
-    from trl import GRPOTrainer
+def _statistics_trainers() -> tuple[type, ...]:
+    """TRL's trainers whose fused-head statistics are logged only (detached or never differentiated, read in trl
+    1.16): served by ops.linear_cross_entropy with its statistics. KTO: per-sequence log-prob sums, its KL term,
+    and the entropy (detached) and mean logits for its metrics."""
+    from trl import DPOTrainer, KTOTrainer, SFTTrainer
 
-    if not isinstance(trainer, GRPOTrainer):
+    return SFTTrainer, DPOTrainer, KTOTrainer
+
+
+def _grpo_head(trainer, settings: dict):
+    """None for a trainer other than TRL's GRPOTrainer or RLOOTrainer (the same fused-head calls in trl 1.16:
+    log-probs at the sampling temperature, the entropy for the metric); for one, why TRL's head stays ("" when
+    leantune's log-prob head serves it)."""
+    from trl import GRPOTrainer, RLOOTrainer
+
+    if not isinstance(trainer, (GRPOTrainer, RLOOTrainer)):
         return None
     if settings.get("logit_scale", 1.0) != 1.0:
         return f"logit scale {settings['logit_scale']} (leantune's head has none)"
@@ -242,8 +263,8 @@ def _take_grpo_head(hf, forward, settings: dict, metrics: bool, trainer, why: st
     temperature = settings.get("temperature", 1.0)
     head = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics or needs_entropy,
                        temperature=temperature)
-    head.leantune_loss = (f"ops.linear_log_probs at temperature {temperature:g} per token (GRPO's fused_lm_head "
-                          "calls, leantune.integrations.trl)")
+    head.leantune_loss = (f"ops.linear_log_probs at temperature {temperature:g} per token "
+                          f"({type(trainer).__name__}'s fused_lm_head calls, leantune.integrations.trl)")
     hf.forward = head
     return "leantune"
 
@@ -260,7 +281,8 @@ def _check_trainer(trainer) -> None:
         hint = "; for another trainer, call leantune.patch(trainer.model) (its loss then comes from the model forward)"
     else:
         hint = ""
-    raise ValueError(f"patch_trainer takes a built TRL trainer (trl.SFTTrainer, DPOTrainer or GRPOTrainer after "
+    raise ValueError(f"patch_trainer takes a built TRL trainer (trl.SFTTrainer, DPOTrainer, KTOTrainer, "
+                     f"GRPOTrainer or RLOOTrainer after "
                      f"construction), got {name}{hint}")
 
 
@@ -294,7 +316,8 @@ def _not_computed(trainer) -> tuple[str, ...]:
 
 
 def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **patch_kwargs):
-    """Make a built TRL trainer (SFTTrainer, DPOTrainer, GRPOTrainer) train with leantune's ops and loss head;
+    """Make a built TRL trainer (SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer) train with leantune's
+    ops and loss head;
     returns ``trainer``.
 
     Args:

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _loss_options, _runtime
 from ._loss import Options, check_options, mean_divisor, reduce, row_scale
 
 GPU_BLOCK_V = 8192  # vocab chunk per loop iteration on the GPU (16 fp32 values a thread at 16 warps)
@@ -397,7 +397,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Autograd node of :func:`cross_entropy`; saves logits (by reference), labels, lse [N] fp32, the divisor."""
 
     @staticmethod
-    def forward(ctx, logits, labels, opts, reduction, divisor):
+    def forward(ctx, logits, labels, opts, reduction, divisor, with_lse=False):
         impl = _runtime.backend(logits.device)
         n_rows = logits.shape[0]
         loss = _runtime.empty((n_rows,), dtype=torch.float32, device=logits.device)
@@ -405,20 +405,25 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss_rows(impl, logits, labels, opts, loss, lse)
         ctx.save_for_backward(logits, labels, lse, divisor)
         ctx.impl, ctx.opts, ctx.reduction = impl, opts, reduction
-        return reduce(loss, reduction, divisor)
+        if not with_lse:
+            return reduce(loss, reduction, divisor)
+        out_lse = lse.clone()  # return_z_loss reads it; the saved one stays unshared
+        ctx.mark_non_differentiable(out_lse)
+        return reduce(loss, reduction, divisor), out_lse
 
     @staticmethod
     @_runtime.first_derivative_only
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *_lse):
         logits, labels, lse, divisor = ctx.saved_tensors
         grad = _runtime.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         scale = row_scale(grad_output, ctx.reduction, divisor)
         gradient_rows(ctx.impl, logits, labels, lse, scale, ctx.opts, grad)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0,
-                  reduction="mean", num_items=None, checks="eager"):
+                  reduction="mean", num_items=None, checks="eager", weight=None, use_token_scaling=False,
+                  return_z_loss=False, return_token_accuracy=False):
     """Cross-entropy of ``logits`` against ``labels`` with torch's semantics plus softcap and z-loss, fp32 inside.
 
     Args:
@@ -439,9 +444,16 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
             and a bad value raises ValueError here. ``"deferred"``: no host read (inside a training step): a bad
             label is ignored by the kernels, the loss is NaN and ``leantune.ops.raise_deferred_errors()`` raises the
             ValueError later; ``num_items`` is the divisor as given (0 with valid labels: inf, HF's division).
+        weight, use_token_scaling, return_z_loss, return_token_accuracy: Liger's options (formulas:
+            :mod:`._loss_options`): ``weight`` ``[V]`` per-class weights as torch's ``F.cross_entropy(weight=)``;
+            ``use_token_scaling`` multiplies each row's loss by its detached softmax(z)[label]; ``return_z_loss``
+            also returns the z-loss part of the loss (detached); ``return_token_accuracy`` the top-1 accuracy of z
+            over valid rows. Off, nothing changes.
 
     Returns:
-        float32 loss: 0-dim, or ``[N]`` for ``"none"``. The gradient w.r.t. logits has logits' dtype.
+        float32 loss: 0-dim, or ``[N]`` for ``"none"``. The gradient w.r.t. logits has logits' dtype. With
+        ``return_z_loss`` / ``return_token_accuracy``: ``(loss, [z_loss], [accuracy])``, those asked for, in that
+        order, without gradient (accuracy a 0-dim fp32 tensor).
 
     Raises:
         ValueError: logits not a 2-D float tensor, labels not int64 ``[N]``, tensors on different devices, a label
@@ -456,6 +468,20 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
         raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
     if logits.shape[1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dim V")
+    if (weight is not None or use_token_scaling is not False or return_token_accuracy is not False
+            or return_z_loss is not False):
+        return _loss_options.cross_entropy_with_options(
+            logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+            z_loss=z_loss, reduction=reduction, num_items=num_items, checks=checks, weight=weight,
+            use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy)
+    return _cross_entropy(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          softcap=softcap, z_loss=z_loss, reduction=reduction, num_items=num_items, checks=checks)
+
+
+def _cross_entropy(logits, labels, *, ignore_index, label_smoothing, softcap, z_loss, reduction, num_items, checks,
+                   with_lse=False):
+    """:func:`cross_entropy` without Liger's options (logits already checked); ``with_lse``: ``(loss, lse [N])``."""
     if not isinstance(labels, torch.Tensor):
         raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")  # noqa: TRY004 (contract)
     _runtime.check_shape("labels", labels, (logits.shape[0],), "logits' first dim N")
@@ -467,5 +493,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
         logits = logits.contiguous()
     labels = labels.contiguous()
     divisor = mean_divisor(n_valid, reduction, num_items, labels.device)
-    loss = CrossEntropyFunction.apply(logits, labels, opts, reduction, divisor)
-    return loss if poison is None else loss + poison
+    out = CrossEntropyFunction.apply(logits, labels, opts, reduction, divisor, with_lse)
+    loss, lse = out if with_lse else (out, None)
+    loss = loss if poison is None else loss + poison
+    return (loss, lse) if with_lse else loss
+

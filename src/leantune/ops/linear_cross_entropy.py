@@ -42,7 +42,7 @@ import numbers
 
 import torch
 
-from . import _runtime
+from . import _loss_options, _runtime
 from ._loss import STATISTICS, check_options, check_statistics, mean_divisor, reduce, row_scale
 from .cross_entropy import gradient_rows, loss_rows, row_statistics
 
@@ -97,9 +97,11 @@ def _add_product(out, a, b, first):
         out.addmm_(a, b)
 
 
-def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad_scale, wants, stats=None):
+def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad_scale, wants, stats=None,
+                     accum_dtype=None):
     """Loss and lse per row over token chunks; with ``grad_scale`` also dhidden/dweight/dbias (see module doc);
-    without it, ``stats`` (name -> [N] output, or None) are filled from each chunk."""
+    without it, ``stats`` (name -> [N] output, or None) are filled from each chunk. ``accum_dtype``: dweight's
+    dtype across chunks (None: fp32 for 16-bit inputs)."""
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
     want_h, want_w, want_b = wants
@@ -110,7 +112,8 @@ def _chunked_forward(impl, hidden, weight, bias, labels, opts, chunk_bytes, grad
     rows = chunk_length(chunk_bytes, n_vocab * hidden.element_size(), max(n_rows, 1))
     # dweight sums one product per chunk: across several chunks a 16-bit sum would round once per chunk (its error
     # growing with the chunk count), so it accumulates in fp32 and is cast once at the end
-    wide = want_w and dtype != torch.float32 and n_rows > rows
+    # (accum_dtype set to the inputs' dtype: a 16-bit sum, no [V, H] fp32 buffer)
+    wide = want_w and dtype != torch.float32 and n_rows > rows and accum_dtype in (None, torch.float32)
     dweight = _runtime.empty(weight.shape, dtype=torch.float32 if wide else dtype, device=device) if want_w else None
     if n_rows == 0:
         if dweight is not None:
@@ -195,7 +198,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, divisor, memory, chunk_bytes, wants,
-                compute_dtype, statistics):
+                compute_dtype, statistics, accum_dtype=None):
         impl = _runtime.backend(hidden.device)
         ctx.impl, ctx.opts, ctx.reduction, ctx.chunk_bytes, ctx.wants = impl, opts, reduction, chunk_bytes, wants
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -204,18 +207,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             b = None if bias is None else bias.to(compute_dtype)
             fast = memory == "fast" and reduction != "none" and any(wants) and not statistics
             ctx.fast = fast
+            # "lse" (internal, for return_z_loss) is the forward's own lse: no statistics pass for it alone
             stats = {name: _runtime.empty((hidden.shape[0],), dtype=torch.bool if name == "is_top1" else torch.float32,
-                                          device=hidden.device) for name in STATISTICS} if statistics else None
+                                          device=hidden.device) for name in STATISTICS} \
+                if set(statistics) - {"lse"} else None
             if fast:
                 grad_scale = (1.0 / divisor) if reduction == "mean" else torch.ones(
                     (), dtype=torch.float32, device=hidden.device)
-                loss, _, dh, dw, db = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, grad_scale, wants)
+                loss, _, dh, dw, db = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, grad_scale, wants,
+                                                       accum_dtype=accum_dtype)
                 ctx.save_for_backward(dh, dw, db)
             else:
                 loss, lse, *_ = _chunked_forward(impl, h, w, b, labels, opts, chunk_bytes, None, (False,) * 3,
                                                  stats)
                 ctx.save_for_backward(h, w, b, labels, lse, divisor)
-        picked = [stats[name] for name in statistics] if statistics else []
+        picked = [lse.clone() if name == "lse" else stats[name] for name in statistics] if statistics else []
         ctx.mark_non_differentiable(*picked)
         return (reduce(loss, reduction, divisor), *picked)
 
@@ -240,12 +246,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grads = _recompute_backward(ctx.impl, h, w, b, labels, lse, scale, ctx.opts, ctx.chunk_bytes,
                                             ctx.wants)
         out = [None if g is None or dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes)]
-        return (*out, None, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ignore_index=-100,
                          label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean", num_items=None,
-                         chunk_bytes=None, statistics=(), checks="eager"):
+                         chunk_bytes=None, statistics=(), checks="eager", ce_weight=None, use_token_scaling=False,
+                         return_token_accuracy=False, return_z_loss=False, accum_dtype=None):
     """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` without an [N, V] tensor; grads for all three.
 
     Args:
@@ -263,19 +270,45 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``: per-row statistics of
             softmax(z) for logging (entropy -sum p log p, log sum p^2, mean z, argmax z == label; formulas in
             :mod:`leantune.ops.cross_entropy`), read from the forward's logits chunks (the "low" path runs).
+        ce_weight, use_token_scaling, return_z_loss, return_token_accuracy: Liger's options (formulas:
+            :mod:`._loss_options`): ``ce_weight`` ``[V]`` per-class weights as torch's ``F.cross_entropy(weight=)``
+            (hidden's device); ``use_token_scaling`` multiplies each row's loss by its detached softmax(z)[label];
+            ``return_z_loss`` also returns the z-loss part of the loss (detached); ``return_token_accuracy`` the
+            top-1 accuracy over valid rows (0-dim fp32), last. Any of them runs the "low" path (per-row gradient
+            scales); off, nothing changes.
+        accum_dtype: dtype of dweight's sum over token chunks in the "fast" path: None (default) or torch.float32
+            sum in fp32 (16-bit inputs: cast once at the end), the compute dtype sums in it (no ``[V, H]`` fp32
+            buffer; one rounding per chunk). The "low" path forms each dweight tile in one matmul over all rows
+            (no sum over chunks), so it does not apply there; dbias always sums in fp32.
 
     Returns:
         float32 loss: 0-dim, or ``[N]`` for ``"none"``. Gradients for hidden, and for weight/bias when they require
         grad, in their own dtypes. With ``statistics``: ``(loss, {name: [N] tensor})``, fp32 (``is_top1`` bool),
-        without gradient.
+        without gradient. With ``return_z_loss`` / ``return_token_accuracy``: a tuple ``(loss, [statistics],
+        [z_loss], [accuracy])`` holding those asked for, in that order.
 
     Raises:
         ValueError: non-float or mismatched dtypes (outside autocast), wrong shapes (hidden not 2-D, weight not
             ``[V, H]``, bias not ``[V]``, labels not ``[N]`` int64), tensors on different devices, an unknown
-            ``memory``, ``chunk_bytes`` not a positive int, ``statistics`` not a tuple of known names, and every
+            ``memory``, ``chunk_bytes`` not a positive int, ``statistics`` not a tuple of known names, ``accum_dtype``
+            not None, torch.float32 or the compute dtype, Liger's options out of their domain, and every
             error of :func:`cross_entropy`.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
+    kwargs = dict(memory=memory, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+                  z_loss=z_loss, reduction=reduction, num_items=num_items, chunk_bytes=chunk_bytes,
+                  statistics=statistics, checks=checks, accum_dtype=accum_dtype)
+    if (ce_weight is not None or use_token_scaling is not False or return_token_accuracy is not False
+            or return_z_loss is not False):
+        return _with_options(hidden, weight, labels, bias, ce_weight=ce_weight, use_token_scaling=use_token_scaling,
+                             return_token_accuracy=return_token_accuracy, return_z_loss=return_z_loss, **kwargs)
+    return _linear_cross_entropy(hidden, weight, labels, bias, **kwargs)
+
+
+def _linear_cross_entropy(hidden, weight, labels, bias, *, memory, ignore_index, label_smoothing, softcap, z_loss,
+                          reduction, num_items, chunk_bytes, statistics, checks, accum_dtype=None, lse=False):
+    """:func:`linear_cross_entropy` without Liger's options; ``lse``: also return the rows' fp32 lse as the
+    statistic "lse" (for ``return_z_loss``)."""
     _runtime.check_tensor("hidden", hidden)
     _runtime.check_tensor("weight", weight)
     if hidden.dim() != 2:
@@ -292,7 +325,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
         chunk_bytes = DEFAULT_CHUNK_BYTES[memory]
     elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    statistics = check_statistics(statistics)
+    statistics = check_statistics(statistics) + (("lse",) if lse else ())
     _runtime.check_same_device(hidden=hidden, weight=weight, bias=bias,
                                labels=labels if isinstance(labels, torch.Tensor) else None)
     compute_dtype = _runtime.autocast_dtype(hidden.device)
@@ -301,6 +334,9 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
             where = f"hidden {hidden.dtype}, weight {weight.dtype}" + ("" if bias is None else f", bias {bias.dtype}")
             raise ValueError(f"hidden, weight and bias must share one dtype outside torch.autocast, got {where}")
         compute_dtype = hidden.dtype
+    if accum_dtype not in (None, torch.float32, compute_dtype):
+        raise ValueError(f"accum_dtype must be None, torch.float32 or the compute dtype {compute_dtype}, got "
+                         f"{accum_dtype!r}")
     if isinstance(labels, torch.Tensor):  # shape first: the range check reads the labels
         _runtime.check_shape("labels", labels, (hidden.shape[0],), "hidden's first dim N")
     opts, n_valid, labels, poison = check_options(labels, weight.shape[0], ignore_index, label_smoothing, softcap,
@@ -314,7 +350,37 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, *, memory="fast", ig
     labels = labels.contiguous()
     divisor = mean_divisor(n_valid, reduction, num_items, labels.device)
     loss, *stats = LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, opts, reduction, divisor, memory,
-                                                    int(chunk_bytes), wants, compute_dtype, statistics)
+                                                    int(chunk_bytes), wants, compute_dtype, statistics, accum_dtype)
     if poison is not None:
         loss = loss + poison
     return (loss, dict(zip(statistics, stats))) if statistics else loss
+
+
+def _with_options(hidden, weight, labels, bias, *, reduction, num_items, statistics, ce_weight, use_token_scaling,
+                  return_token_accuracy, return_z_loss, **kwargs):
+    """Liger's options on the op's rows (:mod:`._loss_options`)."""
+    for name, value in (("return_token_accuracy", return_token_accuracy), ("return_z_loss", return_z_loss)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    _runtime.check_tensor("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    _loss_options.check_extras(labels, weight.shape[0], ce_weight, "ce_weight", use_token_scaling,
+                               kwargs["label_smoothing"], kwargs["z_loss"])
+    _loss_options.check_reduction(reduction, num_items)
+    asked = check_statistics(statistics)
+    wanted = (asked + (("is_top1",) if return_token_accuracy and "is_top1" not in asked else ())
+)
+    out = _linear_cross_entropy(hidden, weight, labels, bias, reduction="none", num_items=None, statistics=wanted,
+                                lse=return_z_loss, **kwargs)
+    rows, stats = out if wanted or return_z_loss else (out, {})
+    loss = _loss_options.reduce_rows(rows, labels, kwargs["ignore_index"], reduction, num_items, ce_weight,
+                                     use_token_scaling)
+    result = (loss, {name: stats[name] for name in asked}) if asked else (loss,)
+    if return_z_loss:
+        result += (_loss_options.z_loss_term(stats["lse"], labels, kwargs["ignore_index"], kwargs["z_loss"],
+                                             reduction, num_items),)
+    if return_token_accuracy:
+        result += (_loss_options.token_accuracy(stats["is_top1"], labels, kwargs["ignore_index"]),)
+    return result if len(result) > 1 else result[0]
+

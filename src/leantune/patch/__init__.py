@@ -34,12 +34,14 @@ import collections
 import importlib
 import logging
 import warnings
+import weakref
 
 from torch import nn
 
 from ._model import hf_model as _hf_model
 from .families import ACTIVATIONS, FAMILIES, NOT_COVERED, Family, family_for
 from .forwards import (
+    LOSS_CALLS_ATTR,
     LOSS_HEAD_ATTR,
     STATE_ATTR,
     ModuleState,
@@ -60,6 +62,59 @@ _MODEL_ATTR = "_leantune_model"  # on the HF causal LM: (family name, flags) of 
 SUMMARY_ATTR = "leantune_summary"
 # the summary's counts; "dora": DoRA projections served by ops.dora_linear (also counted in "lora")
 _COUNTS = ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp", "dora")
+
+
+LEANTUNE_FORWARD_LOSS = "ops.linear_cross_entropy (leantune's causal-LM forward)"
+
+
+class PatchSummary(dict):
+    """``leantune_summary``: a dict whose ``loss_runs`` is re-read at each access from what is installed now and
+    what ran (leantune's loss-call counters), not only from what :func:`patch` configured: a wrapper forward put on
+    after ``patch`` (TRL's fused LM head, built after a bare ``leantune.patch``) serves its own calls with its own
+    head, and the summary then says so with the count of leantune's losses. Copies (``copy.deepcopy``, pickle,
+    ``dict(summary)`` of ``items()``) are plain dicts holding the values as of the copy."""
+
+    def __init__(self, hf: nn.Module, data: dict):
+        super().__init__(data)
+        self._hf = weakref.ref(hf)
+
+    def _live(self, key, value):
+        hf = self._hf()
+        return _loss_runs_now(hf, value) if key == "loss_runs" and hf is not None else value
+
+    def __getitem__(self, key):
+        return self._live(key, super().__getitem__(key))
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def items(self):
+        return [(k, self._live(k, v)) for k, v in super().items()]
+
+    def values(self):
+        return [v for _, v in self.items()]
+
+    def __repr__(self):
+        return repr(dict(self.items()))
+
+    def __reduce__(self):
+        return dict, (dict(self.items()),)
+
+
+def _loss_runs_now(hf: nn.Module, configured: str) -> str:
+    """``loss_runs`` from what ran: a loss head that reports its own runs (``leantune_runs``: leantune's TRL head),
+    or a foreign wrapper put on after :func:`patch` in front of leantune's forward, with leantune's loss count."""
+    forward = hf.__dict__.get("forward")
+    describe = getattr(forward, "leantune_runs", None)
+    if callable(describe):
+        return describe(configured)
+    if configured != LEANTUNE_FORWARD_LOSS or forward is None or is_leantune_forward(forward):
+        return configured
+    calls = hf.__dict__.get(LOSS_CALLS_ATTR, 0)
+    return (f"the instance forward {_name(forward)}'s own head for its own calls (put on after leantune.patch; for "
+            f"TRL's fused_lm_head=True calls that is TRL's chunked head: leantune.integrations.trl.patch_trainer"
+            f"(trainer) makes them leantune's); ops.linear_cross_entropy only where it calls leantune's causal-LM "
+            f"forward: {calls} losses so far")
 
 
 def _bind(module: nn.Module, state: ModuleState) -> None:
@@ -88,16 +143,17 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         strict: raise for a model type that has no family row, instead of warning and leaving the model unpatched.
 
     Returns:
-        ``model``. Its summary (counts per kind, ``fused``: the family's parts that run leantune's ops, ``kept``:
-        parts of its layers that keep HF's forward and why, ``loss_runs``: the loss that the model's forward runs,
-        and ``unpatched``: modules left alone and why) is logged at INFO and stored as ``leantune_summary`` on the
-        transformers model (reachable through PEFT wrappers). A model type without a row is left unpatched with a
-        ``UserWarning`` naming what is missing (its summary has ``family`` None). A wrapper forward put on the
-        causal LM by someone else (TRL's fused LM head) is kept: patched before it, leantune's forward inside runs
-        where the wrapper calls it; patched after, the loss is the wrapper's unless it holds leantune's forward or
-        is leantune's own head (:mod:`leantune.integrations.trl`). LoRA counts are as of the call: patching before
-        ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time (call ``patch`` again to
-        refresh the summary; patching twice is harmless).
+        ``model``. Its summary (counts per kind, ``fused``: the family's parts that run leantune's ops,
+        ``kept``: parts of its layers that keep HF's forward and why, ``loss_runs``: the loss that the model's
+        forward runs, re-read at each access from what is installed and what ran (:class:`PatchSummary`), and
+        ``unpatched``: modules left alone and why) is logged at INFO and stored as ``leantune_summary`` on the
+        transformers model (reachable through PEFT wrappers). A model type without a row is left unpatched with
+        a ``UserWarning`` naming what is missing (its summary has ``family`` None). A wrapper forward put on the
+        causal LM by someone else (TRL's fused LM head) is kept: patched before it, leantune's forward inside
+        runs where the wrapper calls it; patched after, the loss is the wrapper's unless it holds leantune's
+        forward or is leantune's own head (:mod:`leantune.integrations.trl`). LoRA counts are as of the call:
+        patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time (call
+        ``patch`` again to refresh the summary; patching twice is harmless).
 
     Raises:
         ValueError: ``config.model_type`` has no family row and ``strict`` is set (the message lists the supported
@@ -167,7 +223,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             state = ModuleState("causal_lm", family, loss=True)
             if wrapper is None:
                 _bind(hf, state)
-                loss_runs = "ops.linear_cross_entropy (leantune's causal-LM forward)"
+                loss_runs = LEANTUNE_FORWARD_LOSS
             else:  # e.g. TRL's fused LM head around a forward patched earlier: the state revives the one inside
                 bind(hf, state)
                 loss_runs = getattr(wrapper, LOSS_HEAD_ATTR, None) or (
@@ -192,7 +248,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         "loss_runs": loss_runs,
         "unpatched": left,
     }
-    hf.__dict__[SUMMARY_ATTR] = summary
+    hf.__dict__[SUMMARY_ATTR] = PatchSummary(hf, summary)
     logger.info("leantune.patch(%s): %s", type(hf).__name__, _describe(summary))
     return model
 

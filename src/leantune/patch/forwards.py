@@ -36,6 +36,7 @@ from .document_attention import remember_single_sequences
 from .families import Family
 from .input_embeddings import input_embeddings
 from .lora_status import carries_fusable_lora, has_hooks, lora_status
+from .missing_logits import logits_for_caller
 
 
 # --------------------------------------------------------------------------------------------------- module state
@@ -252,6 +253,10 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
             logits = torch.tanh(logits / softcap) * softcap
         head_logits = head_logits.reshape(-1, head_logits.shape[-1])
     loss = _causal_lm_loss(self.lm_head, hidden, shift_labels, num_items, ignore_index, softcap, head_logits)
+    # what ran, for the summary's loss_runs (Python calls: a replayed CUDA graph counts once, at capture)
+    self.__dict__[LOSS_CALLS_ATTR] = self.__dict__.get(LOSS_CALLS_ATTR, 0) + 1
+    if logits is None and self.training:  # TRL <= 1.14 reads them: a stand-in whose use names the fix
+        logits = logits_for_caller()
     output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     if return_dict:
@@ -337,6 +342,7 @@ def is_leantune_forward(fn) -> bool:
     return isinstance(fn, BoundForward)
 
 
+LOSS_CALLS_ATTR = "_leantune_loss_calls"  # on the causal LM: how many losses leantune's causal-LM forward computed
 LOSS_HEAD_ATTR = "leantune_loss"  # on a wrapper's forward that serves the loss with leantune's op: what runs (str)
 
 
@@ -369,6 +375,7 @@ def holds_leantune(fn, module, depth: int = 4) -> bool:
     return False
 
 
-__all__ = ["FORWARDS", "LOSS_HEAD_ATTR", "STATE_ATTR", "BoundForward", "ModuleState", "acquire_rope", "bind",
+__all__ = ["FORWARDS", "LOSS_CALLS_ATTR", "LOSS_HEAD_ATTR", "STATE_ATTR", "BoundForward", "ModuleState",
+           "acquire_rope", "bind",
            "carries_fusable_lora", "causal_lm_forward", "holds_leantune", "is_leantune_forward", "lora_status",
            "release_rope", "rope_installed", "unbind"]
