@@ -4,11 +4,9 @@ GKDTrainer.generalized_jsd_loss on materialised logits."""
 import pytest
 import torch
 from conftest import DEVICE
-from reference import assert_close, distillation_ref, grads64
-from torch.utils._python_dispatch import TorchDispatchMode
+from reference import assert_close, distillation_ref, grads64, recording_sizes
 
 from leantune import ops
-from leantune.ops import _runtime
 
 N, H, HT, V = 13, 16, 12, 150
 
@@ -99,21 +97,9 @@ def test_never_an_n_by_v_tensor(backend):
     """No op output or leantune buffer holds N*V elements (N*V above every weight-sized tensor here)."""
     rows, vocab = 40, 50
     h, w, b, th, tw, labels = _inputs(rows=rows, vocab=vocab)
-    sizes = []
 
-    class RecordSizes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:  # the interpreter copies raw bytes
-                    sizes.append(t.numel())
-            return out
 
-    def allocator(shape, dtype, device):
-        sizes.append(torch.Size(shape).numel())
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    with _runtime.use_allocator(allocator), RecordSizes():
+    with recording_sizes() as sizes:
         ops.linear_distillation_loss(h, w, th, tw, labels, bias=b, chunk_bytes=6 * vocab * 8).backward()
     assert max(sizes) < rows * vocab, max(sizes)
     assert_close("dweight", w.grad, grads64(lambda x: distillation_ref(h, x, th, tw, labels, b), [w],

@@ -6,12 +6,11 @@ import itertools
 import pytest
 import torch
 from conftest import DEVICE, ON_GPU
-from reference import assert_close, grads64, linear_cross_entropy_ref, rel_err, tolerance
+from reference import assert_close, grads64, linear_cross_entropy_ref, recording_sizes, rel_err, tolerance
 from test_cross_entropy import _eager
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from leantune import ops
-from leantune.ops import _runtime
 
 OPTIONS = [{"label_smoothing": s, "softcap": c, "z_loss": z} for s, c, z in itertools.product([0.0, 0.1], [None, 4.0],
                                                                                           [0.0, 1e-2])]
@@ -112,19 +111,8 @@ def test_never_an_n_by_v_tensor(backend, memory):
     """No op output, leantune buffer or saved tensor holds N*V elements (budget forces several chunks)."""
     rows, vocab, hidden = 24, 160, 20  # N*V = 3840 > V*H = 3200 > N*H
     h, w, b, labels = _inputs(torch.float32, rows=rows, hidden=hidden, vocab=vocab)
-    sizes, saved = [], []
+    saved = []
 
-    class RecordSizes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:  # the interpreter copies raw bytes
-                    sizes.append(t.numel())
-            return out
-
-    def allocator(shape, dtype, device):
-        sizes.append(torch.Size(shape).numel())
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     def pack(t):
         saved.append(t.numel())
@@ -132,7 +120,7 @@ def test_never_an_n_by_v_tensor(backend, memory):
 
     chunk = _chunk_bytes(4, rows, vocab, torch.float32, memory)
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with _runtime.use_allocator(allocator), hooks, RecordSizes():
+    with recording_sizes() as sizes, hooks:
         loss = ops.linear_cross_entropy(h, w, labels, b, memory=memory, chunk_bytes=chunk)
         loss.backward()
     assert max(sizes) < rows * vocab and max(saved) < rows * vocab, (max(sizes), max(saved))

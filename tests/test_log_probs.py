@@ -4,11 +4,9 @@ for arbitrary upstream gradients on both, chunking, memory, errors."""
 import pytest
 import torch
 from conftest import DEVICE
-from reference import assert_close, grads64, log_probs_ref
-from torch.utils._python_dispatch import TorchDispatchMode
+from reference import assert_close, grads64, log_probs_ref, recording_sizes
 
 from leantune import ops
-from leantune.ops import _runtime
 
 
 def _inputs(dtype, shape=(3, 7), hidden=40, vocab=230, bias=True, grads=(True, True, True), ignored=3):
@@ -102,22 +100,11 @@ def test_never_an_n_by_v_tensor(backend):
     """No output, leantune buffer or saved tensor holds N*V elements; forward and backward chunked."""
     rows, vocab, hidden = 24, 160, 20
     h, w, b, tokens = _inputs(torch.float32, shape=(rows,), hidden=hidden, vocab=vocab)
-    sizes, saved = [], []
+    saved = []
 
-    class RecordSizes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:  # the interpreter copies raw bytes
-                    sizes.append(t.numel())
-            return out
-
-    def allocator(shape, dtype, device):
-        sizes.append(torch.Size(shape).numel())
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel()), t)[1], lambda t: t)
-    with _runtime.use_allocator(allocator), hooks, RecordSizes():
+    with recording_sizes() as sizes, hooks:
         log_probs = ops.linear_log_probs(h, w, tokens, b, temperature=0.5, chunk_bytes=rows * vocab)
         (log_probs * torch.randn_like(log_probs)).sum().backward()
     assert max(sizes) < rows * vocab and max(saved) < rows * vocab, (max(sizes), max(saved))
