@@ -105,7 +105,8 @@ def _lora_config(spec):
     from peft import LoraConfig
 
     return LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, target_modules=TARGETS, lora_dropout=0.0,
-                      init_lora_weights=False, bias="none", task_type="CAUSAL_LM", use_dora=spec.dora)
+                      init_lora_weights=False, bias="none", task_type="CAUSAL_LM",
+                      use_dora=getattr(spec, "dora", False))  # trl_bench's specs have no dora field
 
 
 def _checkpointing(model, spec) -> None:

@@ -108,9 +108,10 @@ def z_loss_term(lse, labels, ignore_index, z_loss, reduction, num_items):
 
 
 def cross_entropy_with_options(logits, labels, *, reduction, num_items, weight, use_token_scaling, return_z_loss,
-                  return_token_accuracy, **kwargs):
-    """:func:`leantune.ops.cross_entropy` with Liger's options on its rows (module docstring)."""
-    from .cross_entropy import _cross_entropy, _softcap_torch  # that module imports this one
+                               return_token_accuracy, row_losses, softcap_fn, **kwargs):
+    """:func:`leantune.ops.cross_entropy` with Liger's options on its rows (module docstring). ``row_losses`` and
+    ``softcap_fn`` are that module's ``_cross_entropy`` and ``_softcap_torch`` (passed in: it imports this one)."""
+    _cross_entropy, _softcap_torch = row_losses, softcap_fn
 
     for name, value in (("return_token_accuracy", return_token_accuracy), ("return_z_loss", return_z_loss)):
         if not isinstance(value, bool):

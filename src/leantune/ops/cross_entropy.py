@@ -474,7 +474,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, sof
             logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
             z_loss=z_loss, reduction=reduction, num_items=num_items, checks=checks, weight=weight,
             use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
-            return_token_accuracy=return_token_accuracy)
+            return_token_accuracy=return_token_accuracy, row_losses=_cross_entropy, softcap_fn=_softcap_torch)
     return _cross_entropy(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
                           softcap=softcap, z_loss=z_loss, reduction=reduction, num_items=num_items, checks=checks)
 
