@@ -28,6 +28,7 @@ eagerly from then on (same results, host-paced).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
@@ -177,7 +178,7 @@ class CapturedStep:
         stream = self.stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else _null():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             out = self._run(inputs)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -211,14 +212,6 @@ class CapturedStep:
         self._update()
         norm = None if self._static_norm is None else self._static_norm.clone()
         return total, norm
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def graphable_optimizer(params: Sequence, lr: float, **kwargs):

@@ -25,12 +25,10 @@ No host sync: divisors and counts stay tensors, so ``checks="deferred"`` keeps i
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from . import _runtime
-from ._loss import REDUCTIONS
+from ._loss import check_options
 
 
 def check_extras(labels, n_vocab, weight, weight_name, use_token_scaling, label_smoothing, z_loss):
@@ -48,20 +46,11 @@ def check_extras(labels, n_vocab, weight, weight_name, use_token_scaling, label_
                          f"{label_smoothing}, z_loss={z_loss})")
 
 
-def check_reduction(reduction, num_items) -> None:
-    """The reduction keywords the op does not see (it runs with "none"): ValueError as the op's own checks."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if num_items is None:
-        return
-    if reduction != "mean":
-        raise ValueError(f"num_items is only valid with reduction='mean', got reduction={reduction!r}")
-    if isinstance(num_items, torch.Tensor):
-        if num_items.dim() != 0 or num_items.dtype == torch.bool or num_items.is_complex():
-            raise ValueError(f"num_items must be an int or a 0-dim real tensor, got shape {tuple(num_items.shape)} "
-                             f"{num_items.dtype}")
-    elif isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral) or num_items < 0:
-        raise ValueError(f"num_items must be an int >= 0 or a 0-dim tensor, got {num_items!r}")
+def check_reduction(reduction, num_items, device) -> None:
+    """The reduction keywords the op does not see (it runs with "none"): the loss ops' own checks
+    (``_loss.check_options`` on no labels, deferred: no host read), ValueError with their messages."""
+    check_options(torch.zeros(0, dtype=torch.int64, device=device), 1, -100, 0.0, None, 0.0, reduction, num_items,
+                  "deferred")
 
 
 def reduce_rows(rows, labels, ignore_index, reduction, num_items, weight, use_token_scaling):
@@ -118,7 +107,7 @@ def cross_entropy_with_options(logits, labels, *, reduction, num_items, weight, 
             raise ValueError(f"{name} must be a bool, got {value!r}")
     check_extras(labels, logits.shape[1], weight, "weight", use_token_scaling,
                                kwargs["label_smoothing"], kwargs["z_loss"])
-    check_reduction(reduction, num_items)
+    check_reduction(reduction, num_items, logits.device)
     out = _cross_entropy(logits, labels, reduction="none", num_items=None, with_lse=return_z_loss,
                          **kwargs)
     rows, lse = out if return_z_loss else (out, None)

@@ -188,6 +188,11 @@ def _recompute_backward(impl, hidden, weight, bias, labels, lse, scale, opts, ch
     return dhidden, dweight, dbias
 
 
+def compute_inputs(hidden, weight, bias, compute_dtype):
+    """hidden, weight and bias (or None) in the dtype the head's GEMMs run in (autocast's, else hidden's)."""
+    return hidden.to(compute_dtype), weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd node of :func:`linear_cross_entropy`.
 
@@ -203,8 +208,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.impl, ctx.opts, ctx.reduction, ctx.chunk_bytes, ctx.wants = impl, opts, reduction, chunk_bytes, wants
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
-            b = None if bias is None else bias.to(compute_dtype)
+            h, w, b = compute_inputs(hidden, weight, bias, compute_dtype)
             fast = memory == "fast" and reduction != "none" and any(wants) and not statistics
             ctx.fast = fast
             # "lse" (internal, for return_z_loss) is the forward's own lse: no statistics pass for it alone
@@ -367,7 +371,7 @@ def _with_options(hidden, weight, labels, bias, *, reduction, num_items, statist
         raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     _loss_options.check_extras(labels, weight.shape[0], ce_weight, "ce_weight", use_token_scaling,
                                kwargs["label_smoothing"], kwargs["z_loss"])
-    _loss_options.check_reduction(reduction, num_items)
+    _loss_options.check_reduction(reduction, num_items, hidden.device)
     asked = check_statistics(statistics)
     wanted = (asked + (("is_top1",) if return_token_accuracy and "is_top1" not in asked else ())
 )

@@ -44,7 +44,7 @@ import triton.language as tl
 from . import _runtime
 from ._loss import Options, check_options
 from .cross_entropy import _softcap, _softcap_torch, loss_rows, row_statistics, vocab_block
-from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, _logits_into, _recompute_backward, chunk_length
+from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, _logits_into, _recompute_backward, chunk_length, compute_inputs
 
 _SCRATCH_STATISTICS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # row_statistics writes them beside entropy
 
@@ -142,8 +142,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         ctx.impl, ctx.opts, ctx.alpha, ctx.chunk_bytes, ctx.wants = impl, opts, alpha, chunk_bytes, wants
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
-            b = None if bias is None else bias.to(compute_dtype)
+            h, w, b = compute_inputs(hidden, weight, bias, compute_dtype)
             log_probs, lse, entropy = _forward(impl, h, w, b, tokens, opts, alpha, chunk_bytes, with_entropy)
         if any(wants):
             ctx.save_for_backward(h, w, b, tokens, lse, entropy)
