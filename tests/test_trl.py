@@ -328,9 +328,12 @@ def test_grpo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, 
     _compare(ref_logs, logs, ("entropy", "reward", "reward_std"))
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):
         # two fp32 computations of one norm (TRL's full logits, leantune's chunks), each within fp32's 1e-5 of the
-        # float64 value: their difference is bounded by the sum (one draw in ~10: 1.47e-5)
-        assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= 2e-5 * float(ref["grad_norm"]), (
-            step, out["grad_norm"], ref["grad_norm"])
+        # float64 value: their difference is bounded by the sum (one draw in ~10: 1.47e-5). With equal rewards the
+        # advantages are 0 and the gradient is beta KL's (exp(d) - 1) dlogp at d ~ 1e-3 plus the entropy bonus's:
+        # eps / d ~ 1e-4 relative, as in RLOO's test (one draw: 5.3e-5)
+        bar = 2e-5 if float(ref["reward_std"]) > 0 else 1e-4
+        assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= bar * float(ref["grad_norm"]), (
+            step, out["grad_norm"], ref["grad_norm"], ref["reward_std"])
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):
         # both are differences that cancel in fp32, so their rounding is absolute: the surrogate sums
         # advantage-weighted ratios of 1 to ~0 (advantages centred per group), leaving beta KL ~1e-6; TRL's k3
