@@ -124,13 +124,13 @@ part_trl_sft() {  # TRL SFT only, 8B 4096 x 1: leantune with and without the hea
     > "$OUT/trl-sft.log" 2>&1; echo "trl sft exit $?"; tail -8 "$OUT/trl-sft.log"
 }
 
-# Issue #25's step figures: 20 timed steps per run, three runs per implementation interleaved in one call (the
-# worst quoted), step ms median / min / p90, host issue ms, GPU-busy fraction from a separate profiled pass of 3 steps.
+# Issue #25's step figures: 20 timed steps per run, three runs (REPEAT) per implementation (IMPLS, default
+# hf+peft,leantune+graph) interleaved in one call (the worst quoted), step ms median / min / p90, host issue ms, GPU-busy fraction from a separate profiled pass of 3 steps.
 # One part per device call (each about 6-7 minutes for 8B: 6 children of ~10 s start + 20-40 s build + 25 steps + the
 # profiled pass; about 4 minutes for 1B): host (8B GC on), host-off (8B GC off), host-1b (1B, 8192 x 2, GC on).
 host_e2e() {  # $1: subfolder of $OUT, then the e2e options
   local name=$1; shift
-  timeout $(bound 560) python3 -m leantune bench e2e "$@" --steps 20 --repeat 3 --impls hf+peft,leantune \
+  timeout $(bound 560) python3 -m leantune bench e2e "$@" --steps 20 --repeat ${REPEAT:-3} --impls ${IMPLS:-hf+peft,leantune+graph} \
     --matmul-tflops 700 --budget-s $(( $(bound 560) - 10 )) --compare --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   echo "$name exit $?"; grep -E "tokens/s of 3 runs|x[0-9.]+, peak|not run" "$OUT/$name.log"
   sed -n '/^Step times/,$p' "$OUT/$name/results.md" 2>/dev/null  # the step table (no max-context or ops here)
