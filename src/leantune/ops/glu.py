@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu_erf")
 APPROXIMATIONS = {"tanh": "geglu_tanh", "none": "geglu_erf"}
@@ -93,6 +93,7 @@ def glu_activation(g, ACTIVATION: tl.constexpr):
     return act, d_act
 
 
+@_launch.bound
 @triton.jit
 def _glu_forward_kernel(
     G, U, H,
@@ -110,6 +111,7 @@ def _glu_forward_kernel(
     tl.store(H + row * stride_h + cols, (act * u).to(H.dtype.element_ty), mask=mask)
 
 
+@_launch.bound
 @triton.jit
 def _glu_backward_kernel(
     DH, G, U, DG, DU,

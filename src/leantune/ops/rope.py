@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 
 MAX_TILE_ELEMENTS = 4096  # elements of one tensor a program holds at once (a head block of q, or one of k)
 
@@ -78,6 +78,7 @@ def _store_heads(
     tl.store(y_row + pass_cols[None, :], y_pass.to(Y.dtype.element_ty), mask=pass_mask)
 
 
+@_launch.bound
 @triton.jit
 def _rope_kernel(
     Q, K, Q_OUT, K_OUT, COS, SIN,

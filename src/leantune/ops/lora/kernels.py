@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _dot, _runtime
+from .. import _dot, _launch, _runtime
 from .._dot import mixed_dot
 
 
@@ -26,6 +26,7 @@ def _keep(seed, rows64, cols, n_cols, p):
     return tl.rand(seed, rows64[:, None] * n_cols + cols[None, :]) >= p
 
 
+@_launch.bound
 @triton.jit
 def _dropout_kernel(
     X, XD, SEEDS, seed_index,
@@ -42,6 +43,7 @@ def _dropout_kernel(
     tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], xd.to(XD.dtype.element_ty), mask=mask)
 
 
+@_launch.bound
 @triton.jit
 def _lowrank_add_kernel(
     BASE, P, Q, OUT, X, XD, SEEDS, seed_index,
@@ -83,6 +85,7 @@ def _lowrank_add_kernel(
 # loaded as stored), the other the small fp32/bf16 factor (A^T, B, xa or g), multiplied by ``_dot.mixed_dot`` without
 # a materialised upcast copy. The dropout mask is a 0/1 product on the stored values (exact in any dtype);
 # 1 / (1 - p) rides on the final scale.
+@_launch.bound
 @triton.jit
 def _skinny_matmul_kernel(
     A, B, C, SEEDS, seed_index,
@@ -117,6 +120,7 @@ def _skinny_matmul_kernel(
              out.to(C.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
 
+@_launch.bound
 @triton.jit
 def _skinny_tn_kernel(
     P, X, C, SEEDS, seed_index,
