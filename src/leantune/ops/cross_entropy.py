@@ -222,11 +222,8 @@ def vocab_block(device: torch.device, n_cols: int) -> int:
 
 
 def _flags(opts: Options) -> dict:
-    return {
-        "HAS_SOFTCAP": opts.softcap is not None,
-        "HAS_SMOOTHING": opts.label_smoothing > 0.0,
-        "HAS_Z_LOSS": opts.z_loss > 0.0,
-    }
+    return {"HAS_SOFTCAP": opts.softcap is not None, "HAS_SMOOTHING": opts.label_smoothing > 0.0,
+            "HAS_Z_LOSS": opts.z_loss > 0.0}
 
 
 def _forward_triton(logits, labels, opts, loss, lse, grad, grad_scale):

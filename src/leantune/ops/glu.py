@@ -317,10 +317,11 @@ def glu_backward(dh, gate, up, activation, *, inplace=False):
 
 
 class GLUFunction(torch.autograd.Function):
-    """Autograd node of :func:`swiglu` / :func:`geglu`; saves gate and up (the caller's tensors, no copies)."""
+    """Autograd node of :func:`swiglu` / :func:`geglu`; saves gate and up (the caller's tensors, no copies). No
+    ``torch.amp.custom_fwd``/``custom_bwd``: elementwise only, nothing autocast-eligible (re-entering autocast in
+    backward cost host time on every call)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, gate, up, activation):
         impl = _runtime.backend(gate.device)
         h = _forward(gate, up, activation, impl)
@@ -329,7 +330,6 @@ class GLUFunction(torch.autograd.Function):
         return h
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     @_runtime.first_derivative_only
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
