@@ -127,10 +127,10 @@ class BoundKernel:
             if layout is not _UNSUPPORTED:
                 keyfn, entries = layout
                 runtime = knobs.runtime
-                key = (_get_device(), runtime.debug, keyfn(*args), *kwargs.items())
                 try:
+                    key = (_get_device(), runtime.debug, keyfn(*args), *kwargs.items())
                     entry = entries.get(key)
-                except TypeError:  # an unhashable constexpr or option
+                except Exception:  # an unhashable constexpr or option, a tensor without an address: the JIT decides
                     entry = key = None
                 enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
                 quiet = (enter.__class__ is HookChain and not enter.calls and leave.__class__ is HookChain

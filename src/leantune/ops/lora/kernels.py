@@ -11,6 +11,8 @@ r"""The LoRA branch's Triton kernels and their launchers (derivation: :mod:`lean
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -212,9 +214,10 @@ def _dot_mode(low_dtype, factor_dtype, precision):
     return _dot.DOT_IEEE  # fp16 activations with fp32 factors: no exact fp16 split (range), fp32 FMA
 
 
+@functools.lru_cache(maxsize=1024)
 def _splits(device, n_tiles, n_inner, block, per_sm):
     """(splits, inner length per split): enough programs to fill the card (a few per SM) when the tile grid alone
-    does not; each split a whole number of blocks."""
+    does not; each split a whole number of blocks. Cached: a few shapes per model, every launch asks."""
     target = _runtime.persistent_programs(device, 1 << 30, per_sm)
     splits = max(1, min(_runtime.cdiv(n_inner, block), _runtime.cdiv(target, n_tiles)))
     per_split = _runtime.cdiv(_runtime.cdiv(n_inner, splits), block) * block
