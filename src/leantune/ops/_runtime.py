@@ -80,7 +80,7 @@ _allocator: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor from the current allocator (every kernel output and work buffer comes from here)."""
-    return _allocator(tuple(int(s) for s in shape), dtype, torch.device(device))
+    return _allocator(tuple(map(int, shape)), dtype, device if type(device) is torch.device else torch.device(device))
 
 
 @contextlib.contextmanager
@@ -192,6 +192,10 @@ def check_tensor(name: str, t, *, float_only: bool = True) -> None:
 def check_same_device(**tensors) -> torch.device:
     """Raise ValueError unless every non-None tensor is on one device; return that device."""
     present = {k: v for k, v in tensors.items() if v is not None}
+    values = iter(present.values())
+    device = next(values).device
+    if all(v.device == device for v in values):  # the common case, without formatting device names
+        return device
     devices = {str(v.device) for v in present.values()}
     if len(devices) > 1:
         where = ", ".join(f"{k} on {v.device}" for k, v in present.items())

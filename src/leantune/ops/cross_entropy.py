@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _loss_options, _runtime
+from . import _launch, _loss_options, _runtime
 from ._loss import Options, check_options, mean_divisor, reduce, row_scale
 
 GPU_BLOCK_V = 8192  # vocab chunk per loop iteration on the GPU (16 fp32 values a thread at 16 warps)
@@ -106,6 +106,7 @@ def _write_gradient(
     tl.store(grad_row + offs, g.to(grad_row.dtype.element_ty), mask=mask)
 
 
+@_launch.bound
 @triton.jit
 def _cross_entropy_forward_kernel(
     LOGITS, LABELS, LOSS, LSE, GRAD, GRAD_SCALE,
@@ -153,6 +154,7 @@ def _cross_entropy_forward_kernel(
                             label_smoothing, softcap, z_loss, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
 
 
+@_launch.bound
 @triton.jit
 def _cross_entropy_backward_kernel(
     LOGITS, LABELS, LSE, SCALE, GRAD,
@@ -173,6 +175,7 @@ def _cross_entropy_backward_kernel(
                         HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS)
 
 
+@_launch.bound
 @triton.jit
 def _row_statistics_kernel(
     LOGITS, LABELS, LSE, ENTROPY, LOG_SUM_SQ, MEAN, TOP1,
@@ -219,11 +222,8 @@ def vocab_block(device: torch.device, n_cols: int) -> int:
 
 
 def _flags(opts: Options) -> dict:
-    return {
-        "HAS_SOFTCAP": opts.softcap is not None,
-        "HAS_SMOOTHING": opts.label_smoothing > 0.0,
-        "HAS_Z_LOSS": opts.z_loss > 0.0,
-    }
+    return {"HAS_SOFTCAP": opts.softcap is not None, "HAS_SMOOTHING": opts.label_smoothing > 0.0,
+            "HAS_Z_LOSS": opts.z_loss > 0.0}
 
 
 def _forward_triton(logits, labels, opts, loss, lse, grad, grad_scale):

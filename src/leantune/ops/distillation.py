@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 from ._loss import check_options
 from .cross_entropy import vocab_block
 from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, _add_product, _logits_into, chunk_length
@@ -46,6 +46,7 @@ REDUCTIONS = ("batchmean", "sum")
 _FORWARD_KL, _REVERSE_KL, _JSD = 0, 1, 2
 
 
+@_launch.bound
 @triton.jit
 def _distillation_rows_kernel(
     STUDENT, TEACHER, LABELS, LOSS, GRAD_SCALE,

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu_erf")
 APPROXIMATIONS = {"tanh": "geglu_tanh", "none": "geglu_erf"}
@@ -93,6 +93,7 @@ def glu_activation(g, ACTIVATION: tl.constexpr):
     return act, d_act
 
 
+@_launch.bound
 @triton.jit
 def _glu_forward_kernel(
     G, U, H,
@@ -110,6 +111,7 @@ def _glu_forward_kernel(
     tl.store(H + row * stride_h + cols, (act * u).to(H.dtype.element_ty), mask=mask)
 
 
+@_launch.bound
 @triton.jit
 def _glu_backward_kernel(
     DH, G, U, DG, DU,
@@ -315,10 +317,11 @@ def glu_backward(dh, gate, up, activation, *, inplace=False):
 
 
 class GLUFunction(torch.autograd.Function):
-    """Autograd node of :func:`swiglu` / :func:`geglu`; saves gate and up (the caller's tensors, no copies)."""
+    """Autograd node of :func:`swiglu` / :func:`geglu`; saves gate and up (the caller's tensors, no copies). No
+    ``torch.amp.custom_fwd``/``custom_bwd``: elementwise only, nothing autocast-eligible (re-entering autocast in
+    backward cost host time on every call)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, gate, up, activation):
         impl = _runtime.backend(gate.device)
         h = _forward(gate, up, activation, impl)
@@ -327,7 +330,6 @@ class GLUFunction(torch.autograd.Function):
         return h
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     @_runtime.first_derivative_only
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors

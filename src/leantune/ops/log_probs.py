@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 from ._loss import Options, check_options
 from .cross_entropy import _softcap, _softcap_torch, loss_rows, row_statistics, vocab_block
 from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, _logits_into, _recompute_backward, chunk_length, compute_inputs
@@ -49,6 +49,7 @@ from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, _logits_into, _recompute_
 _SCRATCH_STATISTICS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # row_statistics writes them beside entropy
 
 
+@_launch.bound
 @triton.jit
 def _log_probs_entropy_backward_kernel(
     LOGITS, TOKENS, LSE, ROWS, GRAD,

@@ -25,13 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 
 CASTINGS = ("llama", "gemma")
 MAX_HIDDEN = 65536  # one row per program in registers
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
+@_launch.bound
 @triton.jit
 def _rms_norm_forward_kernel(
     X, W, Y, RSTD,
@@ -58,6 +59,7 @@ def _rms_norm_forward_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@_launch.bound
 @triton.jit
 def _rms_norm_backward_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,

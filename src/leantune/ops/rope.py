@@ -30,11 +30,13 @@ once. q, k, the upstream gradients and cos/sin may have any strides, e.g. q/k as
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 
 MAX_TILE_ELEMENTS = 4096  # elements of one tensor a program holds at once (a head block of q, or one of k)
 
@@ -78,6 +80,7 @@ def _store_heads(
     tl.store(y_row + pass_cols[None, :], y_pass.to(Y.dtype.element_ty), mask=pass_mask)
 
 
+@_launch.bound
 @triton.jit
 def _rope_kernel(
     Q, K, Q_OUT, K_OUT, COS, SIN,
@@ -140,6 +143,22 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+@functools.lru_cache(maxsize=256)
+def _launch_shape(n_q_heads, n_k_heads, head_dim, rotary_dim):
+    """(half, n_blocks, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, num_warps) for one head configuration (a few
+    per model: computed once, not per launch)."""
+    half = rotary_dim // 2
+    block_half = _runtime.next_power_of_2(half)
+    block_pass = _runtime.next_power_of_2(head_dim - rotary_dim)  # 1 (masked off) without pass-through dims
+    per_head = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
+    max_heads = 1 << max(0, (MAX_TILE_ELEMENTS // per_head).bit_length() - 1)  # a power of two, >= 1
+    n_blocks = max(_runtime.cdiv(n_q_heads, max_heads), _runtime.cdiv(n_k_heads, max_heads))
+    block_hq = _runtime.next_power_of_2(_runtime.cdiv(n_q_heads, n_blocks))
+    block_hk = _runtime.next_power_of_2(_runtime.cdiv(n_k_heads, n_blocks))
+    num_warps = _runtime.num_warps_for(max(block_hq, block_hk) * per_head)
+    return half, n_blocks, block_hq, block_hk, block_half, block_pass, num_warps
+
+
 def _rope_triton(q, k, q_out, k_out, cos, sin, backward):
     """One launch: q -> q_out and k -> k_out (either pair may be None: no heads of that tensor)."""
     ref = q if q is not None else k
@@ -151,14 +170,8 @@ def _rope_triton(q, k, q_out, k_out, cos, sin, backward):
     if batch * seq_len == 0 or n_q_heads + n_k_heads == 0:
         return
     rotary_dim = cos.shape[-1]
-    half = rotary_dim // 2
-    block_half = _runtime.next_power_of_2(half)
-    block_pass = _runtime.next_power_of_2(head_dim - rotary_dim)  # 1 (masked off) without pass-through dims
-    per_head = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
-    max_heads = 1 << max(0, (MAX_TILE_ELEMENTS // per_head).bit_length() - 1)  # a power of two, >= 1
-    n_blocks = max(_runtime.cdiv(n_q_heads, max_heads), _runtime.cdiv(n_k_heads, max_heads))
-    block_hq = _runtime.next_power_of_2(_runtime.cdiv(n_q_heads, n_blocks))
-    block_hk = _runtime.next_power_of_2(_runtime.cdiv(n_k_heads, n_blocks))
+    half, n_blocks, block_hq, block_hk, block_half, block_pass, num_warps = _launch_shape(
+        n_q_heads, n_k_heads, head_dim, rotary_dim)
     # an absent tensor: 0 heads, its pointers/strides borrowed from the other one (never dereferenced)
     q, q_out = (_unit_last(q), q_out) if q is not None else (k, k_out)
     k, k_out = (_unit_last(k), k_out) if k is not None else (q, q_out)
@@ -169,7 +182,7 @@ def _rope_triton(q, k, q_out, k_out, cos, sin, backward):
         seq_len, n_q_heads, n_k_heads, half, rotary_dim, head_dim,
         *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3], *_cos_sin_strides(cos),
         BACKWARD=backward, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        num_warps=_runtime.num_warps_for(max(block_hq, block_hk) * per_head),
+        num_warps=num_warps,
     )
 
 
@@ -194,7 +207,17 @@ def _rope_torch(q, k, q_out, k_out, cos, sin, backward):
 
 def _layout(x: torch.Tensor) -> tuple[int, ...]:
     """Order of x's first three dims from outermost to innermost stride; the head dim stays innermost."""
-    return tuple(sorted(range(3), key=lambda d: -x.stride(d))) + (3,)
+    return _layout_of(x.stride()[:3])
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_of(strides: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(3), key=lambda d: -strides[d])) + (3,)
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse(layout: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(layout.index(d) for d in range(4))
 
 
 def _out_dtype(x, cos, sin) -> torch.dtype:
@@ -206,28 +229,29 @@ def _empty_in_layout(shape, layout, dtype, device) -> torch.Tensor:
     """A [B, H, S, D] buffer from the allocator, laid out in memory in ``layout`` order (as x was: no copies
     downstream, e.g. a gradient flowing back into a packed qkv view stays contiguous there)."""
     buf = _runtime.empty([shape[d] for d in layout], dtype=dtype, device=device)
-    return buf.permute([layout.index(d) for d in range(4)])
+    return buf.permute(_inverse(layout))
 
 
 # ------------------------------------------------------------------------------------------------ autograd + API
 class RoPEFunction(torch.autograd.Function):
-    """Autograd node of :func:`rope`; saves cos and sin only."""
+    """Autograd node of :func:`rope`; saves cos and sin only. No ``torch.amp.custom_fwd``/``custom_bwd``: nothing
+    here is autocast-eligible (output dtypes follow promote(x, cos, sin) either way), and re-entering autocast in
+    backward cost host time on every call."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, q, k, cos, sin):
-        impl = _runtime.backend(q.device)
-        q_out = _empty_in_layout(q.shape, _layout(q), _out_dtype(q, cos, sin), q.device)
-        k_out = _empty_in_layout(k.shape, _layout(k), _out_dtype(k, cos, sin), k.device)
+    def forward(ctx, q, k, cos, sin, impl):
+        q_meta = (q.shape, _layout(q), q.dtype)
+        k_meta = (k.shape, _layout(k), k.dtype)
+        q_out = _empty_in_layout(q.shape, q_meta[1], _out_dtype(q, cos, sin), q.device)
+        k_out = _empty_in_layout(k.shape, k_meta[1], _out_dtype(k, cos, sin), k.device)
         rotate = _rope_triton if impl == "triton" else _rope_torch
         rotate(q, k, q_out, k_out, cos, sin, False)
         ctx.save_for_backward(cos, sin)
         ctx.impl = impl
-        ctx.meta = ((q.shape, _layout(q), q.dtype), (k.shape, _layout(k), k.dtype))
+        ctx.meta = (q_meta, k_meta)
         return q_out, k_out
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     @_runtime.first_derivative_only
     def backward(ctx, dq_out, dk_out):
         cos, sin = ctx.saved_tensors
@@ -237,7 +261,7 @@ class RoPEFunction(torch.autograd.Function):
         dq, dk = grads
         rotate = _rope_triton if ctx.impl == "triton" else _rope_torch
         rotate(dq_out if dq is not None else None, dk_out if dk is not None else None, dq, dk, cos, sin, True)
-        return dq, dk, None, None
+        return dq, dk, None, None, None
 
 
 def rope(q, k, cos, sin):
@@ -292,5 +316,5 @@ def rope(q, k, cos, sin):
     _runtime.check_same_device(q=q, k=k, cos=cos, sin=sin)
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("cos and sin must not require grad: rope treats them as constants (no gradient for them)")
-    _runtime.backend(q.device)  # raise configuration errors before any work
-    return RoPEFunction.apply(q, k, cos, sin)
+    impl = _runtime.backend(q.device)  # configuration errors raised before any work
+    return RoPEFunction.apply(q, k, cos, sin, impl)

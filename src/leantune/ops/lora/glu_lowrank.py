@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _dot, _runtime
+from .. import _dot, _launch, _runtime
 from .._dot import mixed_dot
 from ..glu import check_inputs, glu_activation, glu_forward
 
@@ -38,6 +38,7 @@ def _lowrank_tile(XA, B, rows64, cols, row_ok, col_ok, stride_xa, stride_b, rank
     return acc
 
 
+@_launch.bound
 @triton.jit
 def _glu_forward_lowrank_kernel(
     G, U, H, XA_G, B_G, XA_U, B_U,

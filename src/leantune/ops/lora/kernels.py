@@ -11,11 +11,13 @@ r"""The LoRA branch's Triton kernels and their launchers (derivation: :mod:`lean
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .. import _dot, _runtime
+from .. import _dot, _launch, _runtime
 from .._dot import mixed_dot
 
 
@@ -26,6 +28,7 @@ def _keep(seed, rows64, cols, n_cols, p):
     return tl.rand(seed, rows64[:, None] * n_cols + cols[None, :]) >= p
 
 
+@_launch.bound
 @triton.jit
 def _dropout_kernel(
     X, XD, SEEDS, seed_index,
@@ -42,6 +45,7 @@ def _dropout_kernel(
     tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], xd.to(XD.dtype.element_ty), mask=mask)
 
 
+@_launch.bound
 @triton.jit
 def _lowrank_add_kernel(
     BASE, P, Q, OUT, X, XD, SEEDS, seed_index,
@@ -83,6 +87,7 @@ def _lowrank_add_kernel(
 # loaded as stored), the other the small fp32/bf16 factor (A^T, B, xa or g), multiplied by ``_dot.mixed_dot`` without
 # a materialised upcast copy. The dropout mask is a 0/1 product on the stored values (exact in any dtype);
 # 1 / (1 - p) rides on the final scale.
+@_launch.bound
 @triton.jit
 def _skinny_matmul_kernel(
     A, B, C, SEEDS, seed_index,
@@ -117,6 +122,7 @@ def _skinny_matmul_kernel(
              out.to(C.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
 
+@_launch.bound
 @triton.jit
 def _skinny_tn_kernel(
     P, X, C, SEEDS, seed_index,
@@ -208,9 +214,10 @@ def _dot_mode(low_dtype, factor_dtype, precision):
     return _dot.DOT_IEEE  # fp16 activations with fp32 factors: no exact fp16 split (range), fp32 FMA
 
 
+@functools.lru_cache(maxsize=1024)
 def _splits(device, n_tiles, n_inner, block, per_sm):
     """(splits, inner length per split): enough programs to fill the card (a few per SM) when the tile grid alone
-    does not; each split a whole number of blocks."""
+    does not; each split a whole number of blocks. Cached: a few shapes per model, every launch asks."""
     target = _runtime.persistent_programs(device, 1 << 30, per_sm)
     splits = max(1, min(_runtime.cdiv(n_inner, block), _runtime.cdiv(target, n_tiles)))
     per_split = _runtime.cdiv(_runtime.cdiv(n_inner, splits), block) * block
