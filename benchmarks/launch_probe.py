@@ -171,7 +171,7 @@ def probe_rope(calls: int) -> None:
                 results[label][0].extend(ms)
                 results[label][1].extend(issue)
     finally:
-        _launch.ENABLED = True
+        _launch.ENABLED = True  # the probe measures the bound path from here on
     print(f"\n## RoPE fwd+bwd B{b} S{s} {hq}/{hk}h D{d} bf16, host in the loop ({calls} calls per path, "
           f"{ROUNDS} alternating rounds; target <= 0.45 ms)")
     print("| path | median ms | min ms | p90 ms | host issue ms (median) |")

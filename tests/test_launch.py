@@ -35,6 +35,12 @@ def _one_arg(a):  # a kernel signature of one runtime argument
     pass
 
 
+@pytest.fixture(autouse=True)
+def bound_path_on(monkeypatch):
+    """The bound path is off by default until proven on the card (ops/_launch.py); these tests are about it."""
+    monkeypatch.setattr(_launch, "ENABLED", True)
+
+
 def test_key_is_never_coarser_than_triton_specialisation():
     ints = [0, 1, 2, 15, 16, 17, 31, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31,
             -2**31 - 1, -2**31 - 16, 2**40, 2**40 + 3, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]

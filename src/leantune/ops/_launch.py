@@ -40,7 +40,9 @@ from triton.runtime.jit import JITFunction
 
 from . import _runtime
 
-ENABLED = True  # False: every launch through Triton's JIT path (the probe and the GPU test compare the two)
+# Off until tests/test_launch.py's GPU cases and benchmarks/launch_probe.py have run on the card (no device time was
+# left in the session that wrote this: benchmarks/NOTES.md). False: every launch through Triton's JIT path.
+ENABLED = False
 MAX_ENTRIES = 256  # bound kernels kept per argument layout; a full table is cleared (shapes that keep changing)
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
