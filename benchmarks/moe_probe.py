@@ -99,61 +99,37 @@ def main() -> None:
     def tgm(a, b, **kw):
         return torch._grouped_mm(a, b, offs=offsets, **kw)
 
+    def plain(a, b):
+        """A frozen product c[rows_e] = a[rows_e] @ b[e] in the five forms a case row holds."""
+        return (2 * a.shape[0] * a.shape[1] * b.shape[2], lambda: moe_kernels.grouped_mm(a, b, offsets),
+                lambda: tgm(a, b), lambda: loop_mm(a, b, spans), lambda: loop_mm(a.float(), b.float(), spans))
+
+    def outer(a, b):
+        """c[e] = a[rows_e]^T @ b[rows_e]; the loop runs in fp32 (the adapters' dtype) and is the reference."""
+        return (2 * a.shape[0] * a.shape[1] * b.shape[1], lambda: moe_kernels.grouped_outer(a, b, offsets),
+                lambda: tgm(a.to(BF16).T, b.to(BF16)), lambda: loop_outer(a.float(), b.float(), spans),
+                lambda: loop_outer(a.float(), b.float(), spans))
+
+    lowrank = (xa, b_gu_t, SCALE)
     # name: (flops, leantune, torch._grouped_mm, per-expert loop (the eager bar), fp32 per-expert reference)
     cases = {
-        "gate_up fwd  x W^T": (
-            2 * m * H * 2 * I,
-            lambda: moe_kernels.grouped_mm(x, w_gu.transpose(1, 2), offsets),
-            lambda: tgm(x, w_gu.transpose(1, 2)),
-            lambda: loop_mm(x, w_gu.transpose(1, 2), spans),
-            lambda: loop_mm(x.float(), w_gu.float().transpose(1, 2), spans),
-        ),
+        "gate_up fwd  x W^T": plain(x, w_gu.transpose(1, 2)),
         "gate_up fwd + LoRA": (
             2 * m * (H + RANK) * 2 * I,
-            lambda: moe_kernels.grouped_mm(x, w_gu.transpose(1, 2), offsets, lowrank=(xa, b_gu_t, SCALE)),
+            lambda: moe_kernels.grouped_mm(x, w_gu.transpose(1, 2), offsets, lowrank=lowrank),
             lambda: tgm(x, w_gu.transpose(1, 2)) + SCALE * tgm(xa.to(BF16), b_gu_t.to(BF16)),
-            lambda: loop_mm(x, w_gu.transpose(1, 2), spans, lowrank=(xa, b_gu_t, SCALE)),
-            lambda: loop_mm(x.float(), w_gu.float().transpose(1, 2), spans, lowrank=(xa, b_gu_t, SCALE)),
+            lambda: loop_mm(x, w_gu.transpose(1, 2), spans, lowrank=lowrank),
+            lambda: loop_mm(x.float(), w_gu.float().transpose(1, 2), spans, lowrank=lowrank),
         ),
-        "down fwd     h W^T": (
-            2 * m * I * H,
-            lambda: moe_kernels.grouped_mm(h, w_d.transpose(1, 2), offsets),
-            lambda: tgm(h, w_d.transpose(1, 2)),
-            lambda: loop_mm(h, w_d.transpose(1, 2), spans),
-            lambda: loop_mm(h.float(), w_d.float().transpose(1, 2), spans),
-        ),
-        "down dX      dY W": (
-            2 * m * H * I,
-            lambda: moe_kernels.grouped_mm(d_y, w_d, offsets),
-            lambda: tgm(d_y, w_d),
-            lambda: loop_mm(d_y, w_d, spans),
-            lambda: loop_mm(d_y.float(), w_d.float(), spans),
-        ),
-        "gate_up dX   dGU W": (
-            2 * m * 2 * I * H,
-            lambda: moe_kernels.grouped_mm(d_gu, w_gu, offsets),
-            lambda: tgm(d_gu, w_gu),
-            lambda: loop_mm(d_gu, w_gu, spans),
-            lambda: loop_mm(d_gu.float(), w_gu.float(), spans),
-        ),
-        "LoRA dB_gu   dGU^T xa": (
-            2 * m * 2 * I * RANK,
-            lambda: moe_kernels.grouped_outer(d_gu, xa, offsets),
-            lambda: tgm(d_gu.T, xa.to(BF16)),
-            lambda: loop_outer(d_gu.float(), xa, spans),
-            lambda: loop_outer(d_gu.float(), xa, spans),
-        ),
-        "LoRA dA_gu   g^T x": (
-            2 * m * RANK * H,
-            lambda: moe_kernels.grouped_outer(g, x, offsets),
-            lambda: tgm(g.to(BF16).T, x),
-            lambda: loop_outer(g, x.float(), spans),
-            lambda: loop_outer(g, x.float(), spans),
-        ),
+        "down fwd     h W^T": plain(h, w_d.transpose(1, 2)),
+        "down dX      dY W": plain(d_y, w_d),
+        "gate_up dX   dGU W": plain(d_gu, w_gu),
+        "LoRA dB_gu   dGU^T xa": outer(d_gu, xa),
+        "LoRA dA_gu   g^T x": outer(g, x),
     }
 
     def launches():
-        moe_kernels.grouped_mm(x, w_gu.transpose(1, 2), offsets, lowrank=(xa, b_gu_t, SCALE))
+        moe_kernels.grouped_mm(x, w_gu.transpose(1, 2), offsets, lowrank=lowrank)
         moe_kernels.grouped_outer(d_gu, xa, offsets)
 
     launches()  # compiled outside the check
