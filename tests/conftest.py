@@ -67,3 +67,23 @@ def pytest_runtest_makereport(item, call):
         seeds = [v for k, v in item.user_properties if k == "seed"]
         if seeds:
             report.sections.append(("seed", f"LEANTUNE_TEST_SEED={seeds[0]} replays this draw"))
+
+
+@pytest.fixture(autouse=True)
+def python_signal_handlers():
+    """Each test starts with Python's own Ctrl-C handler (KeyboardInterrupt), as the ``leantune`` process has; a
+    pytest-xdist worker can hold SIG_IGN for SIGINT (seen: the signal tests of test_export.py then saw no signal and
+    failed, or passed without testing anything). A test that leaves a handler or the signal mask changed fails."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    changed = {signal.Signals(sig).name: signal.getsignal(sig) for sig in before
+               if signal.getsignal(sig) != (signal.default_int_handler if sig == signal.SIGINT else before[sig])}
+    for sig, handler in before.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    now = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    assert not changed, f"signal handlers left changed: {changed}"
+    assert now == mask, f"signal mask left changed: {now} (was {mask})"
