@@ -93,8 +93,15 @@ class ExpertWeights(NamedTuple):
 
 # -------------------------------------------------------------------------------------------- torch grouped GEMMs
 def _aligned(t: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes ``t`` as it is: row- or column-major matrices (a PEFT ``lora_B`` view, expert
+    stride 1, is neither), every other stride a multiple of 16 bytes, the batch stride the outermost."""
     size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
+    rows, cols = t.stride()[-2:]
+    if 1 not in (rows, cols) or t.data_ptr() % 16:
+        return False
+    if t.dim() == 3 and t.stride(0) < t.shape[1] * t.shape[2]:
+        return False
+    return all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
 
 
 def _pad_to(t: torch.Tensor, dim: int) -> torch.Tensor:
