@@ -12,11 +12,26 @@ upcast copy of the wide operand (the LoRA skinny products in lora.py, the gate/u
 UPCAST (set under Triton's interpreter, whose bf16 dot is garbage) feeds the dots fp32 copies of the same parts.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 # DOT_MODE values, for the launchers (the kernels compare against the literals)
 DOT_IEEE, DOT_SPLIT3, DOT_NATIVE = 0, 1, 2
+
+
+def dot_mode(low_dtype: torch.dtype, factor_dtype: torch.dtype, precision: str = "auto") -> int:
+    """DOT_MODE for a product of a stored activation tile (``low_dtype``) and a factor tile (``factor_dtype``);
+    ``precision="ieee"`` forces exact fp32 FMA. Raises ValueError for any other precision."""
+    if precision not in ("auto", "ieee"):
+        raise ValueError(f"precision must be 'auto' or 'ieee', got {precision!r}")
+    if precision == "ieee" or low_dtype == torch.float32:
+        return DOT_IEEE
+    if factor_dtype == low_dtype:
+        return DOT_NATIVE
+    if low_dtype == torch.bfloat16 and factor_dtype == torch.float32:
+        return DOT_SPLIT3
+    return DOT_IEEE  # fp16 activations with fp32 factors: no exact fp16 split (range), fp32 FMA
 
 
 @triton.jit

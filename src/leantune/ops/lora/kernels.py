@@ -194,20 +194,6 @@ def lowrank_add_triton(base, lhs, rhs, scale, out_dtype, seeds, index, p, x):
     return out, xd
 
 
-def _dot_mode(low_dtype, factor_dtype, precision):
-    """DOT_MODE (ops/_dot.py) for a product of a stored activation tile (low_dtype) and a factor tile
-    (factor_dtype)."""
-    if precision not in ("auto", "ieee"):
-        raise ValueError(f"precision must be 'auto' or 'ieee', got {precision!r}")
-    if precision == "ieee" or low_dtype == torch.float32:
-        return _dot.DOT_IEEE
-    if factor_dtype == low_dtype:
-        return _dot.DOT_NATIVE
-    if low_dtype == torch.bfloat16 and factor_dtype == torch.float32:
-        return _dot.DOT_SPLIT3
-    return _dot.DOT_IEEE  # fp16 activations with fp32 factors: no exact fp16 split (range), fp32 FMA
-
-
 def _splits(device, n_tiles, n_inner, block, per_sm):
     """(splits, inner length per split): enough programs to fill the card (a few per SM) when the tile grid alone
     does not; each split a whole number of blocks."""
@@ -258,7 +244,7 @@ def skinny_matmul(a, b, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=N
         a, b, dest, seeds if has_mask else a, index,
         a.stride(0), b.stride(0), b.stride(1), dest.stride(0) if splits > 1 else 0, dest.stride(-2),
         n_rows, n_inner, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
-        HAS_MASK=has_mask, DOT_MODE=_dot_mode(a.dtype, b.dtype, precision), UPCAST=_runtime.KERNELS_INTERPRETED,
+        HAS_MASK=has_mask, DOT_MODE=_dot.dot_mode(a.dtype, b.dtype, precision), UPCAST=_runtime.KERNELS_INTERPRETED,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_runtime.rank_block(rank), num_warps=num_warps,
     )
     if splits > 1:
@@ -301,7 +287,7 @@ def skinny_tn(lhs, x, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=Non
         lhs, x, dest, seeds if has_mask else x, index,
         lhs.stride(0), x.stride(0), *strides,
         n_rows, n_cols, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
-        HAS_MASK=has_mask, DOT_MODE=_dot_mode(x.dtype, lhs.dtype, precision), UPCAST=_runtime.KERNELS_INTERPRETED,
+        HAS_MASK=has_mask, DOT_MODE=_dot.dot_mode(x.dtype, lhs.dtype, precision), UPCAST=_runtime.KERNELS_INTERPRETED,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_runtime.rank_block(rank), num_warps=num_warps,
     )
     if splits > 1:
