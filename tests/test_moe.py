@@ -143,6 +143,19 @@ def test_grouped_mm_padding_matches_matmul(backend):
     assert outer.shape == (3, 5, 3) and torch.all(outer[1] == 0)
 
 
+def test_backend_runs_its_grouped_gemms(backend, monkeypatch):
+    """The Triton backend goes through ops.moe_kernels (one launch per grouped GEMM), the torch one never does."""
+    from leantune.ops import moe_kernels
+
+    calls = []
+    for name in ("grouped_mm", "grouped_outer"):
+        original = getattr(moe_kernels, name)
+        monkeypatch.setattr(moe_kernels, name, lambda *a, __o=original, **k: calls.append(1) or __o(*a, **k))
+    _run(_case(5, 8, 4, 3, 2, 2))
+    # forward: 4 grouped_mm; backward: 4 grouped_mm + 4 grouped_outer
+    assert len(calls) == (12 if backend == "triton" else 0)
+
+
 def test_deferred_index_check(backend):
     x, index, w, w1, w2, (a1, b1, a2, b2), _ = _case(5, 8, 4, 3, 2, 2)
     index = index.clone()

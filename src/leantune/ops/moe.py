@@ -146,10 +146,8 @@ def torch_grouped_outer(a, b, offsets, *, out_dtype=torch.float32):
 def _kernels(device: torch.device):
     """(grouped_mm, grouped_outer) of the backend the ops pick on ``device``."""
     if _runtime.backend(device) == "triton":
-        try:
-            from .moe_kernels import grouped_mm, grouped_outer
-        except ImportError:  # TODO(moe-triton): until ops/moe_kernels.py lands, the torch path serves
-            return torch_grouped_mm, torch_grouped_outer
+        from .moe_kernels import grouped_mm, grouped_outer  # imported on first use (Triton compiles lazily)
+
         return grouped_mm, grouped_outer
     return torch_grouped_mm, torch_grouped_outer
 
