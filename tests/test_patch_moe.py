@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from reference import rel_err
 from test_patch_families import assert_grads_close
-from transformers import AutoConfig, AutoModelForCausalLM
+from test_patch_structures import model_from_config
 
 import leantune
 from leantune import ops
@@ -31,19 +31,12 @@ TRITON = ["qwen3_moe", "mixtral"]
 
 
 def tiny_moe_model(model_type: str):
-    config = AutoConfig.for_model(
+    return model_from_config(
         model_type, num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         vocab_size=VOCAB, intermediate_size=24, max_position_embeddings=64, initializer_range=0.2,
         num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, **MOE[model_type],
     )
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.2)
-    return model.float()
 
 
 def tiny_moe_peft(model_type: str):

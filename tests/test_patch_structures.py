@@ -55,11 +55,16 @@ TRITON = ["phi3", "olmo2", "granite", "smollm3"]  # fused qkv/gate_up + partial 
 
 
 def tiny_model(model_type: str):
-    config = AutoConfig.for_model(
+    return model_from_config(
         model_type, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         vocab_size=VOCAB, intermediate_size=96, max_position_embeddings=64, initializer_range=0.2,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, **EXTRA[model_type],
     )
+
+
+def model_from_config(model_type: str, **config_fields):
+    """A random fp32 model of ``model_type`` with eager attention and its norms perturbed away from their init."""
+    config = AutoConfig.for_model(model_type, **config_fields)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

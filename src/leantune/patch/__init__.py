@@ -12,7 +12,9 @@ of); the decoder layer keeps HF's forward, so norm placement and residual scalar
   patched model exists (transformers 5 calls the module-level ``apply_rotary_pos_emb``; no per-instance seam); for
   split-halves RoPE only (partial rotary included); interleaved-pair RoPE keeps HF's function.
 - ``mlp``: gated ``{Family}MLP`` (separate gate/up or a fused ``gate_up_proj``) -> ``ops.swiglu`` / ``ops.geglu``;
-  with LoRA on its projections, ``ops.lora_mlp``. A plain (non-gated) MLP keeps HF's activation.
+  with LoRA on its projections, ``ops.lora_mlp``. A plain (non-gated) MLP keeps HF's activation. A
+  mixture-of-experts family's experts module (``mlp.experts``, PEFT's ``target_parameters`` wrappers included) ->
+  ``ops.moe_experts`` (:mod:`.experts`); the router, shared expert and aux loss stay HF's.
 - ``lora``: q/k/v -> ``ops.lora_qkv`` (a fused ``qkv_proj``: ``ops.lora_linear``), o_proj and the projections of a
   plain MLP -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at every forward). DoRA
   projections: q/k/v -> ``ops.lora_qkv``, a gated MLP -> ``ops.lora_mlp`` (their DoRA nodes), the others ->
