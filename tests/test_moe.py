@@ -119,15 +119,23 @@ def test_router_ties_from_topk(backend):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(backend, dtype):
-    """Within the eager formula's error in that dtype + 1e-2 (docs/design.md)."""
-    x, index, w, w1, w2, (a1, b1, a2, b2), _ = _case(17, 24, 16, 4, 2, 4, dtype)
-    y = ops.moe_experts(x, index, w, ops.ExpertWeights(w1, a1, b1, 0.5), ops.ExpertWeights(w2, a2, b2, 1.5))
-    ref = moe_ref(x.double(), w.double(), a1.double(), b1.double(), a2.double(), b2.double(), index=index, w1=w1,
-                  w2=w2, s1=0.5, s2=1.5)
-    eager = moe_ref(x, w, a1.to(dtype), b1.to(dtype), a2.to(dtype), b2.to(dtype), index=index, w1=w1.to(dtype),
-                    w2=w2.to(dtype), s1=0.5, s2=1.5)
-    assert y.dtype == dtype
-    assert_close("y", y, ref, dtype, eager=eager)
+    """Values and gradients within the eager formula's error in that dtype + 1e-2 (docs/design.md)."""
+    x, index, w, w1, w2, factors, _ = _case(17, 24, 16, 4, 2, 4, dtype)
+    y = ops.moe_experts(x, index, w, ops.ExpertWeights(w1, *factors[:2], 0.5), ops.ExpertWeights(w2, *factors[2:], 1.5))
+    dy = torch.randn_like(y)
+    inputs = [x, w, *factors]
+    grads = torch.autograd.grad(y, inputs, dy)
+
+    def run(cast, leaves):
+        out = moe_ref(*leaves, index=index, w1=w1.to(cast), w2=w2.to(cast), s1=0.5, s2=1.5)
+        return out, torch.autograd.grad(out, leaves, dy.to(cast))
+
+    ref, ref_grads = run(torch.float64, [t.detach().double().requires_grad_() for t in inputs])
+    eager, eager_grads = run(dtype, [t.detach().to(dtype).requires_grad_() for t in inputs])
+    assert y.dtype == dtype and grads[2].dtype == torch.float32  # adapters keep their fp32
+    for name, out, expected, base in zip(["y", "dx", "dw", "dA1", "dB1", "dA2", "dB2"], [y, *grads],
+                                         [ref, *ref_grads], [eager, *eager_grads]):
+        assert_close(name, out, expected, dtype, eager=base)
 
 
 def test_grouped_mm_padding_matches_matmul(backend):

@@ -28,7 +28,7 @@ cumulative end row of expert e's pairs, ``torch._grouped_mm``'s ``offs``) is ``s
 an expert with no token has an empty row range. The output and dx are summed over slots through the inverse
 permutation (a [N, k, H] view), not by atomics.
 
-Saved for backward: x, the pair order, gate_up's pre-activation g [N k, 2I], the low-rank t1, t2 [N k, r], and o
+Saved for backward: x, the pair order, gate_up's pre-activation g [N k, 2I], the low-rank t1, t2 [N k, r] (fp32), and o
 [N k, H] only when top_k_weights needs a gradient; h is recomputed from g. Dtypes: everything runs in the compute
 dtype (hidden_states', or autocast's), fp32 accumulation; the low-rank factors are cast to it as PEFT's
 ``get_delta_factors`` casts them to the weight's dtype; gradients come back in each input's dtype.
@@ -203,7 +203,8 @@ def _project_forward(gmm, x, p: ExpertWeights, offsets, experts):
     t = None
     lowrank = None
     if p.lora_A is not None:
-        t = gmm(x, p.lora_A.transpose(-2, -1).to(x.dtype), offsets)
+        # the skinny t = x A^T kept in fp32 ([M, r]: cheap), for the low-rank term and dB
+        t = gmm(x, p.lora_A.transpose(-2, -1).to(x.dtype), offsets, out_dtype=torch.float32)
         lowrank = (t, p.lora_B.transpose(-2, -1).to(x.dtype), p.scaling)
     y = gmm(x, p.as_kn(), offsets, lowrank=lowrank)
     if p.bias is not None:
@@ -215,7 +216,7 @@ def _project_backward(gmm, outer, dy, x, t, p: ExpertWeights, offsets):
     """(dx, dA, dB) of one projection from dy (pairs sorted by expert); dA, dB None without LoRA."""
     if p.lora_A is None:
         return gmm(dy, p.as_nk(), offsets), None, None
-    u = gmm(dy, p.lora_B.to(dy.dtype), offsets)
+    u = gmm(dy, p.lora_B.to(dy.dtype), offsets, out_dtype=torch.float32)  # [M, r] in fp32, as t
     dx = gmm(dy, p.as_nk(), offsets, lowrank=(u, p.lora_A.to(dy.dtype), p.scaling))
     d_a = (outer(u, x, offsets) * p.scaling).to(p.lora_A.dtype)
     d_b = (outer(dy, t, offsets) * p.scaling).to(p.lora_B.dtype)
@@ -243,7 +244,8 @@ class MoEExpertsFunction(torch.autograd.Function):
             h = _act_forward(g, cfg)
             o, t2 = _project_forward(gmm, h, _proj(cfg, 1, w2, a2, b2, bias2), offsets, experts)
             o_tokens = o[inverse].view(n, k, -1)
-            y = torch.bmm(top_k_weights.float().unsqueeze(1), o_tokens.float()).squeeze(1)
+            # [N, 1, k] @ [N, k, H] in the compute dtype (fp32 accumulation, no fp32 copy of o)
+            y = torch.bmm(top_k_weights.to(o.dtype).unsqueeze(1), o_tokens).squeeze(1)
             if poison is not None:
                 y = y + poison
         keep_o = ctx.needs_input_grad[2]
@@ -264,17 +266,17 @@ class MoEExpertsFunction(torch.autograd.Function):
             dy_s = dy.to(x.dtype)[tokens]
             d_w = None
             if ctx.needs_input_grad[2]:
-                d_pairs = (dy_s.float() * o.float()).sum(-1)
+                d_pairs = torch.bmm(dy_s.unsqueeze(1), o.unsqueeze(2)).reshape(-1).float()  # <dy, o> per pair
                 d_w = torch.empty_like(d_pairs)
                 d_w[order] = d_pairs
                 d_w = d_w.view(n, k).to(w.dtype)
-            d_o = (dy_s.float() * w.reshape(-1)[order].float().unsqueeze(1)).to(x.dtype)
+            d_o = dy_s * w.reshape(-1)[order].to(x.dtype).unsqueeze(1)
             h = _act_forward(g, cfg)
             dh, d_a2, d_b2 = _project_backward(gmm, outer, d_o, h, t2, _proj(cfg, 1, w2, a2, b2, None), offsets)
             dg = _act_backward(dh, g, cfg)
             d_xs, d_a1, d_b1 = _project_backward(gmm, outer, dg, x[tokens], t1, _proj(cfg, 0, w1, a1, b1, None),
                                                  offsets)
-            d_x = d_xs[inverse].view(n, k, -1).float().sum(1).to(x.dtype)
+            d_x = d_xs[inverse].view(n, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
         return d_x, None, d_w, None, None, None, d_a1, d_b1, None, None, d_a2, d_b2, None
 
 
