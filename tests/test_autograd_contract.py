@@ -31,6 +31,10 @@ def _cases():
         "lora_qkv": ([x], lambda x: ops.lora_qkv(x, lora, lora, lora)),
         "lora_mlp": ([x], lambda x: ops.lora_mlp(x, lora, lora, down)),
         "dora_linear": ([x], lambda x: ops.dora_linear(x, *lora[:4], 1.0 + small(16).abs())),
+        "moe_experts": ([x, torch.rand(5, 2, device=DEVICE)], lambda x, w: ops.moe_experts(
+            x, torch.tensor([[0, 2], [1, 1], [2, 0], [0, 1], [2, 2]], device=DEVICE), w,
+            ops.ExpertWeights(small(3, 16, 24), small(3, 4, 24), small(3, 16, 4), 2.0),
+            ops.ExpertWeights(small(3, 24, 8), small(3, 4, 8), small(3, 24, 4), 2.0))),
     }
 
 

@@ -153,6 +153,19 @@ def test_patched_step_reads_nothing_back(case, watch, monkeypatch):
         assert torch.isfinite(loss).all()
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_patched_moe_step_reads_nothing_back(model_type, watch, monkeypatch):
+    """MoE experts through ops.moe_experts (LoRA on the expert stacks, deferred index checks, aux loss on)."""
+    from test_patch_moe import VOCAB, tiny_moe_peft
+
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_moe_peft(model_type).train()
+    leantune.patch(model)
+    assert model.leantune_summary["counts"]["experts_lora"] == 2
+    input_ids = torch.randint(3, VOCAB, (2, 12))
+    assert torch.isfinite(_step(model, watch, input_ids=input_ids, labels=input_ids.clone())).all()
+
+
 def _forbid_transformers_detection(monkeypatch):
     """transformers' packed-row detection ends in a host sync: with the documents told, it must not run."""
     from transformers import masking_utils

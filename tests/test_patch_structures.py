@@ -55,11 +55,16 @@ TRITON = ["phi3", "olmo2", "granite", "smollm3"]  # fused qkv/gate_up + partial 
 
 
 def tiny_model(model_type: str):
-    config = AutoConfig.for_model(
+    return model_from_config(
         model_type, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         vocab_size=VOCAB, intermediate_size=96, max_position_embeddings=64, initializer_range=0.2,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, **EXTRA[model_type],
     )
+
+
+def model_from_config(model_type: str, **config_fields):
+    """A random fp32 model of ``model_type`` with eager attention and its norms perturbed away from their init."""
+    config = AutoConfig.for_model(model_type, **config_fields)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -135,7 +140,10 @@ def check_structure_parity(model_type, op_calls, rows=2, seq=9, generate=False):
 
 def test_at_least_twenty_model_types():
     assert len(FAMILIES) >= 20
-    assert set(STRUCTURES) | {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"} == set(FAMILIES)
+    from test_patch_moe import MOE  # the mixture-of-experts rows: tests/test_patch_moe.py
+
+    assert set(STRUCTURES) | set(MOE) | {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"} \
+        == set(FAMILIES)
 
 
 @pytest.mark.parametrize("model_type", STRUCTURES)
@@ -170,20 +178,17 @@ def test_gate_up_with_dropout_in_training_stays_exact(monkeypatch):
     assert torch.isfinite(train_loss) and all(g.norm() > 0 for g in train_grads.values())
 
 
-MOE = {  # tiny MoE configs: these take the warning path until their experts are described (issue #29 item 2)
-    "qwen3_moe": ({"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}, "Qwen3MoeSparseMoeBlock"),
-    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2}, "MixtralSparseMoeBlock"),
-    "olmoe": ({"num_experts": 4, "num_experts_per_tok": 2, "eos_token_id": 2}, "OlmoeSparseMoeBlock"),
+UNCOVERED = {  # tiny configs of types that take the warning path (the MoE families with rows: test_patch_moe.py)
     "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["sliding_attention"]},
                 "GptOssMLP"),
 }
 
 
-@pytest.mark.parametrize("model_type", list(MOE))
+@pytest.mark.parametrize("model_type", list(UNCOVERED))
 def test_uncovered_model_type_warns_and_runs_unpatched(model_type):
     """A model type without a row keeps HF's forwards (bit for bit) with a warning naming what is missing and the
     layer's parts; strict=True raises."""
-    extra, block = MOE[model_type]
+    extra, block = UNCOVERED[model_type]
     config = AutoConfig.for_model(
         model_type, num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
         vocab_size=VOCAB, intermediate_size=48, **extra,
@@ -191,13 +196,13 @@ def test_uncovered_model_type_warns_and_runs_unpatched(model_type):
     model = AutoModelForCausalLM.from_config(config).float()
     input_ids = torch.randint(3, VOCAB, (1, 6))
     ref = model(input_ids=input_ids, labels=input_ids).loss
-    with pytest.warns(UserWarning, match=rf"'{model_type}' not covered: mixture-of-experts.*{block}"):
+    with pytest.warns(UserWarning, match=rf"'{model_type}' not covered: attention sinks.*{block}"):
         assert leantune.patch(model) is model
     assert model.leantune_summary["family"] is None and not leantune.is_patched(model)
     assert "forward" not in model.__dict__ and not any("_leantune" in m.__dict__ for m in model.modules())
     assert torch.equal(model(input_ids=input_ids, labels=input_ids).loss, ref)
     leantune.unpatch(model)  # harmless
-    with pytest.raises(ValueError, match=rf"'{model_type}'.*mixture-of-experts.*supported: .*llama"):
+    with pytest.raises(ValueError, match=rf"'{model_type}'.*attention sinks.*supported: .*llama"):
         leantune.patch(model, strict=True)
 
 

@@ -15,6 +15,7 @@ from .distillation import linear_distillation_loss
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs
+from .moe import ExpertWeights, moe_experts
 from .lora import DoraWeights, LoraWeights, dora_linear, lora_linear, lora_mlp, lora_qkv
 from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from .rms_norm import rms_norm
@@ -22,6 +23,7 @@ from .rope import rope
 
 __all__ = [
     "DoraWeights",
+    "ExpertWeights",
     "LoraWeights",
     "NF4Weight",
     "backend",
@@ -37,6 +39,7 @@ __all__ = [
     "lora_linear",
     "lora_mlp",
     "lora_qkv",
+    "moe_experts",
     "quantize_nf4",
     "raise_deferred_errors",
     "rms_norm",

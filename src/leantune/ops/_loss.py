@@ -126,24 +126,36 @@ def _label_message(n_vocab, ignore_index, found) -> str:
     return f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found {found}"
 
 
-# deferred label errors, per device: int64 [2] = (1 once a bad label was seen, the first bad label), and on the
-# host the (n_vocab, ignore_index) of the latest deferred check on that device, for the message
-_FLAGS: dict[torch.device, torch.Tensor] = {}
-_FLAG_CONTEXT: dict[torch.device, tuple[int, int]] = {}
+# deferred input errors, per (device, source): int64 [2] = (1 once a bad value was seen, the first bad value), and on
+# the host the message of the latest deferred check of that source on that device (a function of the bad value).
+# Sources: "labels" (the loss ops), "top_k_index" (ops.moe_experts).
+_FLAGS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_FLAG_CONTEXT: dict[tuple[torch.device, str], object] = {}
+
+
+def record_deferred(source: str, device: torch.device, ok: torch.Tensor, values: torch.Tensor, message) -> torch.Tensor:
+    """Record on the device whether ``values`` (any shape) hold a bad entry (``ok`` False there) and the first one,
+    for :func:`raise_deferred_errors` (``message(found)`` forms its text); returns ``any_bad``, a 0-dim bool tensor.
+    A few O(n) kernels, no host read."""
+    key = (device, source)
+    any_bad = ~ok.all()
+    flag = _FLAGS.get(key)
+    if flag is None:
+        flag = _FLAGS[key] = torch.zeros(2, dtype=torch.int64, device=device)
+    _FLAG_CONTEXT[key] = message
+    if values.numel():
+        first = values.reshape(-1).gather(0, (~ok).reshape(-1).to(torch.uint8).argmax().reshape(1)).long()
+        flag.copy_(torch.where(flag[:1] > 0, flag, torch.cat([any_bad.long().reshape(1), first])))
+    return any_bad
 
 
 def _deferred_label_check(labels, n_vocab, ignore_index):
     """The deferred check (module docstring): a handful of O(N) kernels, no host read."""
-    device = labels.device
     ok = ((labels >= 0) & (labels < n_vocab)) | (labels == ignore_index)
-    any_bad = ~ok.all()
-    flag = _FLAGS.get(device)
-    if flag is None:
-        flag = _FLAGS[device] = torch.zeros(2, dtype=torch.int64, device=device)
-    _FLAG_CONTEXT[device] = (n_vocab, ignore_index)
-    if labels.numel():
-        first = labels.reshape(-1).gather(0, (~ok).reshape(-1).to(torch.uint8).argmax().reshape(1))
-        flag.copy_(torch.where(flag[:1] > 0, flag, torch.cat([any_bad.long().reshape(1), first])))
+    any_bad = record_deferred("labels", labels.device, ok, labels,
+                              lambda found: _label_message(n_vocab, ignore_index, found)
+                              + " (found inside a training step: the loss of that step is NaN and the label was "
+                              "ignored)")
     safe = torch.where(ok, labels, ignore_index)
     n_valid = (safe != ignore_index).sum()
     poison = torch.where(any_bad, float("nan"), 0.0)
@@ -158,8 +170,8 @@ def deferred_error_flags() -> list[torch.Tensor]:
 
 
 def raise_deferred_errors() -> None:
-    """Raise the ValueError of a label found out of range by a loss op with ``checks="deferred"`` since the last
-    call (and clear it). Reads one small flag per device that saw such a check: a host wait, so call it where the
+    """Raise the ValueError of a label found out of range by a loss op with ``checks="deferred"`` (or an expert index
+    out of range in ``ops.moe_experts`` with ``checks="deferred"``) since the last call (and clear it). Reads one small flag per device that saw such a check: a host wait, so call it where the
     host waits anyway (a logging step). ``leantune train`` and :func:`leantune.integrations.trl.patch_trainer` call
     it at each log point; a plain training script with :func:`leantune.patch` may call it likewise.
 
@@ -167,13 +179,11 @@ def raise_deferred_errors() -> None:
         ValueError: ``labels must be in [0, V) or equal ignore_index=...; found X`` (the first bad label since the
             last call; V and ignore_index of the latest deferred check on that device).
     """
-    for device, flag in list(_FLAGS.items()):
+    for key, flag in list(_FLAGS.items()):
         seen, found = flag.tolist()
         if seen:
             flag.zero_()
-            n_vocab, ignore_index = _FLAG_CONTEXT[device]
-            raise ValueError(_label_message(n_vocab, ignore_index, found) + " (found inside a training step: the "
-                             "loss of that step is NaN and the label was ignored)")
+            raise ValueError(_FLAG_CONTEXT[key](found))
 
 
 def check_statistics(statistics) -> tuple[str, ...]:

@@ -12,7 +12,9 @@ of); the decoder layer keeps HF's forward, so norm placement and residual scalar
   patched model exists (transformers 5 calls the module-level ``apply_rotary_pos_emb``; no per-instance seam); for
   split-halves RoPE only (partial rotary included); interleaved-pair RoPE keeps HF's function.
 - ``mlp``: gated ``{Family}MLP`` (separate gate/up or a fused ``gate_up_proj``) -> ``ops.swiglu`` / ``ops.geglu``;
-  with LoRA on its projections, ``ops.lora_mlp``. A plain (non-gated) MLP keeps HF's activation.
+  with LoRA on its projections, ``ops.lora_mlp``. A plain (non-gated) MLP keeps HF's activation. A
+  mixture-of-experts family's experts module (``mlp.experts``, PEFT's ``target_parameters`` wrappers included) ->
+  ``ops.moe_experts`` (:mod:`.experts`); the router, shared expert and aux loss stay HF's.
 - ``lora``: q/k/v -> ``ops.lora_qkv`` (a fused ``qkv_proj``: ``ops.lora_linear``), o_proj and the projections of a
   plain MLP -> ``ops.lora_linear`` (PEFT's scaling, dropout and base bias read at every forward). DoRA
   projections: q/k/v -> ``ops.lora_qkv``, a gated MLP -> ``ops.lora_mlp`` (their DoRA nodes), the others ->
@@ -51,6 +53,7 @@ from .forwards import (
     lora_status,
     unbind,
 )
+from .experts import experts_activation, experts_base, experts_status
 from .lora_status import is_dora
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
 from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp
@@ -61,7 +64,8 @@ KINDS = ("rms_norm", "rope", "mlp", "loss", "lora")
 _MODEL_ATTR = "_leantune_model"  # on the HF causal LM: (family name, flags) of the current patch
 SUMMARY_ATTR = "leantune_summary"
 # the summary's counts; "dora": DoRA projections served by ops.dora_linear (also counted in "lora")
-_COUNTS = ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp", "dora")
+# "experts": MoE experts modules through ops.moe_experts; "experts_lora": those of them with LoRA on the experts
+_COUNTS = ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp", "dora", "experts", "experts_lora")
 
 
 LEANTUNE_FORWARD_LOSS = "ops.linear_cross_entropy (leantune's causal-LM forward)"
@@ -175,7 +179,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     modeling = importlib.import_module(family.modeling_module)
     norm_cls = getattr(modeling, family.norm_class) if family.norm_class else None
     attention_cls = getattr(modeling, family.attention_class)
-    mlp_cls = getattr(modeling, family.mlp_class)
+    mlp_cls = getattr(modeling, family.mlp_class, None)  # None: no dense MLP (Mixtral)
+    experts_cls = getattr(modeling, family.experts_class) if family.experts_class else None
     act_name = getattr(hf.config, family.activation_attr, None)
     activation = ACTIVATIONS.get(act_name) if family.mlp != "plain" else None
     use_rope = rope and family.rope == "half"
@@ -183,6 +188,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     counts = collections.Counter()
     left: dict[str, str] = {}
     for name, module in hf.named_modules():
+        if experts_cls is not None and mlp:
+            _bind_experts(name, module, experts_cls, family, hf.config, counts, left)
         kind = type(module)
         if kind not in (norm_cls, attention_cls, mlp_cls):
             continue
@@ -253,6 +260,28 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     return model
 
 
+def _bind_experts(name, module, experts_cls, family, config, counts, left) -> None:
+    """Bind the experts forward on the outermost module at ``module.experts`` (a PEFT ParamWrapper chain or the
+    experts module itself, :mod:`.experts`)."""
+    child = module.__dict__.get("_modules", {}).get("experts")
+    if child is None or type(experts_base(child)) is not experts_cls:
+        return
+    where = f"{name}.experts" if name else "experts"
+    if _foreign_forward(child):
+        left[where] = "has an instance-level forward (e.g. an accelerate hook): kept"
+        return
+    if experts_activation(experts_base(child), config, family) is None:
+        left[where] = f"activation {getattr(config, family.activation_attr, None)!r} has no fused op: HF's experts"
+        return
+    _bind(child, ModuleState("experts", family))
+    counts["experts"] += 1
+    weights, reason = experts_status(child, family)
+    if weights is None:
+        left[where] = f"PEFT's / HF's experts forward kept: {reason}"
+    elif any(w.lora_A is not None for w in weights):
+        counts["experts_lora"] += 1
+
+
 def _not_covered(hf: nn.Module, model_type) -> None:
     """The warning path: ``hf`` stays on HF's forwards; the warning and the summary name what is missing."""
     layers = _decoder_layer_parts(hf)
@@ -300,6 +329,11 @@ def _fused_parts(family: Family, activation: str | None) -> list[str]:
         fused = " (gate_up_proj split by rows; per projection when LoRA dropout is on in training)" \
             if family.mlp == "gated_fused" else ""
         parts.append(f"MLP: ops.lora_mlp / {activation}{fused}")
+    if family.experts:
+        parts.append(f"MoE experts: ops.moe_experts ({family.experts}, gate/up "
+                     f"{'interleaved' if family.experts_interleaved else 'halves'}; tokens grouped by expert on the "
+                     "device, LoRA on gate_up_proj / down_proj as per-expert low-rank products, W + BA never "
+                     "formed); router, shared expert and aux loss: HF's")
     scaled = family.logits_divisor_attr or family.logits_multiplier_attr
     parts.append("loss: ops.linear_cross_entropy" + (" on the hidden states scaled as the logits" if scaled else "")
                  + (" with the final-logit softcap" if family.final_softcap_attr else ""))

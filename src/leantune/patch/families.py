@@ -31,6 +31,11 @@ Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
   ``logits_divisor_attr``: Granite's ``logits = lm_head(h) / logits_scaling``; ``logits_multiplier_attr``:
   HyperCLOVA X's ``lm_head(h) * logits_scaling``.
 - ``residual_dropout_attr``: dropout on the attention and MLP outputs (Seed-OSS, Starcoder2).
+- Mixture of experts (``experts``): the ``{Prefix}Experts`` module of the MoE block runs ``ops.moe_experts``
+  (:mod:`.experts`); "swiglu" reads the family's activation (silu only: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gate/up
+  halves), "clamped_swiglu" is gpt-oss's (interleaved, ``experts_interleaved``). The router, shared expert
+  (Qwen2-MoE's ``shared_expert``: a gated ``{Prefix}MLP``) and aux loss keep HF's code. Families without a dense
+  ``{Prefix}MLP`` class (Mixtral) simply have none to patch.
 - Qwen2's and GLM's q/k/v bias and Gemma's embedding scale need no entry: the bias is read from each projection,
   the scale lives in the embedding module HF runs.
 """
@@ -79,6 +84,8 @@ class Family:
     logits_divisor_attr: str | None = None  # config attribute dividing the logits (Granite)
     logits_multiplier_attr: str | None = None  # config attribute multiplying the logits (HyperCLOVA X)
     residual_dropout_attr: str | None = None  # module attribute: dropout p on attention / MLP outputs
+    experts: str | None = None  # None (no MoE) | "swiglu" | "clamped_swiglu": {prefix}Experts -> ops.moe_experts
+    experts_interleaved: bool = False  # gate/up as even/odd columns of gate_up_proj (gpt-oss), not halves
 
     @property
     def norm_class(self) -> str | None:
@@ -91,6 +98,10 @@ class Family:
     @property
     def mlp_class(self) -> str:
         return f"{self.prefix}MLP"
+
+    @property
+    def experts_class(self) -> str | None:
+        return f"{self.prefix}Experts" if self.experts else None
 
     @property
     def attention_projections(self) -> tuple[str, ...]:
@@ -153,17 +164,17 @@ FAMILIES: dict[str, Family] = dict([
     _row("hunyuan_v1_dense", "HunYuanDenseV1", qk_norm="head_after_rope",
          qk_norm_names=("query_layernorm", "key_layernorm")),
     _row("ernie4_5", "Ernie4_5", rope="interleaved"),
+    _row("qwen3_moe", "Qwen3Moe", sliding_window="module", qk_norm="head", experts="swiglu"),
+    _row("qwen2_moe", "Qwen2Moe", experts="swiglu"),
+    _row("mixtral", "Mixtral", sliding_window="config", experts="swiglu"),
+    _row("olmoe", "Olmoe", qk_norm="width", sliding_window="config", experts="swiglu"),
     _row("starcoder2", "Starcoder2", norm=False, mlp="plain", mlp_projections=("c_fc", "c_proj"), act_fn_attr="act",
          sliding_window="config", residual_dropout_attr="residual_dropout"),
 ])
 
 # Model types known not to fit yet, and what is missing (the warning names it).
 NOT_COVERED = {
-    "qwen3_moe": "mixture-of-experts blocks (experts: issue #29 item 2)",
-    "qwen2_moe": "mixture-of-experts blocks (experts: issue #29 item 2)",
-    "mixtral": "mixture-of-experts blocks (experts: issue #29 item 2)",
-    "olmoe": "mixture-of-experts blocks (experts: issue #29 item 2)",
-    "gpt_oss": "mixture-of-experts blocks and attention sinks (issue #29 items 2, 3)",
+    "gpt_oss": "attention sinks and alternating sliding windows (issue #29 item 3)",
     "olmo": "LayerNorm without weights and clip_qkv",
     "cohere": "LayerNorm and parallel attention/MLP blocks",
     "cohere2": "LayerNorm and parallel attention/MLP blocks",

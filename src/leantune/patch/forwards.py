@@ -32,6 +32,7 @@ from ._common import ROPE_ACTIVE as _ROPE_ACTIVE
 from ._common import call_original as _call_original
 from ._common import served as _served
 from .blocks import attention_forward, mlp_forward
+from .experts import experts_forward
 from .document_attention import remember_single_sequences
 from .families import Family
 from .input_embeddings import input_embeddings
@@ -44,7 +45,7 @@ from .missing_logits import logits_for_caller
 class ModuleState:
     """What a patched module needs at forward time (plain data: deep-copies with the module)."""
 
-    kind: str  # "rms_norm" | "attention" | "mlp" | "causal_lm"
+    kind: str  # "rms_norm" | "attention" | "mlp" | "experts" | "causal_lm"
     family: Family
     rope: bool = False
     lora: bool = False
@@ -217,6 +218,12 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     ignore_index = kwargs.pop("ignore_index", -100)
     family = self._leantune.family
     base = getattr(self, self.base_model_prefix)
+    router_logits = False
+    if family.experts is not None:  # HF's MoE causal LMs: the router logits for the aux loss (HF's argument)
+        router_logits = kwargs.pop("output_router_logits", None)
+        if router_logits is None:
+            router_logits = getattr(self.config, "output_router_logits", False)
+        kwargs["output_router_logits"] = router_logits
     if inputs_embeds is None and input_ids is not None:
         hidden_states_out = kwargs.get("output_hidden_states") or getattr(self.config, "output_hidden_states", False)
         input_ids, inputs_embeds = None, input_embeddings(base, input_ids, bool(hidden_states_out))
@@ -257,13 +264,31 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     self.__dict__[LOSS_CALLS_ATTR] = self.__dict__.get(LOSS_CALLS_ATTR, 0) + 1
     if logits is None and self.training:  # TRL <= 1.14 reads them: a stand-in whose use names the fix
         logits = logits_for_caller()
-    output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                    hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    fields = dict(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    if family.experts is not None:
+        return _moe_output(self, family, fields, outputs, attention_mask, router_logits, return_dict)
+    output = CausalLMOutputWithPast(**fields)
     if return_dict:
         return output
     # HF's to_tuple drops None fields; keep the logits slot so that out[1] is never silently another field
     return (loss, logits, *(v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions)
                           if v is not None))
+
+
+def _moe_output(self, family, fields, outputs, attention_mask, router_logits, return_dict):
+    """HF's MoE causal-LM ending (``Qwen3MoeForCausalLM.forward`` and its kin): with router logits, the family's
+    ``load_balancing_loss_func`` on them, ``router_aux_loss_coef`` times it added to the loss."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    aux_loss = None
+    if router_logits:
+        modeling = importlib.import_module(family.modeling_module)
+        aux_loss = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
+                                                     self.num_experts_per_tok, attention_mask)
+        fields["loss"] = fields["loss"] + self.router_aux_loss_coef * aux_loss.to(fields["loss"].device)
+    output = MoeCausalLMOutputWithPast(**fields, aux_loss=aux_loss, router_logits=outputs.router_logits)
+    return output if return_dict else output.to_tuple()
 
 
 def _plain_linear(module) -> bool:
@@ -274,6 +299,7 @@ FORWARDS = {
     "rms_norm": rms_norm_forward,
     "attention": attention_forward,
     "mlp": mlp_forward,
+    "experts": experts_forward,
     "causal_lm": causal_lm_forward,
 }
 STATE_ATTR = "_leantune"  # the ModuleState of a patched module, in its __dict__

@@ -1,0 +1,118 @@
+"""leantune.patch on the mixture-of-experts families: patched vs unpatched PEFT model with LoRA on attention and on
+the 3-D expert stacks (``target_parameters``), loss with the router aux loss and every LoRA gradient.
+
+Each family is a tiny random model from its transformers config class (2 layers, hidden 32, E=4 experts, top-2,
+router aux loss on), norms perturbed, non-zero B everywhere. The unpatched HF+PEFT model (fp32) is the reference:
+loss rel <= 1e-5, LoRA gradients rel <= 1e-4. The experts must run ``ops.moe_experts`` and PEFT's parametrization
+(which forms W + BA for the stack) must never run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from reference import rel_err
+from test_patch_families import assert_grads_close
+from test_patch_structures import model_from_config
+
+import leantune
+from leantune import ops
+from leantune.patch import FAMILIES
+
+VOCAB = 96
+MOE = {
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 24, "norm_topk_prob": True},
+    "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40},
+    "mixtral": {"num_local_experts": 4, "sliding_window": 5},
+    "olmoe": {"num_experts": 4},
+}
+TRITON = ["qwen3_moe", "mixtral"]
+
+
+def tiny_moe_model(model_type: str):
+    return model_from_config(
+        model_type, num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=VOCAB, intermediate_size=24, max_position_embeddings=64, initializer_range=0.2,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, **MOE[model_type],
+    )
+
+
+def tiny_moe_peft(model_type: str):
+    family = FAMILIES[model_type]
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(family.attention_projections), lora_dropout=0.0,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                      init_lora_weights=False)
+    return get_peft_model(tiny_moe_model(model_type), lora)
+
+
+def loss_and_grads(model, input_ids, labels):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    return out.loss.detach(), out.aux_loss.detach(), grads
+
+
+def check_moe_parity(model_type, monkeypatch, rows=2, seq=9):
+    model = tiny_moe_peft(model_type).train()
+    assert any("experts" in n and "lora_A" in n for n, _ in model.named_parameters())
+    input_ids = torch.randint(3, VOCAB, (rows, seq))
+    labels = input_ids.clone()
+    labels[0, -2:] = -100
+    ref_loss, ref_aux, ref_grads = loss_and_grads(model, input_ids, labels)
+    assert ref_aux > 0
+
+    leantune.patch(model)
+    summary = model.leantune_summary
+    assert summary["family"] == model_type and summary["unpatched"] == {}
+    assert summary["counts"]["experts"] == 2 and summary["counts"]["experts_lora"] == 2
+    assert any("ops.moe_experts" in part for part in summary["fused"])
+    calls = []
+    original = ops.moe_experts
+    monkeypatch.setattr(ops, "moe_experts", lambda *a, **k: calls.append(1) or original(*a, **k))
+    from peft.tuners.lora import layer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("PEFT's parametrized forward (W + BA for the stack) ran")
+
+    monkeypatch.setattr(layer.ParamWrapper, "_activate_lora", refuse)
+    loss, aux, grads = loss_and_grads(model, input_ids, labels)
+    assert len(calls) == 2
+    assert rel_err(aux, ref_aux) <= 1e-5, f"{model_type}: aux loss {aux.item()} vs HF {ref_aux.item()}"
+    err = rel_err(loss, ref_loss)
+    assert err <= 1e-5, f"{model_type}: loss {loss.item()} vs HF {ref_loss.item()}: rel {err:.3g}"
+    assert_grads_close(grads, ref_grads)
+    assert any("experts" in n for n in grads)
+    monkeypatch.undo()
+    leantune.unpatch(model)
+    loss_back, _, grads_back = loss_and_grads(model, input_ids, labels)
+    assert torch.equal(loss_back, ref_loss), "unpatch must restore HF's exact loss"
+
+
+@pytest.mark.parametrize("model_type", list(MOE))
+def test_moe_matches_hf(model_type, monkeypatch):
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    check_moe_parity(model_type, monkeypatch)
+
+
+@pytest.mark.parametrize("model_type", TRITON)
+def test_moe_matches_hf_triton(model_type, monkeypatch):
+    """Through the Triton backend (interpreter on CPU): one row of 5 tokens."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    check_moe_parity(model_type, monkeypatch, rows=1, seq=5)
+
+
+def test_disabled_adapters_keep_peft(monkeypatch):
+    """With adapters disabled (a DPO reference pass), PEFT's / HF's experts forward runs, as unpatched."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_moe_peft("qwen3_moe").eval()
+    input_ids = torch.randint(3, VOCAB, (1, 7))
+    with torch.no_grad(), model.disable_adapter():
+        ref = model(input_ids=input_ids).logits
+    leantune.patch(model)
+    with torch.no_grad(), model.disable_adapter():
+        out = model(input_ids=input_ids).logits
+    assert rel_err(out, ref) <= 1e-5
