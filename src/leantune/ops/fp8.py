@@ -152,9 +152,11 @@ def dequantize_fp8(w: FP8Weight, dtype: torch.dtype | None = None) -> torch.Tens
 
 
 # -------------------------------------------------------------------------------------------------------- GEMMs
-def _native(device: torch.device) -> bool:
-    """``torch._scaled_mm`` on the card (Triton backend on CUDA); the emulation everywhere else."""
-    return device.type == "cuda" and _runtime.backend(device) == "triton"
+def _native(w: FP8Weight) -> bool:
+    """``torch._scaled_mm`` on the card (Triton backend on CUDA, both weight dims multiples of 16, which it
+    requires); the emulation everywhere else."""
+    return (w.device.type == "cuda" and _runtime.backend(w.device) == "triton"
+            and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
 
 
 def _ones_row(n: int, device: torch.device) -> torch.Tensor:
@@ -173,9 +175,9 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None, 
                x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y = x W^T + b ``[M, out]`` in ``out_dtype`` with x ``[M, in]`` quantised per row (or given as
     ``x_quantized = (x_fp8 [M, in] e4m3, x_scale fp32 [M])``) and W = diag(w.scale) w.qweight. Not differentiable
-    by itself (the LoRA nodes call it). On the card ``in`` and ``out`` must be multiples of 16 (``_scaled_mm``)."""
+    by itself (the LoRA nodes call it)."""
     xq, xs = quantize_rows(x) if x_quantized is None else x_quantized
-    if _native(xq.device):
+    if _native(w):
         y = _scaled_mm(xq, xs, w.qweight.t(), w.scale[None, :], out_dtype)
     else:  # e4m3 x e4m3 products are exact in fp32; the scales multiply the fp32 sums
         y = ((xq.float() @ w.qweight.float().t()) * xs[:, None] * w.scale[None, :]).to(out_dtype)
@@ -194,6 +196,6 @@ def fp8_grad_input(dy: torch.Tensor, w: FP8Weight, *, out_dtype: torch.dtype) ->
     """dX = dY W ``[M, in]`` in ``out_dtype``: g = dY diag(w.scale) (fp32), quantised per row, times w.qweight
     (module docstring: the weight's scales fold into dY, so the forward's FP8 copy serves)."""
     gq, gs = quantize_rows(dy.float() * w.scale[None, :], name="dY")
-    if _native(gq.device):
+    if _native(w):
         return _scaled_mm(gq, gs, _transposed(w).t(), _ones_row(w.shape[1], gq.device), out_dtype)
     return ((gq.float() @ w.qweight.float()) * gs[:, None]).to(out_dtype)
