@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from reference import assert_close
+from reference import assert_close, rel_err
 
 import leantune
 from leantune import ops
@@ -236,9 +236,12 @@ def test_quantize_fp8_in_both_orders_with_peft_trains_and_saves(tiny_llama, tmp_
     leantune.patch(before)
     patched_loss, patched_grads = loss_and_grads(before, ids)
     assert before.base_model.model.leantune_summary["counts"]["lora"] == 2 * 7
-    assert_close("patched loss", patched_loss, loss, torch.float32)
+    # the fused ops round fp32 activations differently (by ulps) from HF's modules; near an e4m3 midpoint an ulp
+    # flips a code by one step (relative u), rarely (~ulp / step per element) but by far more than fp32's bar: one
+    # flip in a [tokens, features] block moves its product by ~u / sqrt(features) (measured up to 4e-4 here)
+    assert rel_err(patched_loss, loss) <= 1e-4
     for n in grads:
-        assert_close(n, patched_grads[n], grads[n], torch.float32)
+        assert rel_err(patched_grads[n], grads[n]) <= 1e-2, n
     opt = torch.optim.AdamW([p for p in before.parameters() if p.requires_grad], lr=1e-2)
     first = None
     for _ in range(8):
@@ -268,3 +271,28 @@ def test_quantize_fp8_bytes_and_errors(tiny_llama):
     assert done["bytes_after"] == n_weights + 4 * n_rows
     with pytest.raises(ValueError, match="quant_type must be one of"):
         leantune.quantize(copy.deepcopy(tiny_llama), "fp4")
+
+
+def test_bench_build_leantune_fp8_matches_the_whole_model_quantised(tmp_path):
+    """``leantune+fp8``'s layer-by-layer build holds what building the bf16 model whole and quantising it gives
+    (same e4m3 weights and scales, same first loss)."""
+    import dataclasses
+
+    from leantune.bench import build
+    from leantune.bench.step import RunSpec
+
+    transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
+    spec = RunSpec("leantune+fp8", str(tmp_path / "tiny"), seq=24, batch=2, gc=False, warmup=0, steps=1,
+                   device="cpu")
+    layerwise, config = build.build(spec)
+    whole, _ = build.build(dataclasses.replace(spec, impl="hf+peft"))
+    leantune.quantize(whole, "fp8")
+    leantune.patch(whole)
+    ours, theirs = layerwise.state_dict(), whole.state_dict()
+    assert ours.keys() == theirs.keys() and any(t.dtype == fp8.E4M3 for t in ours.values())
+    assert all(torch.equal(ours[n].float(), theirs[n].float()) for n in ours)
+    ids = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(layerwise(input_ids=ids, labels=ids).loss, whole(input_ids=ids, labels=ids).loss)
