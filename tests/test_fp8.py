@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from reference import assert_close, rel_err
+from reference import assert_close, loss_and_grads, rel_err
 
 import leantune
 from leantune import ops
@@ -204,13 +204,6 @@ def peft_model(base, order):
     if order == "after":
         leantune.quantize(model, "fp8")
     return model
-
-
-def loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def test_quantize_fp8_in_both_orders_with_peft_trains_and_saves(tiny_llama, tmp_path):
