@@ -281,3 +281,11 @@ def distillation_ref(hidden, weight, teacher_hidden, teacher_weight, labels=None
         return rows.sum()
     count = rows.shape[0] if labels is None else int((labels != -100).sum())
     return rows.sum() / max(count, 1)
+
+
+def loss_and_grads(model, ids):
+    """(loss, {name: gradient} of the trainable parameters) of one causal-LM step on ``ids`` (labels = ids)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -8,7 +8,7 @@ from the dequantised weight by about 2e-3 (a bf16-level rounding), so it is comp
 
 import pytest
 import torch
-from reference import assert_close
+from reference import assert_close, loss_and_grads
 
 import leantune
 
@@ -37,13 +37,6 @@ def qlora(folder, compute_dtype=torch.float32):
     torch.manual_seed(1)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     return peft.get_peft_model(model, lora)
-
-
-def loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def dequantised_twin(folder, quantised):

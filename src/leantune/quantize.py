@@ -1,4 +1,5 @@
-"""``leantune.quantize(model, "nf4")``: the frozen linear weights of a causal LM's decoder blocks stored in NF4.
+"""``leantune.quantize(model, "nf4" | "fp8")``: the frozen linear weights of a causal LM's decoder blocks stored in
+NF4 (4-bit) or FP8 (e4m3 with per-output-channel scales, :mod:`leantune.ops.fp8`; experimental).
 
 QLoRA (Dettmers et al. 2023) keeps the frozen base weights in 4-bit NF4 with double-quantised absmax and the
 embeddings, norms and ``lm_head`` in the compute dtype. Each targeted ``nn.Linear`` becomes an :class:`NF4Linear`
@@ -15,6 +16,11 @@ which does not exist yet when the model is quantised. Like ``Linear4bit`` the la
 dtype the weight had (adapters are rounded through it as PEFT does over a 16-bit ``nn.Linear``), so both orders
 give the same adapters, loss and gradients. Merging into the codes is not possible in either order (PEFT's merge
 fails on the packed shape); ``leantune export`` merges into the dequantised weights.
+
+FP8 (:class:`FP8Linear`) follows the same pattern: ``weight`` is the e4m3 tensor and ``compute_dtype`` the dtype it
+was quantised from (PEFT would otherwise cast the adapters to float8, a floating dtype to it). Its forward is
+``ops.lora_linear`` without adapters, so y and dX run as e4m3 GEMMs (``torch._scaled_mm`` on the card, the exact
+emulation on CPU) and nothing dequantised is kept for backward.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import NF4Weight, dequantize_nf4, quantize_nf4
+from .ops import FP8Weight, NF4Weight, dequantize_nf4, lora_linear, quantize_fp8, quantize_nf4
 
-QUANT_TYPES = ("nf4",)
+QUANT_TYPES = ("nf4", "fp8")
 _TENSOR_FIELDS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code")
 
 
@@ -72,6 +78,37 @@ class NF4Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
 
 
+class FP8Linear(nn.Linear):
+    """``y = x W^T + b`` with W ``[out_features, in_features]`` ~= diag(weight_scale) weight (e4m3), the GEMMs in FP8.
+
+    ``weight`` (float8_e4m3fn) and ``weight_scale`` (fp32 [out]) are buffers saved in the state dict; ``bias``
+    stays a parameter in its dtype. The module docstring says what PEFT reads of it.
+    """
+
+    def __init__(self, weight: FP8Weight, bias: torch.Tensor | None = None):
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate the float weight this layer replaces
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.qweight)
+        self.register_buffer("weight_scale", weight.scale)
+        self._meta = (weight.dtype, weight.name)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the weight was quantised from (the attribute PEFT reads for the adapters' dtype)."""
+        return self._meta[0]
+
+    @property
+    def weight_fp8(self) -> FP8Weight:
+        return FP8Weight(self.weight, self.weight_scale, self._meta[0], self._meta[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lora_linear(x, self.weight_fp8, None, None, 0.0, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
+
+
 def _decoder(model: nn.Module) -> nn.Module:
     """The decoder stack (embeddings, blocks, final norm; not lm_head) of a Hugging Face causal LM."""
     get_decoder = getattr(model, "get_decoder", None)
@@ -91,19 +128,21 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def quantize(model: nn.Module, quant_type: str = "nf4") -> dict[str, int]:
-    """Replace, in place, every ``nn.Linear`` of the decoder blocks by an :class:`NF4Linear` (quantise with
-    :func:`~leantune.ops.quantize_nf4`). Embeddings, norms and ``lm_head`` are left as they are. On a PEFT model
+    """Replace, in place, every ``nn.Linear`` of the decoder blocks by an :class:`NF4Linear` (``"nf4"``: quantise
+    with :func:`~leantune.ops.quantize_nf4`) or an :class:`FP8Linear` (``"fp8"``, experimental: e4m3 with
+    per-output-channel scales, :func:`~leantune.ops.quantize_fp8`; 1 byte per weight plus 4 per output channel).
+    Embeddings, norms and ``lm_head`` are left as they are. On a PEFT model
     (QLoRA: call it after ``get_peft_model``) the LoRA layers' base layers are quantised and the adapters
     (``lora_A`` / ``lora_B``, ``modules_to_save``) stay as they are; PEFT's forward and ``leantune.patch``'s fused
     LoRA ops both run on the NF4 base.
 
     Returns:
-        ``{"layers": number of linear layers quantised, "bytes_before": their weight bytes, "bytes_after": NF4
-        bytes (codes + absmax codes + nested absmax)}``.
+        ``{"layers": number of linear layers quantised, "bytes_before": their weight bytes, "bytes_after": the
+        quantised bytes (NF4: codes + absmax codes + nested absmax; FP8: e4m3 weight + fp32 scales)}``.
 
     Raises:
         ValueError: an unsupported quant type, a model without ``get_decoder()``, or a layer whose weight cannot be
-            NF4 (e.g. its size is not a multiple of 64); the message names the layer, and the model is unchanged.
+            NF4 (e.g. its size is not a multiple of 64) or FP8 (inf/NaN); the message names the layer, and the model is unchanged.
     """
     if quant_type not in QUANT_TYPES:
         raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {quant_type!r} (fp4 is not supported yet)")
@@ -112,13 +151,17 @@ def quantize(model: nn.Module, quant_type: str = "nf4") -> dict[str, int]:
     targets = [(name[len(prefix):], module) for name, module in quantized_linears(model)]
     replacements = []
     for name, linear in targets:  # quantise all first, so a failing layer leaves the model unchanged
-        nf4 = quantize_nf4(linear.weight.detach(), name=prefix + name)
-        replacements.append((name, NF4Linear(nf4, linear.bias)))
+        if quant_type == "fp8":
+            replacements.append((name, FP8Linear(quantize_fp8(linear.weight.detach(), name=prefix + name),
+                                                 linear.bias)))
+        else:
+            replacements.append((name, NF4Linear(quantize_nf4(linear.weight.detach(), name=prefix + name),
+                                                 linear.bias)))
     before = after = 0
     for (name, linear), (_, replacement) in zip(targets, replacements):
         parent_name, _, child = name.rpartition(".")
         setattr(decoder.get_submodule(parent_name) if parent_name else decoder, child, replacement)
         before += linear.weight.numel() * linear.weight.element_size()
-        after += sum(getattr(replacement, f).numel() * getattr(replacement, f).element_size()
-                     for f in ("codes", "absmax_codes", "nested_absmax"))
+        fields = ("weight", "weight_scale") if quant_type == "fp8" else ("codes", "absmax_codes", "nested_absmax")
+        after += sum(getattr(replacement, f).numel() * getattr(replacement, f).element_size() for f in fields)
     return {"layers": len(replacements), "bytes_before": before, "bytes_after": after}

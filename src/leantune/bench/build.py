@@ -18,7 +18,10 @@ also the long-context switches) and ``hf+peft+bnb``
 ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
 bnb_4bit_compute_dtype=torch.bfloat16)`` loads, with PEFT's ``lora.bnb.Linear4bit`` on top; embeddings, norms and
 ``lm_head`` stay bf16 as in ``leantune+nf4``, so the two differ only in their kernels (neither gets
-``prepare_model_for_kbit_training``'s fp32 upcasts).
+``prepare_model_for_kbit_training``'s fp32 upcasts). ``leantune+fp8`` (experimental, issue #26): the same
+layer-by-layer build with the frozen linears as leantune's ``FP8Linear`` (e4m3, per-output-channel scales), then
+``leantune.patch``; the activation and dY are quantised in a separate pass before each ``_scaled_mm`` (the naive FP8
+baseline: no fused quantisation yet).
 
 The QLoRA models are built one decoder layer at a time (:func:`_build_quantized`): the model on the meta device,
 then each layer materialised, drawn from the same (seed, name) as the bf16 model's, and quantised before the next,
@@ -34,8 +37,8 @@ import zlib
 from .harness import load_config
 
 IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
-         "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb")
-QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb")
+         "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8")
+QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8")
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 _TILE_SUFFIX = re.compile(r"\+tiled(\d+)$")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -230,15 +233,21 @@ def _materialize(modules, hf, names, device) -> None:
 
 
 def _quantize_layer(layer, impl: str, names) -> None:
-    """Replace the layer's frozen projections by 4-bit ones: leantune's ``NF4Linear`` under PEFT's wrappers, or
-    bitsandbytes' ``Linear4bit`` (quantised as it moves to the device)."""
+    """Replace the layer's frozen projections by quantised ones: leantune's ``NF4Linear`` (``FP8Linear`` for
+    ``leantune+fp8``) under PEFT's wrappers, or bitsandbytes' ``Linear4bit`` (quantised as it moves to the device)."""
     from torch import nn
 
     for parent in list(layer.modules()):
         for child_name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child_name not in (*TARGETS, "base_layer"):
                 continue
-            if impl.startswith("leantune"):
+            if impl == "leantune+fp8":
+                from ..ops import quantize_fp8
+                from ..quantize import FP8Linear
+
+                new = FP8Linear(quantize_fp8(child.weight.detach(), name=names.get(child, (child_name,))[0]),
+                                child.bias)
+            elif impl.startswith("leantune"):
                 from ..ops import quantize_nf4
                 from ..quantize import NF4Linear
 

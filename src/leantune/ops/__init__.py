@@ -12,6 +12,7 @@ from ._loss import deferred_error_flags, raise_deferred_errors
 from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
 from .distillation import linear_distillation_loss
+from .fp8 import FP8Weight, dequantize_fp8, quantize_fp8
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs
@@ -24,6 +25,7 @@ from .rope import rope
 __all__ = [
     "DoraWeights",
     "ExpertWeights",
+    "FP8Weight",
     "LoraWeights",
     "NF4Weight",
     "backend",
@@ -31,6 +33,7 @@ __all__ = [
     "cross_entropy",
     "deferred_error_flags",
     "dora_linear",
+    "dequantize_fp8",
     "dequantize_nf4",
     "geglu",
     "linear_cross_entropy",
@@ -40,6 +43,7 @@ __all__ = [
     "lora_mlp",
     "lora_qkv",
     "moe_experts",
+    "quantize_fp8",
     "quantize_nf4",
     "raise_deferred_errors",
     "rms_norm",

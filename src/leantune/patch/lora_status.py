@@ -120,10 +120,10 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
         weight, reason = _nf4_base(base)
         if weight is None:
             return None, 0.0, False, reason
-    elif isinstance(getattr(type(base), "weight_nf4", None), property):  # leantune.quantize's NF4Linear
-        if has_hooks(base) or (base.bias is not None and base.bias.requires_grad):
-            return None, 0.0, False, "NF4 base layer with hooks or a trainable bias"
-        weight = base.weight_nf4
+    elif any(isinstance(getattr(type(base), attr, None), property) for attr in ("weight_nf4", "weight_fp8")):
+        if has_hooks(base) or (base.bias is not None and base.bias.requires_grad):  # leantune.quantize's layers
+            return None, 0.0, False, "NF4/FP8 base layer with hooks or a trainable bias"
+        weight = base.weight_nf4 if hasattr(type(base), "weight_nf4") else base.weight_fp8
     elif not _frozen_linear(base):
         return None, 0.0, False, f"base layer {type(base).__name__} is not a frozen, unhooked nn.Linear"
     else:

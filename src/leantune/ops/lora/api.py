@@ -60,6 +60,7 @@ import torch
 
 from .. import _runtime
 from ..glu import ACTIVATIONS, glu_backward, glu_forward
+from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight, dequantize_nf4
 from .entries import LoraWeights, _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
 from .glu_lowrank import glu_forward_lowrank
@@ -89,22 +90,40 @@ def _workspace(slot: int, shape: tuple, dtype: torch.dtype, device: torch.device
     return _workspaces[key]
 
 
+# An FP8Weight (:mod:`leantune.ops.fp8`) is kept the same way: its e4m3 tensor and scales, nothing dequantised.
+_QUANTIZED = (NF4Weight, FP8Weight)
+_FP8_TENSORS = ("qweight", "scale")
+
+
 def _split_nf4(projs):
-    """(the NF4 weights' tensors, in order, for save_for_backward; their other fields per projection index)."""
+    """(the quantised weights' tensors, in order, for save_for_backward; their other fields per projection index)."""
     tensors, fields = [], []
     for j, proj in enumerate(projs):
-        if isinstance(proj.weight, NF4Weight):
-            tensors += [getattr(proj.weight, f) for f in _NF4_TENSORS]
-            fields.append((j, proj.weight.offset, proj.weight.shape, proj.weight.dtype, proj.weight.name))
+        w = proj.weight
+        if isinstance(w, NF4Weight):
+            tensors += [getattr(w, f) for f in _NF4_TENSORS]
+            fields.append((j, w.offset, w.shape, w.dtype, w.name))
+        elif isinstance(w, FP8Weight):
+            tensors += [getattr(w, f) for f in _FP8_TENSORS]
+            fields.append((j, None, w.shape, w.dtype, w.name))
     return tensors, fields
 
 
+def _n_saved(fields):
+    """How many saved tensors :func:`_split_nf4`'s ``fields`` stand for."""
+    return sum(len(_FP8_TENSORS if offset is None else _NF4_TENSORS) for _, offset, _, _, _ in fields)
+
+
 def _join_nf4(projs, tensors, fields):
-    """``projs`` with the NF4 weights rebuilt from what :func:`_split_nf4` gave."""
-    projs = list(projs)
-    for i, (j, offset, shape, dtype, name) in enumerate(fields):
-        parts = dict(zip(_NF4_TENSORS, tensors[i * len(_NF4_TENSORS):(i + 1) * len(_NF4_TENSORS)]))
-        projs[j] = projs[j]._replace(weight=NF4Weight(offset=offset, shape=shape, dtype=dtype, name=name, **parts))
+    """``projs`` with the quantised weights rebuilt from what :func:`_split_nf4` gave."""
+    projs, start = list(projs), 0
+    for j, offset, shape, dtype, name in fields:
+        names = _FP8_TENSORS if offset is None else _NF4_TENSORS
+        parts = dict(zip(names, tensors[start:start + len(names)]))
+        start += len(names)
+        weight = FP8Weight(dtype=dtype, name=name, **parts) if offset is None else \
+            NF4Weight(offset=offset, shape=shape, dtype=dtype, name=name, **parts)
+        projs[j] = projs[j]._replace(weight=weight)
     return projs
 
 
@@ -132,7 +151,7 @@ class LoraGroupFunction(torch.autograd.Function):
         nf4_tensors, ctx.nf4 = _split_nf4(projs)
         with _no_autocast(x.device):
             ys, xas = group_forward(x2d, _dequantized(projs, meta.compute_dtype), meta, seeds, 0)
-        plain = [None if isinstance(t, NF4Weight) else t for t in tensors]
+        plain = [None if isinstance(t, _QUANTIZED) else t for t in tensors]
         ctx.save_for_backward(x2d, seeds, *plain, *xas, *nf4_tensors)
         ctx.meta, ctx.count, ctx.x_shape = meta, count, x.shape
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
@@ -141,7 +160,7 @@ class LoraGroupFunction(torch.autograd.Function):
     @_runtime.first_derivative_only
     def backward(ctx, *dys):
         x2d, seeds, *rest = ctx.saved_tensors
-        n_nf4 = len(ctx.nf4) * len(_NF4_TENSORS)
+        n_nf4 = _n_saved(ctx.nf4)
         projs, xas = _Proj.unflatten(rest[:len(rest) - n_nf4], ctx.count)
         projs = _join_nf4(projs, rest[len(rest) - n_nf4:], ctx.nf4)
         need_x, *flags = ctx.needs_input_grad[1:]  # after meta: x, then the projections' tensors
@@ -181,7 +200,7 @@ class LoraMLPFunction(torch.autograd.Function):
             (y,), (xa_d,) = group_forward(h, _dequantized([down_p], meta_down.compute_dtype, first_slot=2), meta_down,
                                           seeds, n_gu_lora)
         del h  # recomputed in backward
-        plain = [None if isinstance(t, NF4Weight) else t for t in tensors]
+        plain = [None if isinstance(t, _QUANTIZED) else t for t in tensors]
         ctx.save_for_backward(x2d, gate, up, seeds, *plain, xa_g, xa_u, xa_d, *nf4_tensors)
         ctx.metas, ctx.activation, ctx.x_shape, ctx.n_gu_lora = (meta_gu, meta_down), activation, x.shape, n_gu_lora
         ctx.used = False
@@ -195,7 +214,7 @@ class LoraMLPFunction(torch.autograd.Function):
                                "(retain_graph=True is not supported)")
         ctx.used = True
         x2d, gate, up, seeds, *rest = ctx.saved_tensors
-        n_nf4 = len(ctx.nf4) * len(_NF4_TENSORS)
+        n_nf4 = _n_saved(ctx.nf4)
         projs, (xa_g, xa_u, xa_d) = _Proj.unflatten(rest[:len(rest) - n_nf4], 3)
         gate_p, up_p, down_p = _join_nf4(projs, rest[len(rest) - n_nf4:], ctx.nf4)
         meta_gu, meta_down = ctx.metas

@@ -53,6 +53,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _runtime
+from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight
 from .entries import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
 from .kernels import skinny_matmul
@@ -183,8 +184,8 @@ def _check_entry(name, proj, in_features, device):
         magnitude = proj.magnitude
         proj = (proj.weight, proj.lora_A, proj.lora_B, proj.scaling, proj.bias)
     (weight, lora_A, lora_B, bias), scaling = _check_projection(name, proj, in_features, device)
-    if isinstance(weight, NF4Weight):  # the DoRA nodes read dense weights only
-        raise ValueError(f"{name}weight must be a dense tensor in a DoRA call (an NF4Weight is not supported: the "
+    if isinstance(weight, (NF4Weight, FP8Weight)):  # the DoRA nodes read dense weights only
+        raise ValueError(f"{name}weight must be a dense tensor in a DoRA call (an NF4Weight or FP8Weight is not supported: the "
                          "norm ||W + s B A|| reads W)")
     if magnitude is not None:
         if lora_A is None:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _runtime
+from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight
 from .passes import Meta
 
@@ -18,7 +19,9 @@ class LoraWeights(NamedTuple):
     ``scaling`` (alpha/r, rsLoRA alpha/sqrt(r), ... whatever the caller uses) and ``bias [out]`` or None.
     ``lora_A = lora_B = None`` is a plain frozen projection. ``weight`` may be an :class:`~leantune.ops.NF4Weight`
     (QLoRA): it is dequantised to its dtype (autocast's under autocast) into a reused workspace before the frozen
-    GEMM, in forward and again in backward, and only its 4-bit codes are kept for backward."""
+    GEMM, in forward and again in backward, and only its 4-bit codes are kept for backward. It may be an
+    :class:`~leantune.ops.fp8.FP8Weight`: the frozen GEMMs (y and dX) then run in e4m3 (:mod:`leantune.ops.fp8`),
+    nothing dequantised."""
 
     weight: torch.Tensor
     lora_A: torch.Tensor | None
@@ -62,9 +65,10 @@ def _check_projection(name, proj, in_features, device):
             raise ValueError(f"{name.rstrip('.') or 'the projection'} must be a LoraWeights(weight, lora_A, lora_B, "
                              f"scaling, bias), got {type(proj).__name__}")
     weight, lora_A, lora_B, scaling, bias = proj
-    if isinstance(weight, NF4Weight):  # QLoRA: a 4-bit frozen weight, dequantised inside the node
+    if isinstance(weight, (NF4Weight, FP8Weight)):  # a quantised frozen weight (QLoRA's NF4, or e4m3)
         if len(weight.shape) != 2:
-            raise ValueError(f"{name}weight (NF4) must be 2-D [out, in], got shape {weight.shape}")
+            raise ValueError(f"{name}weight ({type(weight).__name__}) must be 2-D [out, in], got shape "
+                             f"{weight.shape}")
     else:
         _runtime.check_tensor(f"{name}weight", weight)
     if len(weight.shape) != 2:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _runtime
+from ..fp8 import FP8Weight, fp8_grad_input, fp8_linear, quantize_rows
 from .kernels import dropout_triton, lowrank_add_triton, skinny_matmul, skinny_tn
 
 
@@ -119,8 +120,7 @@ def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True):
     """Outputs ``[N, out_j]`` (compute dtype) and xa_j of the projections sharing ``x2d``; seeds[first_seed:] are
     theirs. ``add_lowrank=False`` leaves the s xa B^T terms out of the outputs (the caller fuses them)."""
     cdt, ldt = meta.compute_dtype, meta.lora_dtype
-    xc = x2d.to(cdt)
-    ys = [F.linear(xc, w.to(cdt), None if b is None else b.to(cdt)) for w, _, _, b in projs]
+    ys = _frozen_forward(x2d.to(cdt), projs, cdt)
     lora = [j for j, (_, a, _, _) in enumerate(projs) if a is not None]
     xas = [None] * len(projs)
     if not lora:
@@ -207,13 +207,25 @@ def group_input_grad(dys, g_terms, projs, meta, seeds, first_seed):
     return dx
 
 
+def _frozen_forward(xc, projs, cdt):
+    """x W_j^T + b_j per projection in ``cdt``; an FP8Weight's GEMM runs in e4m3 (:func:`~leantune.ops.fp8.fp8_linear`)
+    on x quantised once per row for every FP8 projection of the group."""
+    x_fp8 = quantize_rows(xc) if any(isinstance(w, FP8Weight) for w, _, _, _ in projs) else None
+    return [fp8_linear(xc, w, b, out_dtype=cdt, x_quantized=x_fp8) if isinstance(w, FP8Weight)
+            else F.linear(xc, w.to(cdt), None if b is None else b.to(cdt)) for w, _, _, b in projs]
+
+
 def _frozen_backward(dys, x2d, projs, cdt, need_x, proj_needs):
     """(dx = sum_j dY_j W_j or None, per projection ProjGrads(dW, None, None, db) as wanted (full fine-tune,
     biases)); ``proj_needs`` None: dx only (no x read)."""
     dx = None
     if need_x:
         for dy, proj in zip(dys, projs):
-            dx = dy @ proj.weight.to(cdt) if dx is None else dx.addmm_(dy, proj.weight.to(cdt))
+            if isinstance(proj.weight, FP8Weight):  # e4m3 dX GEMM: W's scales folded into dY
+                term = fp8_grad_input(dy, proj.weight, out_dtype=cdt)
+                dx = term if dx is None else dx.add_(term)
+            else:
+                dx = dy @ proj.weight.to(cdt) if dx is None else dx.addmm_(dy, proj.weight.to(cdt))
     grads = [ProjGrads() for _ in projs]
     if proj_needs is None:
         return dx, grads

@@ -1,0 +1,201 @@
+r"""FP8 (e4m3) frozen weights: row-wise quantisation and the two frozen GEMMs of a LoRA step, y = x W^T and dX = dY W.
+
+Format. ``float8_e4m3fn``: 1 sign, 4 exponent (bias 7), 3 mantissa bits, no infinities, largest finite 448, smallest
+normal 2^-6, subnormal spacing 2^-9. A tensor T ``[R, C]`` is quantised row by row (weights: per output channel,
+activations and gradients: per token):
+
+    s_r   = max(absmax_r / 448, 2^-126)                     (fp32; the floor keeps an all-zero row finite: its q = 0)
+    q_rc  = e4m3(clamp(T_rc / s_r, -448, 448))              (fp32 division, round to nearest even, saturating)
+    T_rc ~= s_r q_rc
+
+The two GEMMs, weight W ``[out, in]`` ~= diag(s_w) Wq:
+
+    y  = x W^T  ~= diag(s_x) (xq Wq^T) diag(s_w)                                   (reduces over in)
+    dX = dY W   = (dY diag(s_w)) Wq ~= diag(s_g) (gq Wq),   g = dY diag(s_w)       (reduces over out)
+
+The output-channel scales of W sit on the reduction index of dX, so they do not factor out of that GEMM; they fold
+into dY instead (one fp32 product per element, inside the pass that quantises dY per token anyway). One FP8 copy of
+the weight and one scale vector serve both GEMMs: no per-input-channel scales, block scales or second copy.
+
+Error bound (docs/design.md, "FP8 frozen weights"). With u = 2^-4 (3 mantissa bits, round to nearest) an element
+rounds to v (1 + d) + e with |d| <= u and |e| <= 2^-10 s (half the subnormal spacing, in the row's scale). The
+products of two e4m3 values are exact in fp32, and the K-long sum accumulates in fp32 (relative 2^-24 per add), so
+
+    |y_mn - (x W^T)_mn| <= (2u + u^2 + K 2^-24) sum_k |x_mk| |W_nk| + 2^-10 (1 + u) (s_x_m sum_k |W_nk|
+                           + s_w_n sum_k |x_mk|) + 2^-20 K s_x_m s_w_n
+
+(the rounding of the output to a 16-bit dtype comes on top: 2^-8 |y| for bf16).
+
+Implementations (one arithmetic). CUDA on the Triton backend: ``torch._scaled_mm`` with row-wise scales (scale_a
+``[M, 1]``, scale_b ``[1, N]``, fp32, contiguous). Its CUDA path takes only a row-major mat1 and a column-major mat2
+(both K-contiguous, the only FP8 tensor-core layout on Hopper) with K and mat2's dims multiples of 16. For y that is
+free: mat2 = Wq^T is a view of the row-major Wq. For dX mat2 = Wq must be [out, in] column-major, i.e. Wq^T stored
+row-major: backward makes that transposed copy of the e4m3 weight (1 B read + 1 B written per weight) into a
+workspace reused per shape, then runs ``_scaled_mm`` with scale_b = 1 (the weight's scales are in g). Persisting the
+copy would double the weight bytes (16 GiB at 8B); dequantising to bf16 for a bf16 dX would cost 1 + 2 B per weight
+and the GEMM at bf16 rate. The row-wise kernel writes bf16; fp16/fp32 compute dtypes get a cast. Elsewhere (CPU, the
+torch backend): the same quantisation, and the GEMM as fp32 matmuls of the e4m3 values (exact products), scaled
+after: what CI proves.
+
+The activation quantisation runs here as a separate pass (the "naive FP8"); :func:`fp8_linear` takes an already
+quantised activation (``x_quantized=(x_fp8, x_scale)``) for kernels that emit one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _runtime
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+SCALE_FLOOR = 2.0 ** -126  # smallest normal fp32: an all-zero row's scale
+_transposed_workspaces: dict[tuple, torch.Tensor] = {}
+_ones: dict[tuple, torch.Tensor] = {}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FP8Weight:
+    """A frozen linear weight W ``[out, in]`` ~= diag(scale) qweight (module docstring).
+
+    Fields:
+        qweight: ``float8_e4m3fn [out, in]``, contiguous.
+        scale: fp32 ``[out]``, one per output channel (absmax / 448).
+        dtype: the dtype W had (fp32/fp16/bf16): the compute dtype the fused ops give its outputs.
+        name: what error messages call the weight.
+
+    Raises (at construction):
+        ValueError: a field of the wrong dtype, shape, layout or device (the message names the field).
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    name: str = dataclasses.field(default="weight", compare=False)
+
+    def __post_init__(self):
+        q, s = self.qweight, self.scale
+        if not isinstance(q, torch.Tensor) or q.dtype != E4M3 or q.dim() != 2 or not q.is_contiguous():
+            got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"{self.name}: qweight must be a contiguous 2-D float8_e4m3fn tensor, got {got}")
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (q.shape[0],):
+            got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(f"{self.name}: scale must be a float32 tensor of shape ({q.shape[0]},), got {got}")
+        if s.device != q.device:
+            raise ValueError(f"{self.name}: scale is on {s.device} but qweight on {q.device}")
+        if self.dtype not in _runtime.FLOAT_DTYPES:
+            raise ValueError(f"{self.name}: dtype must be float32, float16 or bfloat16, got {self.dtype}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: 1 per weight plus 4 per output channel."""
+        return self.qweight.numel() + 4 * self.scale.numel()
+
+    def to(self, device) -> FP8Weight:
+        """The same weight on ``device``."""
+        return dataclasses.replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device))
+
+
+# ---------------------------------------------------------------------------------------------------- quantisation
+def quantize_rows(t: torch.Tensor, *, name: str = "x") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [R, C], s fp32 [R])`` with t ~= diag(s) q: s = max(absmax / 448, 2^-126) per row,
+    q = e4m3(clamp(t / s, -448, 448)) (fp32 division, round to nearest even). One pass of torch ops (the unfused
+    quantisation). NaN/inf in t are not checked (no host sync): they propagate to q and s.
+
+    Raises:
+        ValueError: t not a 2-D float32/float16/bfloat16 tensor (the message names ``name``).
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype not in _runtime.FLOAT_DTYPES or t.dim() != 2:
+        got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 2-D float32, float16 or bfloat16 tensor to quantise to FP8, got {got}")
+    t32 = t.float()
+    scale = (t32.abs().amax(dim=1) / E4M3_MAX).clamp_(min=SCALE_FLOOR) if t.shape[1] else \
+        torch.full((t.shape[0],), SCALE_FLOOR, device=t.device)
+    q = (t32 / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def quantize_fp8(weight: torch.Tensor, *, name: str = "weight") -> FP8Weight:
+    """``weight [out, in]`` (fp32/fp16/bf16) as an :class:`FP8Weight` with per-output-channel scales
+    (:func:`quantize_rows`). Temporaries: 4 bytes per weight.
+
+    Raises:
+        ValueError: not a 2-D float tensor, an empty one, or non-finite values (the message names ``name``).
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in _runtime.FLOAT_DTYPES or weight.dim() != 2:
+        got = f"{weight.dtype} of shape {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) \
+            else type(weight).__name__
+        raise ValueError(f"{name}: FP8 needs a 2-D [out, in] float32, float16 or bfloat16 weight, got {got}")
+    if weight.numel() == 0:
+        raise ValueError(f"{name}: FP8 needs a non-empty weight, got shape {tuple(weight.shape)}")
+    if not torch.isfinite(weight).all():  # quantisation time, not a training step: a sync is fine
+        raise ValueError(f"{name}: holds inf or NaN, which FP8 weights cannot represent")
+    q, scale = quantize_rows(weight.detach(), name=name)
+    return FP8Weight(q.contiguous(), scale, weight.dtype, name)
+
+
+def dequantize_fp8(w: FP8Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """diag(scale) qweight ``[out, in]`` formed in fp32 and rounded once to ``dtype`` (default ``w.dtype``)."""
+    if not isinstance(w, FP8Weight):
+        raise ValueError(f"w must be an FP8Weight, got {type(w).__name__}")
+    return (w.qweight.float() * w.scale[:, None]).to(dtype or w.dtype)
+
+
+# -------------------------------------------------------------------------------------------------------- GEMMs
+def _native(w: FP8Weight) -> bool:
+    """``torch._scaled_mm`` on the card (Triton backend on CUDA, both weight dims multiples of 16, which it
+    requires); the emulation everywhere else."""
+    return (w.device.type == "cuda" and _runtime.backend(w.device) == "triton"
+            and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
+
+
+def _ones_row(n: int, device: torch.device) -> torch.Tensor:
+    key = (n, device)
+    if key not in _ones:
+        _ones[key] = torch.ones((1, n), dtype=torch.float32, device=device)
+    return _ones[key]
+
+
+def _scaled_mm(a_q, a_scale, b_colmajor, b_scale, out_dtype):
+    y = torch._scaled_mm(a_q, b_colmajor, scale_a=a_scale[:, None], scale_b=b_scale, out_dtype=torch.bfloat16)
+    return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None, *, out_dtype: torch.dtype,
+               x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """y = x W^T + b ``[M, out]`` in ``out_dtype`` with x ``[M, in]`` quantised per row (or given as
+    ``x_quantized = (x_fp8 [M, in] e4m3, x_scale fp32 [M])``) and W = diag(w.scale) w.qweight. Not differentiable
+    by itself (the LoRA nodes call it)."""
+    xq, xs = quantize_rows(x) if x_quantized is None else x_quantized
+    if _native(w):
+        y = _scaled_mm(xq, xs, w.qweight.t(), w.scale[None, :], out_dtype)
+    else:  # e4m3 x e4m3 products are exact in fp32; the scales multiply the fp32 sums
+        y = ((xq.float() @ w.qweight.float().t()) * xs[:, None] * w.scale[None, :]).to(out_dtype)
+    return y if bias is None else y.add_(bias.to(out_dtype))
+
+
+def _transposed(w: FP8Weight) -> torch.Tensor:
+    """Wq^T ``[in, out]`` row-major in a workspace reused per (shape, device): ``_scaled_mm``'s mat2 for dX."""
+    key = (w.shape, w.device)
+    if key not in _transposed_workspaces:
+        _transposed_workspaces[key] = torch.empty((w.shape[1], w.shape[0]), dtype=E4M3, device=w.device)
+    return _transposed_workspaces[key].copy_(w.qweight.t())
+
+
+def fp8_grad_input(dy: torch.Tensor, w: FP8Weight, *, out_dtype: torch.dtype) -> torch.Tensor:
+    """dX = dY W ``[M, in]`` in ``out_dtype``: g = dY diag(w.scale) (fp32), quantised per row, times w.qweight
+    (module docstring: the weight's scales fold into dY, so the forward's FP8 copy serves)."""
+    gq, gs = quantize_rows(dy.float() * w.scale[None, :], name="dY")
+    if _native(w):
+        return _scaled_mm(gq, gs, _transposed(w).t(), _ones_row(w.shape[1], gq.device), out_dtype)
+    return ((gq.float() @ w.qweight.float()) * gs[:, None]).to(out_dtype)
