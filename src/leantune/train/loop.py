@@ -54,7 +54,7 @@ from ..heap import long_lived_frozen
 from ..patch import is_patched
 from ..patch.document_attention import remember_documents, use_document_attention
 from . import checkpoint, reporting, run_folder
-from .config import TrainConfig
+from .config import TrainConfig, default_seq_len
 from .data import PackedData, chitchat_path, load_run_data
 from .divergence import DivergenceGuard, good_checkpoints
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
@@ -192,6 +192,7 @@ class _Run:
     initial_eval_loss: float | None = None  # the divergence guard's reference (kept in each state.json)
     reporters: reporting.Reporters | None = None  # rank 0's --report-to
     guard: DivergenceGuard | None = None
+    seq_len_default: bool = False  # --seq-len not given: the device's default (config.DEFAULT_SEQ_LEN) was taken
 
 
 def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunResult:
@@ -243,6 +244,9 @@ def _prepare(config: TrainConfig) -> _Run:
     if launch is not None:
         speak(launch.main)
         device = distributed.init(launch, device)
+    config, seq_len_chosen = default_seq_len(config, device)  # before the resume check compares it with run.json
+    if seq_len_chosen is not None:
+        say(seq_len_chosen)
     resume_from = distributed.on_main(lambda: run_folder.check_output(config))
 
     kind, model_path = resolve_model(config.model)
@@ -269,7 +273,8 @@ def _prepare(config: TrainConfig) -> _Run:
                                 f"{resumed.get('world_size', 1)}; resume with the same number (its global batch and "
                                 "per-rank RNG states depend on it) or start a new --output")
     run = _Run(config, output, resume_from, device, dtype, kind, model_path, data_path, tokenizer, train_data,
-               eval_data, data_info, total_steps, warmup)
+               eval_data, data_info, total_steps, warmup,
+               seq_len_default=seq_len_chosen is not None or bool((resumed or {}).get("seq_len_default")))
 
     # stored weights under several processes: rank 0 reads them on the CPU, the others build the model on the meta
     # device and receive rank 0's values through the engine (distributed.wrap's from_main); NF4 codes are formed
@@ -345,14 +350,12 @@ def _claim(run: _Run, replaced: list) -> None:
         if info["truncated"]:
             say(f"leantune: warning: {info['truncated']} of {info['examples']} examples were longer than --seq-len "
                 f"{config.seq_len} and were truncated")
-        if info["eval_rows"] < config.eval_size:
-            say(f"leantune: --eval-size {config.eval_size} clamped to {info['eval_rows']}: the held-out split takes "
-                f"at most a tenth of the {info['train_rows'] + info['eval_rows']} packed sequences")
         # absolute paths: export and --resume may run from another working directory
         run_info = {"tool": "leantune", "config": config.to_dict(), "model_kind": run.kind,
                     "model_path": str(run.model_path.resolve()), "data_path": str(run.data_path.resolve()),
                     "data": info, "device": run.device, "dtype": str(run.dtype), "total_steps": run.total_steps,
-                    "warmup_steps": run.warmup, "world_size": world.size, "engine": world.engine}
+                    "warmup_steps": run.warmup, "world_size": world.size, "engine": world.engine,
+                    "seq_len_default": run.seq_len_default}
         (output / "run.json").write_text(to_json(run_info, indent=2))
         run.metrics = MetricsLog(output / "metrics.jsonl")
     distributed.barrier(world)  # the folder is claimed before any rank goes on
