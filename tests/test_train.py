@@ -306,6 +306,32 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is handler  # restored after the run
 
 
+def test_seq_len_default_on_cpu_is_said_recorded_and_resumed(tiny, tmp_path, capsys):
+    """No --seq-len on the CPU: 256 (config.DEFAULT_SEQ_LEN), said in one line, in run.json, and what --resume
+    continues with (its run.json is the resumed run's base)."""
+    from leantune.train.config import DEFAULT_SEQ_LEN
+    from leantune.train.run_folder import resume_base
+
+    out = tmp_path / "run"
+    stop = lambda step: step == 1 and os.kill(os.getpid(), signal.SIGTERM)
+    stopped = train(tiny_config(tiny, out, seq_len=None, max_steps=2, eval_every=0, save_every=0), progress=False,
+                    on_step=stop)
+    assert stopped.interrupted and stopped.summary["steps"] == 1
+    err = capsys.readouterr().err
+    assert err.count("leantune: --seq-len 256 (the default on CPU; 1024 on CUDA)") == 1, err
+    info = json.loads((out / "run.json").read_text())
+    assert DEFAULT_SEQ_LEN["cpu"] == info["config"]["seq_len"] == 256 and info["seq_len_default"] is True
+    config = make_config(flag_values={"output": str(out), "resume": True}, base=resume_base(out, TrainConfig()))
+    assert config.seq_len == 256
+    resumed = train(config, progress=False)
+    assert not resumed.interrupted and resumed.summary["steps"] == 2
+    assert "--seq-len 256 (the default" not in capsys.readouterr().err  # given by run.json: nothing to say
+    info = json.loads((out / "run.json").read_text())
+    assert info["config"]["seq_len"] == 256 and info["seq_len_default"] is True
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in records if r["type"] == "train"] == [2 * 256] * 2  # --batch-size 2 rows of 256
+
+
 @pytest.mark.parametrize("line, match", [
     ('{"messages": [{"role": "assistant", "content": "hi"}]}', "starts with an assistant turn"),
     ('{"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "hi"}]}',
