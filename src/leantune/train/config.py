@@ -80,6 +80,10 @@ class TrainConfig:
                                       "--gradient-checkpointing on)"})
     tile_mlp: int | None = field(default=None, metadata={"help": "run the MLP over tiles of this many tokens, "
                                  "recomputed tile by tile (long context)"})
+    cuda_graphs: bool = field(default=False, metadata={"help": "replay each optimizer step (forwards, backwards, "
+                              "clipping, AdamW) from CUDA graphs after 3 eager steps (leantune.graphs.CapturedStep): "
+                              "the host no longer paces the step; one process, CUDA only (on the CPU the steps run "
+                              "eagerly, with a warning)"})
     distributed: str = field(default="auto", metadata={"help": "auto|ddp|fsdp: the engine when launched by torchrun "
                              "(WORLD_SIZE set; --batch-size is per process); auto: FSDP2 when the frozen weights "
                              "take more than half of one device, else DDP"})
