@@ -423,10 +423,7 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
         if world.main:
             metrics.log({"type": "eval", "step": 0, "eval_loss": eval_loss})
     run.guard = DivergenceGuard(config.divergence_factor, config.zero_grad_steps, run.initial_eval_loss)
-    if config.cuda_graphs and (device.startswith("cuda") or STEP_CAPTURE is not None):
-        run.captured = CapturedStep(run.wrapped, run.optimizer, max_grad_norm=config.max_grad_norm or None,
-                                    warmup=GRAPH_WARMUP, capture=STEP_CAPTURE,
-                                    prepare=lambda inputs: _remember_host_documents(run, inputs))
+    run.captured = captured_step(run)  # before the first backward (CapturedStep's stream)
     bar = tqdm(total=run.total_steps, initial=run.start_step, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
     log = StepLog(run, bar)
@@ -514,6 +511,16 @@ def _graph_step(run: _Run, micro_batches: list[PackedData]):
                        "use_cache": False})
     loss, grad_norm = run.captured.step(inputs)
     return loss, float("nan") if grad_norm is None else grad_norm
+
+
+def captured_step(run: _Run) -> CapturedStep | None:
+    """``--cuda-graphs``: the CapturedStep the steps of ``run`` go through (None: eager steps, on the CPU unless a
+    test set ``STEP_CAPTURE``)."""
+    if not run.config.cuda_graphs or not (run.device.startswith("cuda") or STEP_CAPTURE is not None):
+        return None
+    return CapturedStep(run.wrapped, run.optimizer, max_grad_norm=run.config.max_grad_norm or None,
+                        warmup=GRAPH_WARMUP, capture=STEP_CAPTURE,
+                        prepare=lambda inputs: _remember_host_documents(run, inputs))
 
 
 def _remember_host_documents(run: _Run, inputs) -> None:
