@@ -238,6 +238,26 @@ def test_a_short_run_tokenises_only_what_it_needs(tmp_path, tokenizer, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_short_run_tokenises_its_rows_and_eval_rows_and_no_more(tmp_path, tokenizer, monkeypatch):
+    """Counted: the examples a --max-steps run tokenises are those its rows hold plus at most one look-ahead per
+    split (the example that no longer fits), and its rows are the first rows of the run over every example."""
+    rng = random.Random(random.randrange(2**31))
+    path = write_jsonl(tmp_path / "d.jsonl", chats(400, rng))
+    steps, batch, seed = rng.randint(1, 3), rng.randint(1, 3), rng.randrange(1000)
+    calls = []
+    tokenize = data_mod.tokenize_record
+    monkeypatch.setattr(data_mod, "tokenize_record", lambda tok, record: calls.append(1) or tokenize(tok, record))
+    values = {"data": str(path), "batch_size": batch, "seq_len": 48, "seed": seed}
+    short, held, info = data_mod.load_run_data(make_config(flag_values={**values, "max_steps": steps}), tokenizer,
+                                               rows_per_step=batch)
+    assert len(short) == steps * batch and len(held) == batch
+    assert info["examples"] <= len(calls) <= info["examples"] + 2 and len(calls) < 400 // 4
+    calls.clear()
+    full, _, _ = data_mod.load_run_data(make_config(flag_values=values), tokenizer, rows_per_step=batch)
+    assert 400 <= len(calls) <= 401 and len(full) > len(short)  # every example (the eval split one look-ahead)
+    same_rows(short, full.select(slice(0, len(short))))
+
+
 def test_dtype_option():
     assert resolve_dtype("auto", "cpu") == torch.float32 and resolve_dtype("auto", "cuda") == torch.bfloat16
     assert resolve_dtype("fp16", "cpu") == torch.float16 and resolve_dtype("bf16", "cpu") == torch.bfloat16

@@ -263,6 +263,30 @@ def test_trl_head_reads_nothing_back(watch, monkeypatch):
     assert torch.isfinite(loss)
 
 
+def test_leantune_train_graph_step_reads_nothing_back(tmp_path, watch, monkeypatch):
+    """``leantune train --cuda-graphs``'s step through the CPU recorder (an eager warm-up step, then a captured one
+    and a replay): nothing read back from leantune's code."""
+    from test_train import tiny_config as train_config
+    from test_train import write_chat_jsonl, write_tiny_model
+
+    from leantune.train import loop
+
+    monkeypatch.setattr(loop, "STEP_CAPTURE", lambda fn, stream: fn)
+    monkeypatch.setattr(loop, "GRAPH_WARMUP", 1)
+    tiny = {"model": write_tiny_model(tmp_path / "model"), "data": write_chat_jsonl(tmp_path / "chat.jsonl", n=30)}
+    run = loop._prepare(train_config(tiny, tmp_path / "out", patch="on", grad_accum=2, max_steps=3,
+                                     cuda_graphs=True))
+    run.captured = loop.captured_step(run)
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    for step in range(3):
+        micro = [run.train_data.select(slice(k * 2, k * 2 + 2)) for k in range(2)]
+        with watch:
+            loss, grad_norm, lr = loop.train_step(run, micro, params)
+        assert watch.calls == [], (step, watch.calls)
+        assert torch.is_tensor(loss) and torch.is_tensor(grad_norm) and isinstance(lr, float)
+    assert run.captured._micro is not None  # steps 2 and 3 went through the recorded graphs
+
+
 def test_leantune_train_step_reads_nothing_back(tmp_path, watch):
     """``leantune train``'s step (two micro-batches, patched, clipping, AdamW, schedule) and its step record."""
     from test_train import tiny_config as train_config

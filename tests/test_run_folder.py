@@ -90,9 +90,9 @@ def test_a_diverged_run_stops_with_one_line_and_warn_goes_on_with_strict_json(ti
                                             "--eval-size", "1000"))
     assert code == 0, err
     assert err.count("leantune: warning: the run diverged at step 2") == 1
-    clamped = [line for line in err.splitlines() if "--eval-size 1000 clamped to" in line]
+    clamped = [line for line in err.splitlines() if "--eval-size 1000" in line]
     rows = strict_json((out / "run.json").read_text())["data"]["eval_rows"]
-    assert len(clamped) == 1 and f"clamped to {rows}:" in clamped[0], err
+    assert len(clamped) == 1 and f"-> {rows} rows for this 2-step run" in clamped[0], err
     records = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records if r["type"] == "train"][-1] is None
     summary = strict_json((out / "summary.json").read_text())

@@ -306,6 +306,81 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is handler  # restored after the run
 
 
+def test_seq_len_default_on_cpu_is_said_recorded_and_resumed(tiny, tmp_path, capsys):
+    """No --seq-len on the CPU: 256 (config.DEFAULT_SEQ_LEN), said in one line, in run.json, and what --resume
+    continues with (its run.json is the resumed run's base)."""
+    from leantune.train.config import DEFAULT_SEQ_LEN
+    from leantune.train.run_folder import resume_base
+
+    out = tmp_path / "run"
+    stop = lambda step: step == 1 and os.kill(os.getpid(), signal.SIGTERM)
+    stopped = train(tiny_config(tiny, out, seq_len=None, max_steps=2, eval_every=0, save_every=0), progress=False,
+                    on_step=stop)
+    assert stopped.interrupted and stopped.summary["steps"] == 1
+    err = capsys.readouterr().err
+    assert err.count("leantune: --seq-len 256 (the default on CPU; 1024 on CUDA)") == 1, err
+    info = json.loads((out / "run.json").read_text())
+    assert DEFAULT_SEQ_LEN["cpu"] == info["config"]["seq_len"] == 256 and info["seq_len_default"] is True
+    config = make_config(flag_values={"output": str(out), "resume": True}, base=resume_base(out, TrainConfig()))
+    assert config.seq_len == 256
+    resumed = train(config, progress=False)
+    assert not resumed.interrupted and resumed.summary["steps"] == 2
+    assert "--seq-len 256 (the default" not in capsys.readouterr().err  # given by run.json: nothing to say
+    info = json.loads((out / "run.json").read_text())
+    assert info["config"]["seq_len"] == 256 and info["seq_len_default"] is True
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in records if r["type"] == "train"] == [2 * 256] * 2  # --batch-size 2 rows of 256
+
+
+def test_cuda_graphs_loop_drives_captured_step_as_the_eager_loop(tiny, tmp_path, monkeypatch, capsys):
+    """--cuda-graphs through the CPU recorder of tests/test_graphs.py (capture keeps the step, replay calls it):
+    the losses, gradient norms, evals and adapter of the eager loop (grad accumulation 2, clipping, the cosine
+    schedule), the flag in run.json, and Ctrl-C + --resume giving the uninterrupted graph run's weights."""
+    from leantune.train import loop
+
+    replays = []
+
+    def recorder(fn, stream):
+        return lambda: replays.append(1) or fn()
+
+    common = {"max_steps": 6, "grad_accum": 2, "max_grad_norm": 0.05, "eval_every": 3, "save_every": 2,
+              "patch": "on", "warmup_steps": 2}
+    eager = train(tiny_config(tiny, tmp_path / "eager", **common), progress=False)
+    monkeypatch.setattr(loop, "STEP_CAPTURE", recorder)
+    monkeypatch.setattr(loop, "GRAPH_WARMUP", 2)
+    graphs = train(tiny_config(tiny, tmp_path / "graphs", cuda_graphs=True, **common), progress=False)
+    assert len(replays) == 4 * (2 + 1)  # steps 3-6 replayed: 2 micro-batches and the update each
+    assert json.loads((tmp_path / "graphs" / "run.json").read_text())["config"]["cuda_graphs"] is True
+    records = lambda run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(records("eager"), records("graphs"), strict=True):
+        assert (a["type"], a["step"], a.get("lr")) == (b["type"], b["step"], b.get("lr"))
+        for key in ("loss", "eval_loss", "grad_norm"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a, b)
+    assert max(r["grad_norm"] for r in records("eager") if r["type"] == "train") > 0.05  # clipping was active
+    a = load_file(tmp_path / "eager" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "graphs" / "adapter" / "adapter_model.safetensors")
+    for key in a:
+        close(b[key], a[key], key)
+
+    stop = lambda step: step == 3 and os.kill(os.getpid(), signal.SIGINT)
+    stopped = train(tiny_config(tiny, tmp_path / "split", cuda_graphs=True, **common), progress=False, on_step=stop)
+    assert stopped.interrupted and stopped.summary["steps"] == 3
+    resumed = train(tiny_config(tiny, tmp_path / "split", cuda_graphs=True, resume=True, **common), progress=False)
+    assert not resumed.interrupted
+    c = load_file(tmp_path / "split" / "adapter" / "adapter_model.safetensors")
+    for key in b:
+        assert torch.equal(b[key], c[key]), key
+    strip = lambda run: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_seconds")}
+                         for r in records(run)]
+    assert strip("graphs") == strip("split")
+
+    monkeypatch.setattr(loop, "STEP_CAPTURE", None)  # no recorder: on the CPU the flag warns and runs eagerly
+    capsys.readouterr()
+    train(tiny_config(tiny, tmp_path / "cpu", cuda_graphs=True, max_steps=1, eval_every=0), progress=False)
+    assert "--cuda-graphs needs CUDA (this run is on cpu): the steps run eagerly" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("line, match", [
     ('{"messages": [{"role": "assistant", "content": "hi"}]}', "starts with an assistant turn"),
     ('{"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "hi"}]}',

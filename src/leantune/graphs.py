@@ -55,6 +55,9 @@ class CapturedStep:
         warmup: eager steps before the capture (>= 1).
         capture: ``capture(fn, stream) -> replay`` (default: CUDA graphs on CUDA; on any other device the steps
             stay eager). Tests pass a recorder that replays ``fn`` by calling it.
+        prepare: ``prepare(inputs)``, called with each micro-batch's tensor inputs just before its forward (the
+            caller's tensors in eager steps, the static buffers at capture): e.g. ``leantune train`` tells the
+            attention code the documents of its packed rows from their host copy.
 
     Call ``step(batches)`` with one batch (a mapping of model keyword arguments) or a sequence of micro-batches;
     returns ``(loss_sum, grad_norm)`` as device tensors (grad_norm None without clipping), never synchronising.
@@ -65,7 +68,7 @@ class CapturedStep:
     """
 
     def __init__(self, model, optimizer, *, max_grad_norm: float | None = None, loss_scale: float = 1.0,
-                 warmup: int = 3, capture: Callable | None = None):
+                 warmup: int = 3, capture: Callable | None = None, prepare: Callable | None = None):
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an int >= 1 (eager steps before the capture), got {warmup!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -76,6 +79,7 @@ class CapturedStep:
             raise ValueError("optimizer has no parameter that requires grad")
         self.device = self.params[0].device
         self.max_grad_norm, self.loss_scale, self.warmup = max_grad_norm, float(loss_scale), warmup
+        self._prepare = prepare
         self._capture = capture if capture is not None else (
             _cuda_graph_capture if self.device.type == "cuda" else None)
         if self._capture is _cuda_graph_capture:
@@ -125,6 +129,8 @@ class CapturedStep:
 
     # ------------------------------------------------------------------------------------------------ passes
     def _micro_pass(self, inputs: Mapping) -> torch.Tensor:
+        if self._prepare is not None:
+            self._prepare(inputs)
         loss = self.model(**inputs, **self._constants).loss
         (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
         return loss.detach()

@@ -97,6 +97,9 @@ def save_checkpoint(output: Path, step: int, model, optimizer, scheduler, metric
     gathered collectively) and rank 0 writes."""
     adapter = adapter_state(model)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    for group in optimizer_state.get("param_groups", ()):  # a captured step's lr is a device tensor: a number here
+        if torch.is_tensor(group.get("lr")):
+            group["lr"] = float(group["lr"])
     rng = gather_objects(_rng_state(), world)
     root = Path(output) / CHECKPOINTS
     final = root / f"step-{step:06d}"
@@ -110,7 +113,7 @@ def save_checkpoint(output: Path, step: int, model, optimizer, scheduler, metric
     tmp.mkdir()
     save_file(adapter, str(tmp / "adapter_model.safetensors"))
     torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(_host_numbers(scheduler.state_dict()), tmp / "scheduler.pt")
     torch.save(rng, tmp / "rng.pt")
     state = {**(extra or {}), "step": step, "metrics_lines": metrics_lines}
     (tmp / "state.json").write_text(json.dumps(finite_or_none(state), allow_nan=False))  # strict JSON
@@ -123,6 +126,33 @@ def save_checkpoint(output: Path, step: int, model, optimizer, scheduler, metric
             shutil.rmtree(old)
     barrier(world)
     return final
+
+
+def _host_numbers(state: dict) -> dict:
+    """A scheduler's state with its lists of lr tensors (``_last_lr`` of a captured step's optimizer) as floats,
+    so the files are the same whether the steps were captured or not."""
+    return {k: [float(x) if torch.is_tensor(x) else x for x in v] if isinstance(v, list) else v
+            for k, v in state.items()}
+
+
+def _keep_implementation(optimizer, load) -> None:
+    """``load()`` an optimizer state, keeping how this optimizer steps: the saved param groups carry the saving
+    run's ``fused`` / ``capturable`` / ``foreach`` flags (an eager run's, resumed with --cuda-graphs, or the
+    reverse), and a capturable or fused AdamW keeps its ``step`` counts on the parameters' device (the others on
+    the CPU). A tensor lr (a captured step's) stays a tensor, given the loaded value."""
+    keys = ("fused", "capturable", "foreach", "differentiable")
+    own = [({k: g[k] for k in keys if k in g}, g["lr"]) for g in optimizer.param_groups]
+    load()
+    for group, (flags, lr) in zip(optimizer.param_groups, own):
+        group.update(flags)
+        if torch.is_tensor(lr):
+            lr.fill_(float(group["lr"]))
+            group["lr"] = lr
+        on_device = flags.get("capturable") or flags.get("fused")
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(dtype=torch.float32, device=p.device if on_device else "cpu")
 
 
 def checkpoints(output: Path) -> list[Path]:
@@ -222,9 +252,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, world: World = Worl
     optimizer_state = stored["optimizer"]
     try:
         if all(isinstance(key, int) for key in optimizer_state["state"]):  # written by leantune 0.1 (one process)
-            optimizer.load_state_dict(optimizer_state)
+            _keep_implementation(optimizer, lambda: optimizer.load_state_dict(optimizer_state))
         else:
-            set_optimizer_state_dict(model, optimizer, optimizer_state, options=_LOAD)
+            _keep_implementation(optimizer, lambda: set_optimizer_state_dict(model, optimizer, optimizer_state,
+                                                                             options=_LOAD))
         scheduler.load_state_dict(stored["scheduler"])
         rng = stored["rng"]
         _set_rng_state(rng[world.rank] if isinstance(rng, list) else rng)  # a dict: saved by one plain process

@@ -25,6 +25,9 @@ else:  # pragma: no cover - Python 3.10
 from ..errors import LeantuneError
 
 MAX_SEQ_LEN = 1 << 20  # tokens per packed sequence: beyond any model's context; bigger only exhausts host memory
+# --seq-len when none is given, by device type: a CPU step costs time and activation memory in proportion to the
+# tokens of a micro-batch (a 1024-token default made a 3-step run of the embedded model take minutes and ~7 GB)
+DEFAULT_SEQ_LEN = {"cuda": 1024, "cpu": 256}
 
 
 @dataclass
@@ -40,7 +43,7 @@ class TrainConfig:
     output: str = field(default="runs/train", metadata={"help": "output directory"})
     max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides --epochs)"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the training split"})
-    seq_len: int = field(default=1024, metadata={"help": "tokens per packed sequence"})
+    seq_len: int | None = field(default=None, metadata={"help": "tokens per packed sequence"})
     batch_size: int = field(default=4, metadata={"help": "packed sequences per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
@@ -77,6 +80,10 @@ class TrainConfig:
                                       "--gradient-checkpointing on)"})
     tile_mlp: int | None = field(default=None, metadata={"help": "run the MLP over tiles of this many tokens, "
                                  "recomputed tile by tile (long context)"})
+    cuda_graphs: bool = field(default=False, metadata={"help": "replay each optimizer step (forwards, backwards, "
+                              "clipping, AdamW) from CUDA graphs after 3 eager steps (leantune.graphs.CapturedStep): "
+                              "the host no longer paces the step; one process, CUDA only (on the CPU the steps run "
+                              "eagerly, with a warning)"})
     distributed: str = field(default="auto", metadata={"help": "auto|ddp|fsdp: the engine when launched by torchrun "
                              "(WORLD_SIZE set; --batch-size is per process); auto: FSDP2 when the frozen weights "
                              "take more than half of one device, else DDP"})
@@ -122,9 +129,11 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise LeantuneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len < 2:  # position 0 of a sequence is never a target: 2 tokens is the least that trains
+        # seq_len None: resolved once the device is known (``default_seq_len``); position 0 of a sequence is never
+        # a target, so 2 tokens is the least that trains
+        if self.seq_len is not None and self.seq_len < 2:
             raise LeantuneError(f"--seq-len must be >= 2 (one token to read and one to predict), got {self.seq_len}")
-        if self.seq_len > MAX_SEQ_LEN:
+        if self.seq_len is not None and self.seq_len > MAX_SEQ_LEN:
             raise LeantuneError(f"--seq-len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
         if not 0 <= self.seed < 2**63:  # torch's generators take a signed 64-bit seed
             raise LeantuneError(f"--seed must be in [0, 2^63), got {self.seed}")
@@ -272,12 +281,25 @@ def coerce(name: str, value, label: str):
 
 # What --help shows for defaults that are None (resolved at run time).
 NONE_DEFAULTS = {"model": "the embedded SmolLM2-135M-Instruct", "data": "the embedded chitchat dataset",
-                 "max_steps": "from --epochs", "warmup_steps": "5%% of the steps, at least 1",
+                 "max_steps": "from --epochs", "seq_len": "1024 on CUDA, 256 on CPU", "warmup_steps": "5%% of the steps, at least 1",
                  "max_examples": "all", "device": "cuda when available",
                  "tile_mlp": "off", "quantize": "off",
                  "text_column": "text", "messages_column": "messages or conversations",
                  "prompt_column": "prompt", "completion_column": "completion", "chat_template": "the tokenizer's",
                  "eval_data": "held out from --data", "eval_split": "up to --eval-size rows from the last tenth"}
+
+
+def default_seq_len(config: TrainConfig, device: str) -> tuple[TrainConfig, str | None]:
+    """``config`` with ``seq_len`` set for ``device`` when none was given (``DEFAULT_SEQ_LEN``), and the line that
+    says so (None when it was given)."""
+    if config.seq_len is not None:
+        return config, None
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"
+    chosen = DEFAULT_SEQ_LEN[kind]
+    other = "cpu" if kind == "cuda" else "cuda"
+    return dataclasses.replace(config, seq_len=chosen), (
+        f"leantune: --seq-len {chosen} (the default on {kind.upper()}; {DEFAULT_SEQ_LEN[other]} on "
+        f"{other.upper()}): give --seq-len to choose another")
 
 
 def load_toml(path: str | Path) -> dict:

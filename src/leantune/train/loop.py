@@ -50,11 +50,12 @@ from tqdm.auto import tqdm
 from .. import distributed
 from ..distributed import World
 from ..errors import LeantuneError
+from ..graphs import CapturedStep
 from ..heap import long_lived_frozen
 from ..patch import is_patched
 from ..patch.document_attention import remember_documents, use_document_attention
 from . import checkpoint, reporting, run_folder
-from .config import TrainConfig
+from .config import TrainConfig, default_seq_len
 from .data import PackedData, chitchat_path, load_run_data
 from .divergence import DivergenceGuard, good_checkpoints
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
@@ -65,6 +66,9 @@ from .step_log import StepLog, raise_deferred_errors
 
 # ---------------------------------------------------------------------------------------------------------------
 # One step
+
+GRAPH_WARMUP = 3  # --cuda-graphs: eager steps before the capture (Triton compilation, cuBLAS workspaces)
+STEP_CAPTURE = None  # --cuda-graphs: CapturedStep's capture (None: CUDA graphs on CUDA); tests set a CPU recorder
 
 
 def accumulate_gradients(model, micro_batches: list[PackedData], device: str, world: World = World()) -> torch.Tensor:
@@ -80,9 +84,7 @@ def accumulate_gradients(model, micro_batches: list[PackedData], device: str, wo
     rows, inputs go up from pinned memory without blocking, the packed rows' documents are told to the attention and
     mask code from the host copy (``remember_documents``), and the loss stays on the device.
     """
-    local = sum(batch.num_targets() for batch in micro_batches)  # host-built rows: no device read
-    num_items = int(distributed.all_reduce_sum([local], world, device)[0])
-    num_items_t = torch.full((), max(num_items, 1), dtype=torch.int64, device=device)
+    num_items_t = _step_num_items(micro_batches, device, world)
     scale = distributed.loss_scale(world)  # the engines average over ranks; the token mean sums
     total = None
     for k, batch in enumerate(micro_batches):
@@ -95,6 +97,13 @@ def accumulate_gradients(model, micro_batches: list[PackedData], device: str, wo
             (loss * scale if scale != 1.0 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
+
+
+def _step_num_items(micro_batches: list[PackedData], device: str, world: World) -> torch.Tensor:
+    """The global step's target-token count (summed over ranks), a 0-dim int64 tensor on ``device`` (>= 1)."""
+    local = sum(batch.num_targets() for batch in micro_batches)  # host-built rows: no device read
+    num_items = int(distributed.all_reduce_sum([local], world, device)[0])
+    return torch.full((), max(num_items, 1), dtype=torch.int64, device=device)
 
 
 def _to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
@@ -192,6 +201,9 @@ class _Run:
     initial_eval_loss: float | None = None  # the divergence guard's reference (kept in each state.json)
     reporters: reporting.Reporters | None = None  # rank 0's --report-to
     guard: DivergenceGuard | None = None
+    captured: CapturedStep | None = None  # --cuda-graphs: the step's graphs (``_graph_step``)
+    graph_hosts: dict = field(default_factory=dict)  # id(device position_ids) -> (them, their host copy)
+    seq_len_default: bool = False  # --seq-len not given: the device's default (config.DEFAULT_SEQ_LEN) was taken
 
 
 def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunResult:
@@ -243,6 +255,15 @@ def _prepare(config: TrainConfig) -> _Run:
     if launch is not None:
         speak(launch.main)
         device = distributed.init(launch, device)
+    config, seq_len_chosen = default_seq_len(config, device)  # before the resume check compares it with run.json
+    if config.cuda_graphs and launch is not None:
+        raise LeantuneError("--cuda-graphs runs one process (the captured step has no gradient all-reduce yet); "
+                            "leave it out under torchrun")
+    if config.cuda_graphs and not device.startswith("cuda") and STEP_CAPTURE is None:
+        say(f"leantune: warning: --cuda-graphs needs CUDA (this run is on {device}): the steps run eagerly, with "
+            "the same numbers")
+    if seq_len_chosen is not None:
+        say(seq_len_chosen)
     resume_from = distributed.on_main(lambda: run_folder.check_output(config))
 
     kind, model_path = resolve_model(config.model)
@@ -269,7 +290,8 @@ def _prepare(config: TrainConfig) -> _Run:
                                 f"{resumed.get('world_size', 1)}; resume with the same number (its global batch and "
                                 "per-rank RNG states depend on it) or start a new --output")
     run = _Run(config, output, resume_from, device, dtype, kind, model_path, data_path, tokenizer, train_data,
-               eval_data, data_info, total_steps, warmup)
+               eval_data, data_info, total_steps, warmup,
+               seq_len_default=seq_len_chosen is not None or bool((resumed or {}).get("seq_len_default")))
 
     # stored weights under several processes: rank 0 reads them on the CPU, the others build the model on the meta
     # device and receive rank 0's values through the engine (distributed.wrap's from_main); NF4 codes are formed
@@ -302,8 +324,12 @@ def _prepare(config: TrainConfig) -> _Run:
             f"sequence{'s' if rows_per_step > 1 else ''} = --batch-size {config.batch_size} x --grad-accum "
             f"{config.grad_accum} x {run.world.size} processes")
     params = [p for p in run.model.parameters() if p.requires_grad]
+    graphs = config.cuda_graphs and device.startswith("cuda")
+    # a float lr here, so the scheduler's base_lrs stay floats; CapturedStep makes it a device tensor (the
+    # scheduler's fill_ then reaches the replays)
     run.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
-                                      fused=device.startswith("cuda") and run.world.engine != "fsdp")
+                                      fused=device.startswith("cuda") and run.world.engine != "fsdp",
+                                      **({"capturable": True} if graphs else {}))
     run.scheduler = cosine_schedule(run.optimizer, total_steps, warmup, config.min_lr_ratio)
     if resume_from is not None:  # applied before the folder is claimed: a mismatch leaves it as it was
         run.resume_state = checkpoint.load_checkpoint(resume_from, run.model, run.optimizer, run.scheduler, run.world,
@@ -318,6 +344,10 @@ def _attend_per_document(model, config: TrainConfig) -> None:
     (patch.document_attention: exact, O(tokens) memory); below, transformers' path (measured) is kept."""
     mask_gib = config.batch_size * config.seq_len ** 2 / 2**30
     if mask_gib <= 1:
+        return
+    if config.cuda_graphs:  # its per-document launches come from each batch's host spans: a graph would keep one
+        say(f"leantune: warning: --cuda-graphs: packed rows of --seq-len {config.seq_len} get transformers' dense "
+            f"{mask_gib:.1f} GiB attention mask (per-document attention is not captured)")
         return
     why = use_document_attention(model)
     if why is None:
@@ -345,14 +375,12 @@ def _claim(run: _Run, replaced: list) -> None:
         if info["truncated"]:
             say(f"leantune: warning: {info['truncated']} of {info['examples']} examples were longer than --seq-len "
                 f"{config.seq_len} and were truncated")
-        if info["eval_rows"] < config.eval_size:
-            say(f"leantune: --eval-size {config.eval_size} clamped to {info['eval_rows']}: the held-out split takes "
-                f"at most a tenth of the {info['train_rows'] + info['eval_rows']} packed sequences")
         # absolute paths: export and --resume may run from another working directory
         run_info = {"tool": "leantune", "config": config.to_dict(), "model_kind": run.kind,
                     "model_path": str(run.model_path.resolve()), "data_path": str(run.data_path.resolve()),
                     "data": info, "device": run.device, "dtype": str(run.dtype), "total_steps": run.total_steps,
-                    "warmup_steps": run.warmup, "world_size": world.size, "engine": world.engine}
+                    "warmup_steps": run.warmup, "world_size": world.size, "engine": world.engine,
+                    "seq_len_default": run.seq_len_default}
         (output / "run.json").write_text(to_json(run_info, indent=2))
         run.metrics = MetricsLog(output / "metrics.jsonl")
     distributed.barrier(world)  # the folder is claimed before any rank goes on
@@ -395,6 +423,7 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
         if world.main:
             metrics.log({"type": "eval", "step": 0, "eval_loss": eval_loss})
     run.guard = DivergenceGuard(config.divergence_factor, config.zero_grad_steps, run.initial_eval_loss)
+    run.captured = captured_step(run)  # before the first backward (CapturedStep's stream)
     bar = tqdm(total=run.total_steps, initial=run.start_step, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
     log = StepLog(run, bar)
@@ -443,14 +472,64 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
 def train_step(run: _Run, micro_batches: list[PackedData], params: list):
     """One optimizer step: the micro-batches' forwards and backwards, clipping, the update, the schedule. Returns
     (loss, grad_norm, lr): the loss and the norm as 0-dim tensors on the device (the norm a float NaN when clipping
-    is off), never read back here (no device-to-host sync; tests/test_no_sync.py)."""
+    is off), never read back here (no device-to-host sync; tests/test_no_sync.py). With ``--cuda-graphs`` the
+    same step replays from graphs (``_graph_step``)."""
+    lr = scheduled_lr(run.scheduler)
+    if run.captured is not None:
+        loss, grad_norm = _graph_step(run, micro_batches)
+        run.scheduler.step()  # a fill_ of the optimizer's lr tensor, which the next replay reads
+        return loss, grad_norm, lr
     loss = accumulate_gradients(run.wrapped, micro_batches, run.device, run.world)
     grad_norm = _clip(params, run.config.max_grad_norm)
-    lr = run.scheduler.get_last_lr()[0]
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, lr
+
+
+def scheduled_lr(scheduler) -> float:
+    """The learning rate of the coming step, on the host: LambdaLR's own ``base_lr * factor(step)`` (its
+    ``get_last_lr`` holds device tensors once the optimizer's lr is one, and reading those would sync)."""
+    return scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)
+
+
+def _graph_step(run: _Run, micro_batches: list[PackedData]):
+    """One optimizer step through ``run.captured`` (leantune.graphs.CapturedStep): the micro-batches as model
+    inputs of one fixed shape (every step takes full --batch-size micro-batches of --seq-len rows: ``step_rows``
+    leaves an epoch's remainder rows out), the step's target count as a tensor input, so the summed losses are the
+    token mean as in ``accumulate_gradients``; clipping and AdamW inside the captured update. Returns (loss,
+    grad_norm) as device tensors (the norm a float NaN when clipping is off)."""
+    device = run.device
+    num_items_t = _step_num_items(micro_batches, device, run.world)
+    run.graph_hosts.clear()
+    inputs = []
+    for batch in micro_batches:
+        position_ids = _to_device(batch.position_ids, device)
+        run.graph_hosts[id(position_ids)] = (position_ids, batch.position_ids)
+        inputs.append({"input_ids": _to_device(batch.input_ids, device), "position_ids": position_ids,
+                       "labels": _to_device(batch.labels, device), "num_items_in_batch": num_items_t,
+                       "use_cache": False})
+    loss, grad_norm = run.captured.step(inputs)
+    return loss, float("nan") if grad_norm is None else grad_norm
+
+
+def captured_step(run: _Run) -> CapturedStep | None:
+    """``--cuda-graphs``: the CapturedStep the steps of ``run`` go through (None: eager steps, on the CPU unless a
+    test set ``STEP_CAPTURE``)."""
+    if not run.config.cuda_graphs or not (run.device.startswith("cuda") or STEP_CAPTURE is not None):
+        return None
+    return CapturedStep(run.wrapped, run.optimizer, max_grad_norm=run.config.max_grad_norm or None,
+                        warmup=GRAPH_WARMUP, capture=STEP_CAPTURE,
+                        prepare=lambda inputs: _remember_host_documents(run, inputs))
+
+
+def _remember_host_documents(run: _Run, inputs) -> None:
+    """Before an eager forward of the captured step: the documents of its packed rows, from their host copy (no
+    sync). At capture (the step's static buffers, unknown here) transformers' packed-row check forms the document
+    index on the device, which the replays then recompute from each step's positions."""
+    known = run.graph_hosts.get(id(inputs["position_ids"]))
+    if known is not None and known[0] is inputs["position_ids"]:
+        remember_documents(*known)
 
 
 def _finish(run: _Run, replaced: list) -> RunResult:
