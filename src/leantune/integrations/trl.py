@@ -69,6 +69,7 @@ from ..patch import patch
 from ..patch._model import hf_model
 from ..patch.forwards import STATE_ATTR, causal_lm_forward
 from ..patch.lora_status import has_hooks
+from .trl_preference import PairForward, pair_trainer_kind, take_pair_head
 
 IGNORE_INDEX = -100  # TRL's label for "no target", fixed in its fused head
 STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -88,10 +89,18 @@ class FusedLMHead:
         outputs: the per-token fields TRL asked its head for (``log_probs`` always).
         metrics: whether the statistics are computed (else zeros).
         calls: how many ``fused_lm_head=True`` calls leantune's head served.
-        passed: how many ``fused_lm_head=True`` calls went on to the forward behind it (TRL's chunked head).
+        passed: how many ``fused_lm_head=True`` calls went on to the forward behind it (TRL's chunked head), or
+            (``fallback`` set: ORPO, CPO) batches that TRL's own code computed instead.
+        masked_statistics: statistics 0 at ignored rows, as TRL's head returns them; False keeps them at every row
+            (ORPO's and CPO's mean-logit metrics average every position, padding included).
+        label_mismatch: None, or a 0-dim bool tensor that a route sets on the device when a batch broke its
+            assumption (ORPO's: :mod:`.trl_preference`); raised at the next logging step.
     """
 
     leantune_loss = "ops.linear_cross_entropy per token (TRL's fused_lm_head calls, leantune.integrations.trl)"
+    fallback = "TRL's chunked head"
+    masked_statistics = True
+    label_mismatch = None
 
     def __init__(self, model: nn.Module, previous, outputs: tuple[str, ...], metrics: bool = True,
                  temperature: float | None = None):
@@ -102,7 +111,7 @@ class FusedLMHead:
     def leantune_runs(self, configured: str) -> str:
         """The summary's ``loss_runs`` (``leantune.patch.PatchSummary``): ``configured`` and which head ran how
         often."""
-        return (f"{configured}; ran so far: leantune's head {self.calls} fused_lm_head calls, TRL's chunked head "
+        return (f"{configured}; ran so far: leantune's head {self.calls} fused_lm_head calls, {self.fallback} "
                 f"{self.passed}")
 
     @property
@@ -124,8 +133,10 @@ class FusedLMHead:
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
         if not self._serves() or kwargs.get("output_router_logits"):
-            self.passed += bool(fused_lm_head)
-            return self.previous(*args, fused_lm_head=fused_lm_head, **kwargs)
+            if not fused_lm_head:  # the forward behind may be a model's own (ORPO, CPO): no TRL keyword for it
+                return self.previous(*args, **kwargs)
+            self.passed += 1
+            return self.previous(*args, fused_lm_head=True, **kwargs)
         if not fused_lm_head:
             return causal_lm_forward(self.model, *args, **kwargs)
         return self._fused(*args, **kwargs)
@@ -157,8 +168,10 @@ class FusedLMHead:
         log_probs = (0.0 - nll).reshape(mask.shape)  # 0 - 0 is +0 at ignored rows, as TRL's zeros (-0 would not be)
         stats = dict.fromkeys(STATS)
         for name in (name for name in STATS if name in self.outputs):
-            stats[name] = (torch.where(mask, found[name].reshape(mask.shape), False if name == "is_top1" else 0.0)
-                           if name in found else
+            kept = found.get(name)
+            if kept is not None and self.masked_statistics:
+                kept = torch.where(mask, kept.reshape(mask.shape), False if name == "is_top1" else 0.0)
+            stats[name] = (kept.reshape(mask.shape) if kept is not None else
                            torch.zeros(mask.shape, dtype=torch.bool if name == "is_top1" else torch.float32,
                                        device=mask.device))
         divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -208,6 +221,9 @@ def _take_head(model, metrics: bool, trainer) -> str:
         # GRPO's token mask and entropy bonus read the entropy whatever the metrics
         forward.metrics = metrics or (forward.temperature is not None and _grpo_reads_entropy(trainer))
         return "leantune"
+    pair = pair_trainer_kind(trainer)
+    if pair is not None and model is trainer.model:
+        return take_pair_head(trainer, pair, metrics, FusedLMHead)
     settings = _trl_head_settings(forward)
     if settings is None:  # TRL <= 1.14 (or a plain Trainer): outputs.logits may be read in training
         return "no fused head"
@@ -297,7 +313,9 @@ def _leave_out_of_logs(trainer, names: tuple[str, ...]) -> None:
 
     @functools.wraps(log)
     def log_measured(logs, *args, **kwargs):
-        for pending in getattr(trainer, "_metrics", {}).values():  # TRL's {"train": {...}, "eval": {...}}
+        # TRL's {"train": {...}, "eval": {...}}: _metrics, or ORPO's and CPO's _stored_metrics
+        stores = (getattr(trainer, "_metrics", {}), getattr(trainer, "_stored_metrics", {}))
+        for pending in (pending for store in stores for pending in store.values()):
             for name in names:
                 pending.pop(name, None)
         return log(logs, *args, **kwargs)
@@ -368,6 +386,9 @@ def _raise_deferred_at_logging(trainer) -> None:
     class RaiseDeferredErrors(TrainerCallback):
         def on_log(self, args, state, control, **kwargs):
             ops.raise_deferred_errors()
+            forward = trainer.__dict__.get("concatenated_forward")
+            if isinstance(forward, PairForward):  # ORPO's one-target check (trl_preference)
+                forward.raise_if_mismatched()
 
     handler = getattr(trainer, "callback_handler", None)
     if handler is None:  # not a transformers Trainer

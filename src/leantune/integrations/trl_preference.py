@@ -1,0 +1,202 @@
+r"""TRL's ORPOTrainer and CPOTrainer (``trl.experimental``) through leantune's loss head: the route
+:func:`leantune.integrations.trl.patch_trainer` takes for them.
+
+TRL's seam (read in trl 1.16, ``trl/experimental/orpo/orpo_trainer.py`` and ``cpo/cpo_trainer.py``): neither trainer
+has a fused head. Their ``concatenated_forward(model, batch)`` stacks the chosen and rejected rows ([2B, S], chosen
+first), calls ``model(input_ids, attention_mask=..., use_cache=False)`` for the full logits z [2B, S, V] and returns
+``(chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll)``, with, for labels y (``concatenated_labels``:
+the input ids, -100 on the prompt and padding) and per-token log-probs lp_t(y) = log softmax(z_t)[y_{t+1}]:
+
+    logps_b  = sum_t m_bt lp_bt(y) / sum_t m_bt   (m = y_{t+1} != -100; ORPO, and CPO's ipo / simpo: the mean;
+                                                   other CPO losses: the sum, no division)
+    ORPO nll = mean over chosen rows and attended t of -lp_t(x), x = the input ids where attention_mask = 1
+               (prompt included, Hong et al. 2024's SFT term)
+    CPO  nll = mean over chosen rows and labelled t of -lp_t(y), or 0 when cpo_alpha = 0
+    logits/chosen, logits/rejected (metrics) = mean of z over the chosen / rejected rows' positions 0 .. S-2
+               (ORPO) or 0 .. S-1 (CPO), padding included
+
+and ``get_batch_loss_metrics`` forms ORPO's ``nll - mean(beta log sigma(log odds))`` (``odds_ratio_loss``) or CPO's
+``mean(cpo_loss) + cpo_alpha nll``, and logs rewards (beta logps), log-probs, mean logits, the NLL and (ORPO) the
+log odds.
+
+Here (:func:`take_pair_head`): :class:`~leantune.integrations.trl.FusedLMHead` goes on the transformers model (the
+statistic ``mean_logits`` kept at every row, as these metrics average every position), and the trainer gets
+instance methods: ``concatenated_forward`` (:class:`PairForward`) calls the model as TRL does, through its wrappers
+(PEFT, DDP), with ``fused_lm_head=True`` and one target per position, so one ``ops.linear_cross_entropy`` call
+(no [2B S, V] logits) gives every log-prob above; it returns TRL's tuple with the ``[B, S']`` per-row mean logits in
+place of the logits (every row has V entries, so their mean is the logits' mean). ORPO's
+``get_batch_loss_metrics`` (:func:`orpo_batch_loss_metrics`) takes its loss from ``ops.preference.orpo_loss`` and
+logs TRL's metrics as 0-dim device tensors (TRL reads each back with ``.item()``, 11 host syncs a step; TRL's ``log``
+averages them at the logging step all the same); CPO keeps TRL's ``get_batch_loss_metrics`` and ``cpo_loss``
+(elementwise on [B], all its loss types and AlphaPO).
+
+One target per position: ORPO's chosen rows are scored on x (the NLL's targets), the rejected rows on y, and the
+chosen log-prob means read x's log-probs at y's positions. That is exact when y_t = x_t wherever y_t != -100, which
+TRL's ``tokenize_row`` and ``DPODataCollatorWithPadding`` always give (labels are copies of the input ids, the
+prompt and padding set to -100, on attended tokens). A batch that breaks it (another collator) gets a NaN loss, and
+the next logging step raises a ValueError that says why (checked on the device: no host sync in the step).
+
+TRL's own code runs (the head's ``passed`` count, and ``loss_runs`` says so) for an encoder-decoder model, MoE router
+logits (``output_router_logits``: the aux loss needs the model's own forward), or whenever the head does not serve
+(the model unpatched, an ``lm_head`` that is not a plain ``nn.Linear``).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import preference
+from ..patch._model import hf_model
+from ..patch.forwards import is_leantune_forward
+
+IGNORE_INDEX = -100  # TRL's label padding in these trainers
+
+
+def pair_trainer_kind(trainer) -> str | None:
+    """``"orpo"`` or ``"cpo"`` for TRL's ORPOTrainer / CPOTrainer (``trl.experimental``), else None."""
+    kinds = {"orpo": ("trl.experimental.orpo", "ORPOTrainer"), "cpo": ("trl.experimental.cpo", "CPOTrainer")}
+    for kind, (module, name) in kinds.items():
+        try:
+            cls = getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):  # a TRL without trl.experimental
+            continue
+        if isinstance(trainer, cls):
+            return kind
+    return None
+
+
+def take_pair_head(trainer, kind: str, metrics: bool, head_type) -> str:
+    """Install ``head_type`` (:class:`~leantune.integrations.trl.FusedLMHead`) on the trainer's transformers model
+    and the trainer's instance methods (module docstring); returns ``"leantune"`` or why TRL's code is kept."""
+    name = type(trainer).__name__
+    if getattr(trainer, "is_encoder_decoder", False):
+        return f"TRL's concatenated_forward kept: {name} of an encoder-decoder model (leantune patches causal LMs)"
+    if getattr(trainer, "aux_loss_enabled", False):
+        return f"TRL's concatenated_forward kept: {name} with output_router_logits (the aux loss is the model's own)"
+    hf = hf_model(trainer.model)
+    forward = hf.__dict__.get("forward")
+    if forward is not None and not is_leantune_forward(forward):
+        return f"TRL's concatenated_forward kept: {type(hf).__name__} has an instance forward {forward!r}"
+    previous = forward if forward is not None else types.MethodType(type(hf).forward, hf)
+    head = head_type(hf, previous, ("log_probs", "mean_logits"), metrics)
+    head.masked_statistics = False
+    head.fallback = "TRL's own full-logits concatenated_forward"
+    loss = "ops.preference.orpo_loss" if kind == "orpo" else "TRL's cpo_loss"
+    head.leantune_loss = (f"ops.linear_cross_entropy per token ({name}'s concatenated_forward: its log-probs and NLL "
+                          f"from one call) + {loss}, leantune.integrations.trl")
+    hf.forward = head
+    trainer.concatenated_forward = PairForward(trainer, kind, head)
+    if kind == "orpo":
+        trainer.get_batch_loss_metrics = types.MethodType(orpo_batch_loss_metrics, trainer)
+    return "leantune"
+
+
+class PairForward:
+    """The instance ``concatenated_forward`` of an ORPOTrainer or CPOTrainer (module docstring): TRL's return tuple
+    from leantune's head, or TRL's own method where the head does not serve.
+
+    Attributes: trainer; kind (``"orpo"`` or ``"cpo"``); head (the model's FusedLMHead)."""
+
+    def __init__(self, trainer, kind: str, head):
+        self.trainer, self.kind, self.head = trainer, kind, head
+
+    def serves(self) -> bool:
+        """Whether leantune's head computes this batch (else TRL's method runs)."""
+        return self.head._serves() and not getattr(self.trainer, "aux_loss_enabled", False)
+
+    def __call__(self, model, batch):
+        trainer = self.trainer
+        if not self.serves():
+            self.head.passed += 1
+            return type(trainer).concatenated_forward(trainer, model, batch)
+        joined = trainer.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=self._padding_value(),
+                                             device=trainer.accelerator.device)
+        input_ids, attention = joined["concatenated_input_ids"], joined["concatenated_attention_mask"]
+        labels = joined["concatenated_labels"]
+        n_chosen = batch["chosen_labels"].shape[0]
+        targets = _next(labels)  # [2B, S]: position t scores token t + 1, nothing at the last
+        labelled = targets != IGNORE_INDEX
+        chosen = torch.arange(targets.shape[0], device=targets.device)[:, None] < n_chosen
+        if self.kind == "orpo":  # the chosen rows on the NLL's targets: every attended next token
+            sequence = _next(torch.where(attention == 1, input_ids, IGNORE_INDEX))
+            self._check_labels(targets, sequence, labelled & chosen)
+            targets = torch.where(chosen, sequence, targets)
+        out = model(input_ids, attention_mask=attention, use_cache=False, shift_labels=targets, fused_lm_head=True)
+        log_probs = out.log_probs  # [2B, S] fp32, 0 at ignored positions
+        # TRL's get_batch_logps: mean or sum over the labelled tokens (a row without one: 0 / 0, NaN, as TRL's)
+        logps = (log_probs * labelled).sum(-1)
+        if self.kind == "orpo" or trainer.loss_type in ("ipo", "simpo"):
+            logps = logps / labelled.sum(-1)
+        nll = self._nll(log_probs[:n_chosen], out.label_mask[:n_chosen] if self.kind == "orpo"
+                        else labelled[:n_chosen])
+        mean_logits = out.mean_logits if self.kind == "cpo" else out.mean_logits[:, :-1]  # ORPO drops position S-1
+        if self.head.label_mismatch is not None:
+            logps = logps + torch.where(self.head.label_mismatch, float("nan"), 0.0)
+        return logps[:n_chosen], logps[n_chosen:], mean_logits[:n_chosen], mean_logits[n_chosen:], nll
+
+    def _padding_value(self):
+        trainer = self.trainer
+        return trainer.padding_value if self.kind == "orpo" else trainer.pad_token_id
+
+    def _nll(self, log_probs, mask):
+        """TRL's nn.CrossEntropyLoss() mean over ``mask`` (no valid token: 0 / 0, NaN, as torch's)."""
+        if self.kind == "cpo" and self.trainer.cpo_alpha == 0:
+            return torch.tensor(0.0).to(self.trainer.accelerator.device)
+        return -(log_probs * mask).sum() / mask.sum()
+
+    def _check_labels(self, labels, sequence, where):
+        """Record on the device whether a labelled chosen token differs from its input id (module docstring)."""
+        bad = (where & (labels != sequence)).any()
+        flag = self.head.label_mismatch
+        self.head.label_mismatch = bad if flag is None else flag | bad
+
+    def raise_if_mismatched(self) -> None:
+        """ValueError when a batch since the last call broke the one-target assumption (a host read: call it
+        where the host waits anyway, at logging)."""
+        flag = self.head.label_mismatch
+        if flag is not None and bool(flag):
+            self.head.label_mismatch = None
+            raise ValueError(f"{type(self.trainer).__name__} batch: a labelled token (chosen_labels != -100) is not "
+                             "the attended input id at its position; leantune's ORPO head scores one target per "
+                             "position, which TRL's tokenize_row and DPODataCollatorWithPadding guarantee. Use that "
+                             "collator, or leantune.patch(trainer.model) alone (TRL's full-logits loss)")
+
+
+def _next(tokens):
+    """``tokens [R, S]`` shifted left by one, -100 at the last position: the target each position scores."""
+    return F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def orpo_batch_loss_metrics(self, model, batch, train_eval="train"):
+    """ORPOTrainer's ``get_batch_loss_metrics`` with the loss from ``ops.preference.orpo_loss`` (Hong et al. 2024,
+    eqs. 4-7: ``nll - beta mean log sigma(log odds)``) and TRL's metrics as detached 0-dim tensors; TRL's method
+    where leantune's head does not serve."""
+    forward = self.concatenated_forward
+    if not isinstance(forward, PairForward) or not forward.serves():
+        return type(self).get_batch_loss_metrics(self, model, batch, train_eval)
+    chosen, rejected, chosen_logits, rejected_logits, nll = forward(model, batch)
+    loss, log_odds = preference.orpo_loss(chosen, rejected, beta=self.beta, nll=nll)
+    chosen_rewards, rejected_rewards = self.beta * chosen.float().detach(), self.beta * rejected.float().detach()
+    gather = self.accelerator.gather_for_metrics
+    prefix = "eval_" if train_eval == "eval" else ""
+    metrics = {
+        "rewards/chosen": gather(chosen_rewards).mean(),
+        "rewards/rejected": gather(rejected_rewards).mean(),
+        "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean(),
+        "rewards/margins": gather(chosen_rewards - rejected_rewards).mean(),
+        "logps/rejected": gather(rejected).detach().mean(),
+        "logps/chosen": gather(chosen).detach().mean(),
+    }
+    # metrics=False: zeros from the head, left out of the logs by patch_trainer (TRL's prediction_step reads them)
+    metrics["logits/rejected"] = gather(rejected_logits.mean()).mean()
+    metrics["logits/chosen"] = gather(chosen_logits.mean()).mean()
+    metrics["nll_loss"] = gather(nll).detach().mean()
+    metrics["log_odds_ratio"] = gather(F.logsigmoid(log_odds).mean()).mean()
+    metrics["log_odds_chosen"] = gather(log_odds.mean()).mean()
+    return loss, {prefix + key: value.detach() for key, value in metrics.items()}
+
+
+__all__ = ["PairForward", "orpo_batch_loss_metrics", "pair_trainer_kind", "take_pair_head"]
