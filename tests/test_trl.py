@@ -581,3 +581,21 @@ def test_orpo_labels_off_the_input_ids_poison_the_step_and_raise_at_logging(tiny
     assert torch.isnan(chosen).all() and torch.isnan(rejected).all()
     with pytest.raises(ValueError, match="is not the attended input id at its position"):
         trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, logs={})
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_orpo_cpo_step_reads_nothing_back(tiny_folder, tmp_path, fresh_seed, monkeypatch, kind):
+    """A patched ORPO / CPO loss, backward and metrics make no host read from leantune's code (test_no_sync's
+    watch): the metrics stay device tensors until TRL's log."""
+    from test_no_sync import SyncCalls
+
+    trainer = patch_trainer(_pair_trainer(kind, tiny_folder, tmp_path, fresh_seed, cpo_alpha=0.0) if kind == "cpo"
+                            else _pair_trainer(kind, tiny_folder, tmp_path, fresh_seed))
+    batch = _first_batch(trainer)
+    watch = SyncCalls(monkeypatch)
+    with watch:
+        trainer.compute_loss(trainer.model, batch).backward()
+    assert watch.calls == [], watch.calls
+    stored = trainer._stored_metrics["train"]
+    assert stored["nll_loss"] and all(isinstance(v, torch.Tensor) for values in stored.values() for v in values)
+    assert loss_head_calls(trainer.model) == 1

@@ -1,5 +1,5 @@
-"""TRL's SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer with leantune's loss head:
-``patch_trainer(trainer)`` after building the trainer.
+"""TRL's SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, ORPOTrainer and CPOTrainer with leantune's
+loss head: ``patch_trainer(trainer)`` after building the trainer.
 
 Design: docs/design.md, "TRL's trainers" (and "Patch seams" for the wrappers and ``unpatch``).
 
@@ -38,13 +38,17 @@ temperature: log softmax(z / T)[label] per target row, and the entropy of softma
 TRL's entropy metric, high-entropy token mask and entropy bonus. RLOOTrainer makes the same calls (log-probs at
 its temperature, the entropy for its metric) and gets the same head. KTOTrainer's calls (temperature 1: the
 policy's and reference's per-sequence log-prob sums and its KL term; entropy, detached, and mean logits for its
-metrics) are served as DPO's.
+metrics) are served as DPO's. ORPOTrainer and CPOTrainer (``trl.experimental``) have no fused head: their
+``concatenated_forward`` reads the model's full logits; :mod:`.trl_preference` replaces it (and their
+``get_batch_loss_metrics``) on the trainer with one that makes a ``fused_lm_head=True`` call to this head (ORPO's loss
+from ``ops.preference.orpo_loss``).
 
 TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
-SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer or RLOOTrainer, for SFT/DPO/KTO a temperature other than 1, a logit
-scale other than 1, ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks,
-FSDP2's sharded weight), MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call
-gives TRL's head back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which.
+SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, ORPOTrainer or CPOTrainer, for SFT/DPO/KTO a
+temperature other than 1, a logit scale other than 1, ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a
+plain ``nn.Linear`` (LoRA on it, hooks, FSDP2's sharded weight), MoE router logits, or a model that is not patched
+(``leantune.unpatch`` after this call gives TRL's head back, a later ``leantune.patch`` takes it again); the
+summary's ``loss_runs`` says which.
 :func:`loss_head_calls` counts the calls served.
 
 TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
@@ -232,8 +236,8 @@ def _take_head(model, metrics: bool, trainer) -> str:
         return _take_grpo_head(hf, forward, settings, metrics, trainer, grpo)
     # the rest may differentiate the statistics, which leantune's head computes without gradient
     why = _why_not_served(settings) if isinstance(trainer, _statistics_trainers()) else (
-        f"{type(trainer).__name__} is not an SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer or RLOOTrainer (it may "
-        "differentiate the statistics)")
+        f"{type(trainer).__name__} is not an SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, "
+        "ORPOTrainer or CPOTrainer (it may differentiate the statistics)")
     if why is not None:
         return f"TRL's fused head kept: {why}"
     hf.forward = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics)
@@ -298,8 +302,8 @@ def _check_trainer(trainer) -> None:
     else:
         hint = ""
     raise ValueError(f"patch_trainer takes a built TRL trainer (trl.SFTTrainer, DPOTrainer, KTOTrainer, "
-                     f"GRPOTrainer or RLOOTrainer after "
-                     f"construction), got {name}{hint}")
+                     f"GRPOTrainer, RLOOTrainer, trl.experimental's ORPOTrainer or CPOTrainer after construction), "
+                     f"got {name}{hint}")
 
 
 def _leave_out_of_logs(trainer, names: tuple[str, ...]) -> None:
@@ -334,14 +338,14 @@ def _not_computed(trainer) -> tuple[str, ...]:
 
 
 def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **patch_kwargs):
-    """Make a built TRL trainer (SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer) train with leantune's
-    ops and loss head;
-    returns ``trainer``.
+    """Make a built TRL trainer (SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, ORPOTrainer,
+    CPOTrainer) train with leantune's ops and loss head; returns ``trainer``.
 
     Args:
         trainer: a ``trl`` trainer after construction (its model may already be patched, or not).
-        metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit) inside the loss op's pass
-            (module docstring); False leaves them out of the logs (GRPO's entropy is still computed when its
+        metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit: ORPO's and CPO's
+            logits/chosen and logits/rejected too) inside the loss op's pass (module docstring); False leaves them out
+            of the logs (GRPO's entropy is still computed when its
             token mask or entropy bonus reads it).
         freeze_heap: while ``trainer.train()`` runs, keep the Python objects alive at its start out of the garbage
             collector's full collections (:func:`leantune.heap.long_lived_frozen`: a full collection walks the

@@ -20,15 +20,15 @@ and ``get_batch_loss_metrics`` forms ORPO's ``nll - mean(beta log sigma(log odds
 log odds.
 
 Here (:func:`take_pair_head`): :class:`~leantune.integrations.trl.FusedLMHead` goes on the transformers model (the
-statistic ``mean_logits`` kept at every row, as these metrics average every position), and the trainer gets
-instance methods: ``concatenated_forward`` (:class:`PairForward`) calls the model as TRL does, through its wrappers
+statistic ``mean_logits`` kept at every row, as these metrics average every position), and the trainer gets two
+instance methods. ``concatenated_forward`` (:class:`PairForward`) calls the model as TRL does, through its wrappers
 (PEFT, DDP), with ``fused_lm_head=True`` and one target per position, so one ``ops.linear_cross_entropy`` call
 (no [2B S, V] logits) gives every log-prob above; it returns TRL's tuple with the ``[B, S']`` per-row mean logits in
-place of the logits (every row has V entries, so their mean is the logits' mean). ORPO's
-``get_batch_loss_metrics`` (:func:`orpo_batch_loss_metrics`) takes its loss from ``ops.preference.orpo_loss`` and
-logs TRL's metrics as 0-dim device tensors (TRL reads each back with ``.item()``, 11 host syncs a step; TRL's ``log``
-averages them at the logging step all the same); CPO keeps TRL's ``get_batch_loss_metrics`` and ``cpo_loss``
-(elementwise on [B], all its loss types and AlphaPO).
+place of the logits (every row has V entries, so their mean is the logits' mean). ``get_batch_loss_metrics``
+(:func:`pair_batch_loss_metrics`) takes ORPO's loss from ``ops.preference.orpo_loss`` and CPO's from TRL's own
+``cpo_loss`` (elementwise on [B]: all its loss types and AlphaPO), and logs TRL's metrics as 0-dim device tensors
+(TRL reads each back with ``.item()``, a host sync per metric and step; TRL's ``log`` averages them at the logging
+step all the same). CPO's targets are y everywhere (its NLL is over the labelled tokens).
 
 One target per position: ORPO's chosen rows are scored on x (the NLL's targets), the rejected rows on y, and the
 chosen log-prob means read x's log-probs at y's positions. That is exact when y_t = x_t wherever y_t != -100, which
@@ -36,9 +36,10 @@ TRL's ``tokenize_row`` and ``DPODataCollatorWithPadding`` always give (labels ar
 prompt and padding set to -100, on attended tokens). A batch that breaks it (another collator) gets a NaN loss, and
 the next logging step raises a ValueError that says why (checked on the device: no host sync in the step).
 
-TRL's own code runs (the head's ``passed`` count, and ``loss_runs`` says so) for an encoder-decoder model, MoE router
-logits (``output_router_logits``: the aux loss needs the model's own forward), or whenever the head does not serve
-(the model unpatched, an ``lm_head`` that is not a plain ``nn.Linear``).
+TRL's own code runs for an encoder-decoder model or MoE router logits (``output_router_logits``: the aux loss needs
+the model's own forward); the route is then not taken and ``loss_runs`` says why. It also runs, counted in the
+head's ``passed`` and so in ``loss_runs``, for each batch the head does not serve (the model unpatched by
+``leantune.unpatch``, an ``lm_head`` that is not a plain ``nn.Linear``).
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ def take_pair_head(trainer, kind: str, metrics: bool, head_type) -> str:
                           f"from one call) + {loss}, leantune.integrations.trl")
     hf.forward = head
     trainer.concatenated_forward = PairForward(trainer, kind, head)
-    if kind == "orpo":
-        trainer.get_batch_loss_metrics = types.MethodType(orpo_batch_loss_metrics, trainer)
+    trainer.get_batch_loss_metrics = types.MethodType(pair_batch_loss_metrics, trainer)
     return "leantune"
 
 
@@ -144,7 +144,8 @@ class PairForward:
     def _nll(self, log_probs, mask):
         """TRL's nn.CrossEntropyLoss() mean over ``mask`` (no valid token: 0 / 0, NaN, as torch's)."""
         if self.kind == "cpo" and self.trainer.cpo_alpha == 0:
-            return torch.tensor(0.0).to(self.trainer.accelerator.device)
+            # TRL's torch.tensor(0.0).to(device) waits on the device's queue (a host copy): the same 0.0 made there
+            return torch.zeros((), device=self.trainer.accelerator.device)
         return -(log_probs * mask).sum() / mask.sum()
 
     def _check_labels(self, labels, sequence, where):
@@ -170,18 +171,23 @@ def _next(tokens):
     return F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def orpo_batch_loss_metrics(self, model, batch, train_eval="train"):
-    """ORPOTrainer's ``get_batch_loss_metrics`` with the loss from ``ops.preference.orpo_loss`` (Hong et al. 2024,
-    eqs. 4-7: ``nll - beta mean log sigma(log odds)``) and TRL's metrics as detached 0-dim tensors; TRL's method
-    where leantune's head does not serve."""
+def pair_batch_loss_metrics(self, model, batch, train_eval="train"):
+    """ORPOTrainer's / CPOTrainer's ``get_batch_loss_metrics`` on :class:`PairForward`'s output, with TRL's metrics
+    as detached 0-dim tensors (no ``.item()``); TRL's method where leantune's head does not serve.
+
+    ORPO's loss is ``ops.preference.orpo_loss`` (Hong et al. 2024, eqs. 4-7: ``nll - beta mean log sigma(log
+    odds)``), CPO's TRL's ``mean(cpo_loss) + cpo_alpha nll`` (Xu et al. 2024; SimPO, AlphaPO as TRL's)."""
     forward = self.concatenated_forward
     if not isinstance(forward, PairForward) or not forward.serves():
         return type(self).get_batch_loss_metrics(self, model, batch, train_eval)
     chosen, rejected, chosen_logits, rejected_logits, nll = forward(model, batch)
-    loss, log_odds = preference.orpo_loss(chosen, rejected, beta=self.beta, nll=nll)
-    chosen_rewards, rejected_rewards = self.beta * chosen.float().detach(), self.beta * rejected.float().detach()
+    if forward.kind == "orpo":
+        loss, log_odds = preference.orpo_loss(chosen, rejected, beta=self.beta, nll=nll)
+        chosen_rewards, rejected_rewards = self.beta * chosen.float().detach(), self.beta * rejected.float().detach()
+    else:
+        losses, chosen_rewards, rejected_rewards = self.cpo_loss(chosen, rejected)
+        loss = losses.mean() + self.cpo_alpha * nll
     gather = self.accelerator.gather_for_metrics
-    prefix = "eval_" if train_eval == "eval" else ""
     metrics = {
         "rewards/chosen": gather(chosen_rewards).mean(),
         "rewards/rejected": gather(rejected_rewards).mean(),
@@ -189,14 +195,16 @@ def orpo_batch_loss_metrics(self, model, batch, train_eval="train"):
         "rewards/margins": gather(chosen_rewards - rejected_rewards).mean(),
         "logps/rejected": gather(rejected).detach().mean(),
         "logps/chosen": gather(chosen).detach().mean(),
+        # metrics=False: zeros from the head, left out of the logs by patch_trainer (TRL's prediction_step reads them)
+        "logits/rejected": gather(rejected_logits.mean()).mean(),
+        "logits/chosen": gather(chosen_logits.mean()).mean(),
+        "nll_loss": gather(nll).detach().mean(),
     }
-    # metrics=False: zeros from the head, left out of the logs by patch_trainer (TRL's prediction_step reads them)
-    metrics["logits/rejected"] = gather(rejected_logits.mean()).mean()
-    metrics["logits/chosen"] = gather(chosen_logits.mean()).mean()
-    metrics["nll_loss"] = gather(nll).detach().mean()
-    metrics["log_odds_ratio"] = gather(F.logsigmoid(log_odds).mean()).mean()
-    metrics["log_odds_chosen"] = gather(log_odds.mean()).mean()
+    if forward.kind == "orpo":
+        metrics["log_odds_ratio"] = gather(F.logsigmoid(log_odds).mean()).mean()
+        metrics["log_odds_chosen"] = gather(log_odds.mean()).mean()
+    prefix = "eval_" if train_eval == "eval" else ""
     return loss, {prefix + key: value.detach() for key, value in metrics.items()}
 
 
-__all__ = ["PairForward", "orpo_batch_loss_metrics", "pair_trainer_kind", "take_pair_head"]
+__all__ = ["PairForward", "pair_batch_loss_metrics", "pair_trainer_kind", "take_pair_head"]
