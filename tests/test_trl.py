@@ -599,3 +599,23 @@ def test_orpo_cpo_step_reads_nothing_back(tiny_folder, tmp_path, fresh_seed, mon
     stored = trainer._stored_metrics["train"]
     assert stored["nll_loss"] and all(isinstance(v, torch.Tensor) for values in stored.values() for v in values)
     assert loss_head_calls(trainer.model) == 1
+
+
+def test_orpo_subclass_that_overrides_the_loss_keeps_trl_code(tiny_folder, tmp_path, fresh_seed):
+    """A subclass's own odds_ratio_loss is what its user asked for: the route is not taken, and the summary says
+    why; the batch then runs the subclass's code on full logits."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    class ScaledORPO(ORPOTrainer):
+        def odds_ratio_loss(self, chosen, rejected):
+            losses, *rest = super().odds_ratio_loss(chosen, rejected)
+            return (2 * losses, *rest)
+
+    trainer = _pair_trainer("orpo", tiny_folder, tmp_path, fresh_seed)
+    trainer.__class__ = ScaledORPO
+    patch_trainer(trainer)
+    hf = trainer.model.get_base_model()
+    assert "ScaledORPO overrides odds_ratio_loss" in hf.leantune_summary["loss_runs"]
+    assert "concatenated_forward" not in trainer.__dict__
+    loss = trainer.compute_loss(trainer.model, _first_batch(trainer))
+    assert torch.isfinite(loss) and loss_head_calls(trainer.model) == 0

@@ -36,8 +36,9 @@ TRL's ``tokenize_row`` and ``DPODataCollatorWithPadding`` always give (labels ar
 prompt and padding set to -100, on attended tokens). A batch that breaks it (another collator) gets a NaN loss, and
 the next logging step raises a ValueError that says why (checked on the device: no host sync in the step).
 
-TRL's own code runs for an encoder-decoder model or MoE router logits (``output_router_logits``: the aux loss needs
-the model's own forward); the route is then not taken and ``loss_runs`` says why. It also runs, counted in the
+TRL's own code runs for an encoder-decoder model, MoE router logits (``output_router_logits``: the aux loss needs
+the model's own forward) or a subclass that overrides a method this route stands in for (:data:`REPLACED`); the
+route is then not taken and ``loss_runs`` says why. It also runs, counted in the
 head's ``passed`` and so in ``loss_runs``, for each batch the head does not serve (the model unpatched by
 ``leantune.unpatch``, an ``lm_head`` that is not a plain ``nn.Linear``).
 """
@@ -56,8 +57,13 @@ from ..patch.forwards import is_leantune_forward
 IGNORE_INDEX = -100  # TRL's label padding in these trainers
 
 
-def pair_trainer_kind(trainer) -> str | None:
-    """``"orpo"`` or ``"cpo"`` for TRL's ORPOTrainer / CPOTrainer (``trl.experimental``), else None."""
+# the methods this route stands in for (or, for cpo_loss, calls): a subclass that overrides one keeps TRL's code
+REPLACED = {"orpo": ("concatenated_forward", "get_batch_loss_metrics", "get_batch_logps", "odds_ratio_loss"),
+            "cpo": ("concatenated_forward", "get_batch_loss_metrics", "get_batch_logps")}
+
+
+def _pair_class(trainer):
+    """``("orpo" | "cpo", TRL's class)`` for an ORPOTrainer / CPOTrainer (``trl.experimental``), else None."""
     kinds = {"orpo": ("trl.experimental.orpo", "ORPOTrainer"), "cpo": ("trl.experimental.cpo", "CPOTrainer")}
     for kind, (module, name) in kinds.items():
         try:
@@ -65,14 +71,24 @@ def pair_trainer_kind(trainer) -> str | None:
         except (ImportError, AttributeError):  # a TRL without trl.experimental
             continue
         if isinstance(trainer, cls):
-            return kind
+            return kind, cls
     return None
+
+
+def pair_trainer_kind(trainer) -> str | None:
+    """``"orpo"`` or ``"cpo"`` for TRL's ORPOTrainer / CPOTrainer (``trl.experimental``, or a subclass), else None."""
+    found = _pair_class(trainer)
+    return None if found is None else found[0]
 
 
 def take_pair_head(trainer, kind: str, metrics: bool, head_type) -> str:
     """Install ``head_type`` (:class:`~leantune.integrations.trl.FusedLMHead`) on the trainer's transformers model
     and the trainer's instance methods (module docstring); returns ``"leantune"`` or why TRL's code is kept."""
     name = type(trainer).__name__
+    base = _pair_class(trainer)[1]
+    overridden = [m for m in REPLACED[kind] if getattr(type(trainer), m) is not getattr(base, m)]
+    if overridden:
+        return f"TRL's concatenated_forward kept: {name} overrides {', '.join(overridden)}"
     if getattr(trainer, "is_encoder_decoder", False):
         return f"TRL's concatenated_forward kept: {name} of an encoder-decoder model (leantune patches causal LMs)"
     if getattr(trainer, "aux_loss_enabled", False):
