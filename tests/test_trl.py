@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer and DPOTrainer with leantune: patched (``patch_trainer``) against TRL's own loss head, step by step.
+"""TRL's trainers with leantune: patched (``patch_trainer``) against TRL's own loss head, step by step.
 
 Every run trains a tiny random Llama (2 layers, hidden 64, byte tokenizer of test_train) with LoRA (all linear
 projections, dropout 0) in fp32 on the CPU for a few steps; ``bf16=False`` is explicit because TRL's configs default
@@ -6,6 +6,9 @@ to bf16 autocast, also on the CPU. The optimiser is SGD: Adam's first steps are 
 element near zero turns a 1e-7 difference into a 2 lr parameter difference, which no loss head can match. Per step,
 the logged loss and pre-clipping gradient norm of the patched run must be within fp32 tolerance (1e-5 relative) of the
 unpatched run, and leantune's loss-head counter must show that every ``fused_lm_head`` call was leantune's.
+
+Longer than 500 lines because every TRL trainer patch_trainer serves (SFT, DPO, KTO, GRPO, RLOO, ORPO, CPO) shares
+this file's tiny-model, LoRA and plain-TRL-versus-patched fixtures; split by trainer they would be copied.
 """
 
 from __future__ import annotations
