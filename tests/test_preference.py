@@ -188,6 +188,11 @@ def test_orpo_simpo_kto_match_reference_and_trl():
     fake = types.SimpleNamespace(beta=0.25, accelerator=_fake_accelerator())
     trl_losses, *_ = ORPOTrainer.odds_ratio_loss(fake, c, r)
     assert_close("orpo vs TRL", loss, nll - trl_losses.mean(), torch.float32)
+    # the per-pair log odds (ORPOTrainer logs their mean as log_odds_chosen): log(p / (1 - p)) of each, in float64
+    _, log_odds = preference.orpo_loss(c, r, beta=0.25)
+    odds64 = torch.logit(c.detach().double().exp()) - torch.logit(r.detach().double().exp())
+    assert_close("orpo log odds", log_odds, odds64, torch.float32)
+    assert_close("orpo log odds vs TRL", log_odds.mean(), ORPOTrainer.odds_ratio_loss(fake, c, r)[4], torch.float32)
 
     loss, _, _ = preference.simpo_loss(c, r, beta=2.0, gamma=0.7, label_smoothing=0.1)
     _grad_check("simpo", loss, grads64(lambda a, b: simpo_ref(a, b, 2.0, 0.7, 0.1), [c, r], torch.tensor(1.0)),

@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer and DPOTrainer with leantune: patched (``patch_trainer``) against TRL's own loss head, step by step.
+"""TRL's trainers with leantune: patched (``patch_trainer``) against TRL's own loss head, step by step.
 
 Every run trains a tiny random Llama (2 layers, hidden 64, byte tokenizer of test_train) with LoRA (all linear
 projections, dropout 0) in fp32 on the CPU for a few steps; ``bf16=False`` is explicit because TRL's configs default
@@ -6,17 +6,21 @@ to bf16 autocast, also on the CPU. The optimiser is SGD: Adam's first steps are 
 element near zero turns a 1e-7 difference into a 2 lr parameter difference, which no loss head can match. Per step,
 the logged loss and pre-clipping gradient norm of the patched run must be within fp32 tolerance (1e-5 relative) of the
 unpatched run, and leantune's loss-head counter must show that every ``fused_lm_head`` call was leantune's.
+
+Longer than 500 lines because every TRL trainer patch_trainer serves (SFT, DPO, KTO, GRPO, RLOO, ORPO, CPO) shares
+this file's tiny-model, LoRA and plain-TRL-versus-patched fixtures; split by trainer they would be copied.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import random
 import warnings
 
 import pytest
 import torch
-from reference import assert_close
+from reference import assert_close, recording_sizes
 from test_train import WORDS, write_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -469,3 +473,152 @@ def test_kto_trainer_matches_trl_head_and_runs_leantune_loss(tiny_folder, tmp_pa
         assert abs(float(out["kl"]) - float(ref["kl"])) <= 1e-5, (step, out["kl"], ref["kl"])
     # per step: policy and reference, each on the batch and on its mismatched KL pairs
     assert loss_head_calls(trainer.model) == 4 * STEPS and hf.forward.passed == 0
+
+
+def _pair_trainer(kind, folder, tmp_path, seed, **overrides):
+    """TRL's ORPOTrainer or CPOTrainer (trl.experimental) on the DPO rows."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    config, trainer = (ORPOConfig, ORPOTrainer) if kind == "orpo" else (CPOConfig, CPOTrainer)
+    model, tok = _lora_model(folder, seed)
+    args = config(**_common(tmp_path, max_length=64, per_device_train_batch_size=2, remove_unused_columns=False,
+                            **overrides))
+    return trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(_dpo_rows()),
+                   processing_class=tok)
+
+
+def _compare_differences(ref_logs, logs, differences):
+    """A logged difference of near-equal fp32 values (a reward margin, ORPO's log odds of sequence log-probs ~ -5
+    apart by ~1e-3) rounds absolutely at the size of its terms: within 1e-5 of them (one draw: margins 7.9e-6
+    relative to themselves, 3e-8 absolute)."""
+    for step, (ref, out) in enumerate(zip(ref_logs, logs)):
+        for key, terms in differences.items():
+            scale = max(abs(float(ref[term])) for term in terms)
+            assert abs(float(out[key]) - float(ref[key])) <= 1e-5 * scale, (step, key, out[key], ref[key])
+
+
+PAIR_CASES = {"orpo": ("orpo", {}), "cpo_sigmoid": ("cpo", {}),
+              "cpo_simpo": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.5})}
+
+
+@pytest.mark.parametrize("case", list(PAIR_CASES))
+def test_orpo_cpo_trainers_match_trl_and_run_leantune_head(tiny_folder, tmp_path, fresh_seed, case):
+    """ORPOTrainer and CPOTrainer (fp32, LoRA; CPO's sigmoid loss on summed log-probs, SimPO on means): per step the
+    logged loss, gradient norm, NLL, rewards, log-probs, mean logits (and ORPO's log odds) equal plain TRL's, and
+    every batch went through leantune's head (none through TRL's full-logits forward). rewards/accuracies counts
+    pairs with chosen > rejected, a step function of the rewards: a pair within rounding of a tie may flip, so it
+    is not compared."""
+    kind, overrides = PAIR_CASES[case]
+    ref_logs = _train(_pair_trainer(kind, tiny_folder, tmp_path, fresh_seed, **overrides), fresh_seed)
+    trainer = patch_trainer(_pair_trainer(kind, tiny_folder, tmp_path, fresh_seed, **overrides))
+    hf = trainer.model.get_base_model()
+    loss = "ops.preference.orpo_loss" if kind == "orpo" else "TRL's cpo_loss"
+    assert f"concatenated_forward: its log-probs and NLL from one call) + {loss}" in hf.leantune_summary["loss_runs"]
+    logs = _train(trainer, fresh_seed)
+    keys = ["loss", "grad_norm", "nll_loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected",
+            "logits/chosen", "logits/rejected"] + (["log_odds_ratio"] if kind == "orpo" else [])
+    _compare(ref_logs, logs, keys)
+    differences = {"rewards/margins": ("rewards/chosen", "rewards/rejected")}
+    if kind == "orpo":
+        differences["log_odds_chosen"] = ("logps/chosen", "logps/rejected")
+    _compare_differences(ref_logs, logs, differences)
+    assert loss_head_calls(trainer.model) == STEPS and hf.forward.passed == 0
+    assert hf.leantune_summary["loss_runs"].endswith(f"leantune's head {STEPS} fused_lm_head calls, TRL's own "
+                                                     "full-logits concatenated_forward 0")
+
+
+def _first_batch(trainer):
+    trainer.model.train()
+    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def test_orpo_step_never_forms_logits_and_unpatch_gives_trl_back(tiny_folder, tmp_path, fresh_seed, monkeypatch):
+    """One ORPO loss and backward: TRL's forms the [2B, S, V] logits; through patch_trainer no tensor reaches that
+    size (the op's chunk budget cut to 8 rows), with the same loss. After leantune.unpatch, TRL's own forward runs
+    again (counted as passed) and gives the same loss."""
+    lce = importlib.import_module("leantune.ops.linear_cross_entropy")  # the module (ops exports the function)
+    plain = _pair_trainer("orpo", tiny_folder, tmp_path, fresh_seed)
+    trainer = patch_trainer(_pair_trainer("orpo", tiny_folder, tmp_path, fresh_seed))
+    batch = _first_batch(trainer)
+    vocab = trainer.model.get_base_model().config.vocab_size
+    length = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+    n_by_v = 2 * batch["chosen_input_ids"].shape[0] * length * vocab
+    for memory in ("fast", "low"):  # the head's default ("fast", which statistics and reduction="none" take low)
+        monkeypatch.setitem(lce.DEFAULT_CHUNK_BYTES, memory, 8 * vocab * 4)
+    losses, peaks = [], []
+    for t in (plain, trainer):
+        with recording_sizes() as sizes:
+            loss = t.compute_loss(t.model, batch)
+            loss.backward()
+        losses.append(loss.detach())
+        peaks.append(max(sizes))
+    assert peaks[0] >= n_by_v > peaks[1], (peaks, n_by_v)
+    assert_close("loss", losses[1], losses[0], torch.float32)
+    assert loss_head_calls(trainer.model) == 1
+    leantune.unpatch(trainer.model)
+    assert_close("loss unpatched", trainer.compute_loss(trainer.model, batch), losses[0], torch.float32)
+    assert loss_head_calls(trainer.model) == 1 and trainer.model.get_base_model().forward.passed == 1
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_orpo_cpo_metrics_off_leave_mean_logits_out(tiny_folder, tmp_path, fresh_seed, kind):
+    trainer = patch_trainer(_pair_trainer(kind, tiny_folder, tmp_path, fresh_seed, max_steps=1), metrics=False)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged and all("logits/chosen" not in h and "logits/rejected" not in h for h in logged)
+    assert all("nll_loss" in h and "logps/chosen" in h for h in logged) and loss_head_calls(trainer.model) == 1
+
+
+def test_orpo_labels_off_the_input_ids_poison_the_step_and_raise_at_logging(tiny_folder, tmp_path, fresh_seed):
+    """ORPO's chosen rows are scored once per position on the input ids: a labelled token that is not its input id
+    (another collator) makes the log-probs NaN and the next logging step raise, saying why; a TRL batch passes."""
+    trainer = patch_trainer(_pair_trainer("orpo", tiny_folder, tmp_path, fresh_seed))
+    batch = _first_batch(trainer)
+    trainer.concatenated_forward(trainer.model, batch)
+    trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, logs={})  # a TRL batch: no error
+    labels = batch["chosen_labels"]
+    position = (labels[0] != -100).nonzero()[0, 0]
+    labels[0, position] = (labels[0, position] + 1) % trainer.model.get_base_model().config.vocab_size
+    chosen, rejected, *_ = trainer.concatenated_forward(trainer.model, batch)
+    assert torch.isnan(chosen).all() and torch.isnan(rejected).all()
+    with pytest.raises(ValueError, match="is not the attended input id at its position"):
+        trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, logs={})
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_orpo_cpo_step_reads_nothing_back(tiny_folder, tmp_path, fresh_seed, monkeypatch, kind):
+    """A patched ORPO / CPO loss, backward and metrics make no host read from leantune's code (test_no_sync's
+    watch): the metrics stay device tensors until TRL's log."""
+    from test_no_sync import SyncCalls
+
+    trainer = patch_trainer(_pair_trainer(kind, tiny_folder, tmp_path, fresh_seed, cpo_alpha=0.0) if kind == "cpo"
+                            else _pair_trainer(kind, tiny_folder, tmp_path, fresh_seed))
+    batch = _first_batch(trainer)
+    watch = SyncCalls(monkeypatch)
+    with watch:
+        trainer.compute_loss(trainer.model, batch).backward()
+    assert watch.calls == [], watch.calls
+    stored = trainer._stored_metrics["train"]
+    assert stored["nll_loss"] and all(isinstance(v, torch.Tensor) for values in stored.values() for v in values)
+    assert loss_head_calls(trainer.model) == 1
+
+
+def test_orpo_subclass_that_overrides_the_loss_keeps_trl_code(tiny_folder, tmp_path, fresh_seed):
+    """A subclass's own odds_ratio_loss is what its user asked for: the route is not taken, and the summary says
+    why; the batch then runs the subclass's code on full logits."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    class ScaledORPO(ORPOTrainer):
+        def odds_ratio_loss(self, chosen, rejected):
+            losses, *rest = super().odds_ratio_loss(chosen, rejected)
+            return (2 * losses, *rest)
+
+    trainer = _pair_trainer("orpo", tiny_folder, tmp_path, fresh_seed)
+    trainer.__class__ = ScaledORPO
+    patch_trainer(trainer)
+    hf = trainer.model.get_base_model()
+    assert "ScaledORPO overrides odds_ratio_loss" in hf.leantune_summary["loss_runs"]
+    assert "concatenated_forward" not in trainer.__dict__
+    loss = trainer.compute_loss(trainer.model, _first_batch(trainer))
+    assert torch.isfinite(loss) and loss_head_calls(trainer.model) == 0

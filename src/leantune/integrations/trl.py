@@ -1,5 +1,5 @@
-"""TRL's SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer with leantune's loss head:
-``patch_trainer(trainer)`` after building the trainer.
+"""TRL's SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, ORPOTrainer and CPOTrainer with leantune's
+loss head: ``patch_trainer(trainer)`` after building the trainer.
 
 Design: docs/design.md, "TRL's trainers" (and "Patch seams" for the wrappers and ``unpatch``).
 
@@ -38,13 +38,17 @@ temperature: log softmax(z / T)[label] per target row, and the entropy of softma
 TRL's entropy metric, high-entropy token mask and entropy bonus. RLOOTrainer makes the same calls (log-probs at
 its temperature, the entropy for its metric) and gets the same head. KTOTrainer's calls (temperature 1: the
 policy's and reference's per-sequence log-prob sums and its KL term; entropy, detached, and mean logits for its
-metrics) are served as DPO's.
+metrics) are served as DPO's. ORPOTrainer and CPOTrainer (``trl.experimental``) have no fused head: their
+``concatenated_forward`` reads the model's full logits; :mod:`.trl_preference` replaces it (and their
+``get_batch_loss_metrics``) on the trainer with one that makes a ``fused_lm_head=True`` call to this head (ORPO's loss
+from ``ops.preference.orpo_loss``).
 
 TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
-SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer or RLOOTrainer, for SFT/DPO/KTO a temperature other than 1, a logit
-scale other than 1, ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a plain ``nn.Linear`` (LoRA on it, hooks,
-FSDP2's sharded weight), MoE router logits, or a model that is not patched (``leantune.unpatch`` after this call
-gives TRL's head back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which.
+SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, ORPOTrainer or CPOTrainer, for SFT/DPO/KTO a
+temperature other than 1, a logit scale other than 1, ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a
+plain ``nn.Linear`` (LoRA on it, hooks, FSDP2's sharded weight), MoE router logits, or a model that is not patched
+(``leantune.unpatch`` after this call gives TRL's head back, a later ``leantune.patch`` takes it again); the
+summary's ``loss_runs`` says which.
 :func:`loss_head_calls` counts the calls served.
 
 TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
@@ -69,6 +73,7 @@ from ..patch import patch
 from ..patch._model import hf_model
 from ..patch.forwards import STATE_ATTR, causal_lm_forward
 from ..patch.lora_status import has_hooks
+from .trl_preference import PairForward, pair_trainer_kind, take_pair_head
 
 IGNORE_INDEX = -100  # TRL's label for "no target", fixed in its fused head
 STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -88,10 +93,18 @@ class FusedLMHead:
         outputs: the per-token fields TRL asked its head for (``log_probs`` always).
         metrics: whether the statistics are computed (else zeros).
         calls: how many ``fused_lm_head=True`` calls leantune's head served.
-        passed: how many ``fused_lm_head=True`` calls went on to the forward behind it (TRL's chunked head).
+        passed: how many ``fused_lm_head=True`` calls went on to the forward behind it (TRL's chunked head), or
+            (``fallback`` set: ORPO, CPO) batches that TRL's own code computed instead.
+        masked_statistics: statistics 0 at ignored rows, as TRL's head returns them; False keeps them at every row
+            (ORPO's and CPO's mean-logit metrics average every position, padding included).
+        label_mismatch: None, or a 0-dim bool tensor that a route sets on the device when a batch broke its
+            assumption (ORPO's: :mod:`.trl_preference`); raised at the next logging step.
     """
 
     leantune_loss = "ops.linear_cross_entropy per token (TRL's fused_lm_head calls, leantune.integrations.trl)"
+    fallback = "TRL's chunked head"
+    masked_statistics = True
+    label_mismatch = None
 
     def __init__(self, model: nn.Module, previous, outputs: tuple[str, ...], metrics: bool = True,
                  temperature: float | None = None):
@@ -102,7 +115,7 @@ class FusedLMHead:
     def leantune_runs(self, configured: str) -> str:
         """The summary's ``loss_runs`` (``leantune.patch.PatchSummary``): ``configured`` and which head ran how
         often."""
-        return (f"{configured}; ran so far: leantune's head {self.calls} fused_lm_head calls, TRL's chunked head "
+        return (f"{configured}; ran so far: leantune's head {self.calls} fused_lm_head calls, {self.fallback} "
                 f"{self.passed}")
 
     @property
@@ -124,8 +137,10 @@ class FusedLMHead:
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
         if not self._serves() or kwargs.get("output_router_logits"):
-            self.passed += bool(fused_lm_head)
-            return self.previous(*args, fused_lm_head=fused_lm_head, **kwargs)
+            if not fused_lm_head:  # the forward behind may be a model's own (ORPO, CPO): no TRL keyword for it
+                return self.previous(*args, **kwargs)
+            self.passed += 1
+            return self.previous(*args, fused_lm_head=True, **kwargs)
         if not fused_lm_head:
             return causal_lm_forward(self.model, *args, **kwargs)
         return self._fused(*args, **kwargs)
@@ -157,8 +172,10 @@ class FusedLMHead:
         log_probs = (0.0 - nll).reshape(mask.shape)  # 0 - 0 is +0 at ignored rows, as TRL's zeros (-0 would not be)
         stats = dict.fromkeys(STATS)
         for name in (name for name in STATS if name in self.outputs):
-            stats[name] = (torch.where(mask, found[name].reshape(mask.shape), False if name == "is_top1" else 0.0)
-                           if name in found else
+            kept = found.get(name)
+            if kept is not None and self.masked_statistics:
+                kept = torch.where(mask, kept.reshape(mask.shape), False if name == "is_top1" else 0.0)
+            stats[name] = (kept.reshape(mask.shape) if kept is not None else
                            torch.zeros(mask.shape, dtype=torch.bool if name == "is_top1" else torch.float32,
                                        device=mask.device))
         divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -208,6 +225,9 @@ def _take_head(model, metrics: bool, trainer) -> str:
         # GRPO's token mask and entropy bonus read the entropy whatever the metrics
         forward.metrics = metrics or (forward.temperature is not None and _grpo_reads_entropy(trainer))
         return "leantune"
+    pair = pair_trainer_kind(trainer)
+    if pair is not None and model is trainer.model:
+        return take_pair_head(trainer, pair, metrics, FusedLMHead)
     settings = _trl_head_settings(forward)
     if settings is None:  # TRL <= 1.14 (or a plain Trainer): outputs.logits may be read in training
         return "no fused head"
@@ -216,8 +236,8 @@ def _take_head(model, metrics: bool, trainer) -> str:
         return _take_grpo_head(hf, forward, settings, metrics, trainer, grpo)
     # the rest may differentiate the statistics, which leantune's head computes without gradient
     why = _why_not_served(settings) if isinstance(trainer, _statistics_trainers()) else (
-        f"{type(trainer).__name__} is not an SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer or RLOOTrainer (it may "
-        "differentiate the statistics)")
+        f"{type(trainer).__name__} is not an SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, "
+        "ORPOTrainer or CPOTrainer (it may differentiate the statistics)")
     if why is not None:
         return f"TRL's fused head kept: {why}"
     hf.forward = FusedLMHead(hf, forward, settings.get("outputs", ("log_probs",)), metrics)
@@ -282,8 +302,8 @@ def _check_trainer(trainer) -> None:
     else:
         hint = ""
     raise ValueError(f"patch_trainer takes a built TRL trainer (trl.SFTTrainer, DPOTrainer, KTOTrainer, "
-                     f"GRPOTrainer or RLOOTrainer after "
-                     f"construction), got {name}{hint}")
+                     f"GRPOTrainer, RLOOTrainer, trl.experimental's ORPOTrainer or CPOTrainer after construction), "
+                     f"got {name}{hint}")
 
 
 def _leave_out_of_logs(trainer, names: tuple[str, ...]) -> None:
@@ -297,7 +317,9 @@ def _leave_out_of_logs(trainer, names: tuple[str, ...]) -> None:
 
     @functools.wraps(log)
     def log_measured(logs, *args, **kwargs):
-        for pending in getattr(trainer, "_metrics", {}).values():  # TRL's {"train": {...}, "eval": {...}}
+        # TRL's {"train": {...}, "eval": {...}}: _metrics, or ORPO's and CPO's _stored_metrics
+        stores = (getattr(trainer, "_metrics", {}), getattr(trainer, "_stored_metrics", {}))
+        for pending in (pending for store in stores for pending in store.values()):
             for name in names:
                 pending.pop(name, None)
         return log(logs, *args, **kwargs)
@@ -316,14 +338,14 @@ def _not_computed(trainer) -> tuple[str, ...]:
 
 
 def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **patch_kwargs):
-    """Make a built TRL trainer (SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer) train with leantune's
-    ops and loss head;
-    returns ``trainer``.
+    """Make a built TRL trainer (SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, ORPOTrainer,
+    CPOTrainer) train with leantune's ops and loss head; returns ``trainer``.
 
     Args:
         trainer: a ``trl`` trainer after construction (its model may already be patched, or not).
-        metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit) inside the loss op's pass
-            (module docstring); False leaves them out of the logs (GRPO's entropy is still computed when its
+        metrics: compute TRL's logged statistics (entropy, token accuracy, mean logit: ORPO's and CPO's
+            logits/chosen and logits/rejected too) inside the loss op's pass (module docstring); False leaves them out
+            of the logs (GRPO's entropy is still computed when its
             token mask or entropy bonus reads it).
         freeze_heap: while ``trainer.train()`` runs, keep the Python objects alive at its start out of the garbage
             collector's full collections (:func:`leantune.heap.long_lived_frozen`: a full collection walks the
@@ -368,6 +390,9 @@ def _raise_deferred_at_logging(trainer) -> None:
     class RaiseDeferredErrors(TrainerCallback):
         def on_log(self, args, state, control, **kwargs):
             ops.raise_deferred_errors()
+            forward = trainer.__dict__.get("concatenated_forward")
+            if isinstance(forward, PairForward):  # ORPO's one-target check (trl_preference)
+                forward.raise_if_mismatched()
 
     handler = getattr(trainer, "callback_handler", None)
     if handler is None:  # not a transformers Trainer
