@@ -132,14 +132,14 @@ def test_a_sequence_length_whose_packed_mask_is_large_attends_per_document(capsy
     tiny_config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                               num_attention_heads=2, num_key_value_heads=1)
     model = LlamaForCausalLM._from_config(tiny_config, attn_implementation="sdpa")
-    _attend_per_document(model, SimpleNamespace(batch_size=1, seq_len=256))  # 64 KiB mask: transformers' path
+    _attend_per_document(model, SimpleNamespace(batch_size=1, cuda_graphs=False, seq_len=256))  # 64 KiB mask: transformers' path
     assert model.config._attn_implementation == "sdpa" and capsys.readouterr().err == ""
-    _attend_per_document(model, SimpleNamespace(batch_size=1, seq_len=40000))
+    _attend_per_document(model, SimpleNamespace(batch_size=1, cuda_graphs=False, seq_len=40000))
     assert model.config._attn_implementation == NAME
     assert "attention runs per document (one causal SDPA each) instead of through transformers' dense 1.5 GiB" in (
         capsys.readouterr().err)
     eager = LlamaForCausalLM._from_config(tiny_config, attn_implementation="eager")
-    _attend_per_document(eager, SimpleNamespace(batch_size=1, seq_len=40000))
+    _attend_per_document(eager, SimpleNamespace(batch_size=1, cuda_graphs=False, seq_len=40000))
     assert eager.config._attn_implementation == "eager"
     assert "dense attention mask of 1.5 GiB per micro-batch (leantune's per-document attention does not apply: the " \
            "model attends with 'eager', not sdpa)" in capsys.readouterr().err
