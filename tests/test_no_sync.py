@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from test_patch_families import batch, tiny_config, tiny_model, tiny_peft_model
 
 import leantune
@@ -43,9 +44,10 @@ class SyncCalls:
             monkeypatch.setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name), f"Tensor.{name}"))
         for name in TORCH_FUNCTIONS:
             monkeypatch.setattr(torch, name, self._wrap(getattr(torch, name), f"torch.{name}"))
-        for name in ("__getitem__", "__setitem__"):
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name), f"Tensor.{name}",
-                                                               only=_boolean_index))
+        # Boolean indexing is watched through a torch-function mode, not by assigning Tensor.__getitem__: CPython
+        # keeps the sequence slot that assignment adds after monkeypatch deletes it again, and from then on
+        # torch.tensor([0-d tensors]) calls len() on each (TRL's ORPO log did, in a later test of the same worker).
+        self._indexing = _BooleanIndexing(self)
 
     def _wrap(self, original, label, only=None):
         def watched(*args, **kwargs):
@@ -67,10 +69,26 @@ class SyncCalls:
 
     def __enter__(self):
         self.on = True
+        self._indexing.__enter__()
         return self
 
     def __exit__(self, *exc):
         self.on = False
+        self._indexing.__exit__(*exc)
+
+
+class _BooleanIndexing(TorchFunctionMode):
+    """Notes ``tensor[mask]`` and ``tensor[mask] = v`` with a boolean tensor index (a read of the mask's count)."""
+
+    def __init__(self, calls: SyncCalls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("__getitem__", "__setitem__") and _boolean_index(*args):
+            self.calls._note(f"Tensor.{name}")
+        return func(*args, **(kwargs or {}))
 
 
 def _boolean_index(tensor, index, *value):
@@ -355,6 +373,20 @@ def test_watch_catches_a_read_back(watch, monkeypatch):
         ops.cross_entropy(logits, torch.randint(0, 10, (4,)), checks="deferred").backward()
         logits.sum().item()  # the test's own read: not leantune's
     assert watch.calls == ["Tensor.item at ops/cross_entropy.py:2 (row_scale)"], watch.calls
+
+
+def test_watch_catches_boolean_indexing_and_leaves_tensor_alone(watch):
+    """``x[mask]`` from leantune's source is reported (a read of the mask's count); after the watch, torch.tensor
+    of 0-d tensors still works (a Tensor class patched at __getitem__ once broke it for the rest of the process)."""
+    namespace = {}
+    source = "def pick(x, mask):\n    return x[mask]\n"
+    exec(compile(source, sys.modules["leantune.ops.cross_entropy"].__file__, "exec"), namespace)  # noqa: S102
+    x = torch.randn(5)
+    with watch:
+        namespace["pick"](x, x > 0)
+        x[x > 0]  # the test's own: not leantune's
+    assert watch.calls == ["Tensor.__getitem__ at ops/cross_entropy.py:2 (pick)"], watch.calls
+    assert torch.tensor([torch.tensor(1.0), torch.tensor(2.0)]).tolist() == [1.0, 2.0]
 
 
 @pytest.mark.gpu
