@@ -9,7 +9,7 @@ says so and ``leantune_summary`` reports it).
 
 Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
 - RMSNorm casting: ``weight * x_hat.to(dtype)`` ("llama": Llama, Mistral, Qwen2/3, Phi-3, Granite, GLM, SmolLM3, ...);
-  ``(weight.float() * x_hat).to(dtype)`` (Helium, OLMo 2/3: "gemma" with offset 0); Gemma 1/2/3
+  ``(weight.float() * x_hat).to(dtype)`` (Helium, OLMo 2/3, gpt-oss: "gemma" with offset 0); Gemma 1/2/3
   ``(x_hat * (1 + w.float())).to(dtype)`` ("gemma", offset 1, HF PR 29402). Epsilon in ``variance_epsilon`` or
   ``eps``. LayerNorm models (Starcoder2) keep HF's norm.
 - GLU activation: ``config.hidden_act`` (or Gemma 2/3's ``hidden_activation``); ``silu`` -> SwiGLU,
