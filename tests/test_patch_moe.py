@@ -163,3 +163,36 @@ def test_gpt_oss_attention_gets_sinks_and_windows(monkeypatch):
     assert seen == expected, seen
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
+
+
+def test_gpt_oss_rope_dispatch_widens_per_frequency_cos(monkeypatch):
+    """gpt-oss's cos/sin hold one column per frequency (head_dim / 2): inside a patched attention forward the
+    dispatcher widens them for ops.rope (HF's rotation within fp32 rounding); inputs the op does not take (float64)
+    or cos of another width (one broadcast column) reach HF's function exactly as given."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from leantune.patch import forwards
+    from leantune.patch._common import ROPE_ACTIVE
+
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    hf = modeling_gpt_oss.apply_rotary_pos_emb
+    dispatch = forwards._make_rope_dispatch(hf)
+    q, k = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8)
+    angles = torch.rand(1, 7, 4) * 6
+    cos, sin = angles.cos(), angles.sin()
+    calls = []
+    original = ops.rope
+    monkeypatch.setattr(ops, "rope", lambda *a, **kw: calls.append(a[2].shape) or original(*a, **kw))
+    token = ROPE_ACTIVE.set("half_freqs")
+    try:
+        out = dispatch(q, k, cos, sin)
+        assert calls == [torch.Size([7, 8])]  # widened, one position row for the batch
+        for got, ref in zip(out, hf(q.double(), k.double(), cos.double(), sin.double())):
+            assert rel_err(got, ref) <= 1e-6
+        q64, k64 = q.double(), k.double()
+        for args in ((q64, k64, cos.double(), sin.double()), (q, k, cos[..., :1], sin[..., :1])):
+            for got, ref in zip(dispatch(*args), hf(*args)):
+                assert torch.equal(got, ref)
+        assert len(calls) == 1
+    finally:
+        ROPE_ACTIVE.reset(token)
