@@ -208,3 +208,53 @@ def test_input_errors():
         args.update(change)
         with pytest.raises(ValueError, match=message):
             ops.moe_experts(**args, **options)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_matches_hf_gpt_oss_experts(backend, implementation):
+    """ops.moe_experts in gpt-oss's configuration against transformers' ``GptOssExperts`` forward on the same
+    weights: transposed stacks with biases, interleaved clamped SwiGLU with the module's alpha and limit, gate and
+    up scaled so that both clamps bite. LoRA enters HF's module as ``W + s (B A)^T`` (``functional_call``), so HF's
+    autograd gives the reference gradients of x, the routing weights and every A, B. HF's "eager" loop runs in
+    float64 (the truth), its default "grouped_mm" in fp32 (torch._grouped_mm takes no float64)."""
+    from torch.func import functional_call
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    n, hidden, inter, n_experts, k, rank, s1, s2 = 11, 12, 8, 4, 2, 3, 0.5, 1.5  # HF's grouped_mm: 16-byte rows
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=n_experts,
+                          num_experts_per_tok=k)
+    config._experts_implementation = implementation
+    module = GptOssExperts(config).to(DEVICE).requires_grad_(False)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0.0, 1.0)  # [E, H, 2I]
+        module.gate_up_proj_bias.normal_(0.0, 1.0)
+        module.gate_up_proj_bias[:, :2] = torch.tensor([12.0, -12.0])  # gate 0 above limit, up 0 below -limit
+        module.down_proj.normal_(0.0, inter**-0.5)
+        module.down_proj_bias.normal_(0.0, 1.0)
+    x, index, w, *_, (a1, b1, a2, b2), _ = _case(n, hidden, inter, n_experts, k, rank, transposed=True)
+    weights = [module.gate_up_proj, module.down_proj, module.gate_up_proj_bias, module.down_proj_bias]
+    gate_up = ops.ExpertWeights(weights[0], a1, b1, s1, weights[2], transposed=True)
+    down = ops.ExpertWeights(weights[1], a2, b2, s2, weights[3], transposed=True)
+    y = ops.moe_experts(x, index, w, gate_up, down, activation="clamped_swiglu", interleaved=True,
+                        alpha=module.alpha, limit=module.limit)
+    dy = torch.randn_like(y)
+    leaves = [x, w, a1, b1, a2, b2]
+    grads = torch.autograd.grad(y, leaves, dy)
+
+    ref_dtype = torch.float64 if implementation == "eager" else torch.float32
+    ref_leaves = [t.detach().to(ref_dtype).requires_grad_() for t in leaves]
+    rx, rw, ra1, rb1, ra2, rb2 = ref_leaves
+    stacks = {  # HF's [E, in, out] layout: the delta s B A ([E, out, in]) transposed
+        "gate_up_proj": weights[0].to(ref_dtype) + s1 * (rb1 @ ra1).transpose(-2, -1),
+        "down_proj": weights[1].to(ref_dtype) + s2 * (rb2 @ ra2).transpose(-2, -1),
+        "gate_up_proj_bias": weights[2].to(ref_dtype), "down_proj_bias": weights[3].to(ref_dtype),
+    }
+    ref = functional_call(module, stacks, (rx, index, rw))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.to(ref_dtype))
+
+    g = torch.einsum("nh,nkhf->nkf", rx.detach(), stacks["gate_up_proj"].detach()[index]) + weights[2][index]
+    gate, up = g[..., 0::2], g[..., 1::2]
+    assert (gate > module.limit).any() and (up.abs() > module.limit).any(), "the clamps must bite"
+    for name, out, expected in zip(["y", "dx", "dw", "dA1", "dB1", "dA2", "dB2"], [y, *grads], [ref, *ref_grads]):
+        assert_close(name, out, expected, torch.float32)

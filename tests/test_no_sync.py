@@ -171,9 +171,11 @@ def test_patched_step_reads_nothing_back(case, watch, monkeypatch):
         assert torch.isfinite(loss).all()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_patched_moe_step_reads_nothing_back(model_type, watch, monkeypatch):
-    """MoE experts through ops.moe_experts (LoRA on the expert stacks, deferred index checks, aux loss on)."""
+    """MoE experts through ops.moe_experts (LoRA on the expert stacks, deferred index checks, aux loss on); gpt-oss:
+    biased router, clamped SwiGLU experts, RoPE widened from per-frequency cos/sin, sinks and a sliding layer in
+    HF's attention function."""
     from test_patch_moe import VOCAB, tiny_moe_peft
 
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")

@@ -2,7 +2,8 @@
 the 3-D expert stacks (``target_parameters``), loss with the router aux loss and every LoRA gradient.
 
 Each family is a tiny random model from its transformers config class (2 layers, hidden 32, E=4 experts, top-2,
-router aux loss on), norms perturbed, non-zero B everywhere. The unpatched HF+PEFT model (fp32) is the reference:
+router aux loss on), norms perturbed, non-zero B everywhere. gpt-oss keeps HF's attention function (its sinks):
+a spy attention function checks that the patched forward hands it the sinks and the layer's window. The unpatched HF+PEFT model (fp32) is the reference:
 loss rel <= 1e-5, LoRA gradients rel <= 1e-4. The experts must run ``ops.moe_experts`` and PEFT's parametrization
 (which forms W + BA for the stack) must never run.
 """
@@ -26,8 +27,11 @@ MOE = {
     "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40},
     "mixtral": {"num_local_experts": 4, "sliding_window": 5},
     "olmoe": {"num_experts": 4},
+    # sliding then full attention, the window (4) shorter than the sequences (9): both masks matter; sinks, biases
+    # on q/k/v/o and on the experts, clamped SwiGLU, yarn RoPE (gpt-oss's default) with cos/sin per frequency
+    "gpt_oss": {"num_local_experts": 4, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
 }
-TRITON = ["qwen3_moe", "mixtral"]
+TRITON = ["qwen3_moe", "mixtral", "gpt_oss"]
 
 
 def tiny_moe_model(model_type: str):
@@ -116,3 +120,79 @@ def test_disabled_adapters_keep_peft(monkeypatch):
     with torch.no_grad(), model.disable_adapter():
         out = model(input_ids=input_ids).logits
     assert rel_err(out, ref) <= 1e-5
+
+
+def test_gpt_oss_attention_gets_sinks_and_windows(monkeypatch):
+    """gpt-oss: HF's attention function runs (it applies the sinks); the patched forward (fused q/k/v/o LoRA) must
+    pass it ``s_aux`` = the module's sinks and the layer's sliding window, as HF's forward does. The spy computes
+    the attention with the sinks it is given (not ``module.sinks``), so a forward that dropped them would miss
+    the parity; the sinks are made large so that they matter."""
+    from transformers import AttentionInterface
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    seen = []
+
+    def attention_with_given_sinks(module, query, key, value, attention_mask, **kwargs):
+        seen.append((module.layer_idx, kwargs.get("s_aux") is module.sinks, kwargs.get("sliding_window")))
+        sinks = module.sinks
+        try:
+            del module.sinks  # eager reads module.sinks: make it read what it was handed
+            module.sinks = kwargs.pop("s_aux", torch.zeros_like(sinks))
+            return modeling_gpt_oss.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        finally:
+            del module.sinks
+            module.register_parameter("sinks", sinks)
+
+    AttentionInterface.register("leantune_spy_sinks", attention_with_given_sinks)
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_moe_peft("gpt_oss").train()
+    model.base_model.model.config._attn_implementation = "leantune_spy_sinks"
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, modeling_gpt_oss.GptOssAttention):
+                module.sinks.normal_(0.0, 2.0)
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    ref_loss, _, ref_grads = loss_and_grads(model, input_ids, input_ids)
+    expected = [(0, True, 4), (1, True, None)]
+    assert seen == expected, seen
+    seen.clear()
+    leantune.patch(model)
+    assert "attention sinks" in model.leantune_summary["kept"]["attention kernel"]
+    assert model.leantune_summary["counts"]["lora_qkv"] == 2  # the projections around HF's kernel are fused
+    loss, _, grads = loss_and_grads(model, input_ids, input_ids)
+    assert seen == expected, seen
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+def test_gpt_oss_rope_dispatch_widens_per_frequency_cos(monkeypatch):
+    """gpt-oss's cos/sin hold one column per frequency (head_dim / 2): inside a patched attention forward the
+    dispatcher widens them for ops.rope (HF's rotation within fp32 rounding); inputs the op does not take (float64)
+    or cos of another width (one broadcast column) reach HF's function exactly as given."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from leantune.patch import forwards
+    from leantune.patch._common import ROPE_ACTIVE
+
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    hf = modeling_gpt_oss.apply_rotary_pos_emb
+    dispatch = forwards._make_rope_dispatch(hf)
+    q, k = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8)
+    angles = torch.rand(1, 7, 4) * 6
+    cos, sin = angles.cos(), angles.sin()
+    calls = []
+    original = ops.rope
+    monkeypatch.setattr(ops, "rope", lambda *a, **kw: calls.append(a[2].shape) or original(*a, **kw))
+    token = ROPE_ACTIVE.set("half_freqs")
+    try:
+        out = dispatch(q, k, cos, sin)
+        assert calls == [torch.Size([7, 8])]  # widened, one position row for the batch
+        for got, ref in zip(out, hf(q.double(), k.double(), cos.double(), sin.double())):
+            assert rel_err(got, ref) <= 1e-6
+        q64, k64 = q.double(), k.double()
+        for args in ((q64, k64, cos.double(), sin.double()), (q, k, cos[..., :1], sin[..., :1])):
+            for got, ref in zip(dispatch(*args), hf(*args)):
+                assert torch.equal(got, ref)
+        assert len(calls) == 1
+    finally:
+        ROPE_ACTIVE.reset(token)

@@ -178,9 +178,8 @@ def test_gate_up_with_dropout_in_training_stays_exact(monkeypatch):
     assert torch.isfinite(train_loss) and all(g.norm() > 0 for g in train_grads.values())
 
 
-UNCOVERED = {  # tiny configs of types that take the warning path (the MoE families with rows: test_patch_moe.py)
-    "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["sliding_attention"]},
-                "GptOssMLP"),
+UNCOVERED = {  # tiny configs of types that take the warning path: (config fields, what is missing, a layer part)
+    "olmo": ({}, "LayerNorm without weights", "OlmoLayerNorm"),
 }
 
 
@@ -188,7 +187,7 @@ UNCOVERED = {  # tiny configs of types that take the warning path (the MoE famil
 def test_uncovered_model_type_warns_and_runs_unpatched(model_type):
     """A model type without a row keeps HF's forwards (bit for bit) with a warning naming what is missing and the
     layer's parts; strict=True raises."""
-    extra, block = UNCOVERED[model_type]
+    extra, missing, block = UNCOVERED[model_type]
     config = AutoConfig.for_model(
         model_type, num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
         vocab_size=VOCAB, intermediate_size=48, **extra,
@@ -196,13 +195,13 @@ def test_uncovered_model_type_warns_and_runs_unpatched(model_type):
     model = AutoModelForCausalLM.from_config(config).float()
     input_ids = torch.randint(3, VOCAB, (1, 6))
     ref = model(input_ids=input_ids, labels=input_ids).loss
-    with pytest.warns(UserWarning, match=rf"'{model_type}' not covered: attention sinks.*{block}"):
+    with pytest.warns(UserWarning, match=rf"'{model_type}' not covered: {missing}.*{block}"):
         assert leantune.patch(model) is model
     assert model.leantune_summary["family"] is None and not leantune.is_patched(model)
     assert "forward" not in model.__dict__ and not any("_leantune" in m.__dict__ for m in model.modules())
     assert torch.equal(model(input_ids=input_ids, labels=input_ids).loss, ref)
     leantune.unpatch(model)  # harmless
-    with pytest.raises(ValueError, match=rf"'{model_type}'.*attention sinks.*supported: .*llama"):
+    with pytest.raises(ValueError, match=rf"'{model_type}'.*{missing}.*supported: .*gpt_oss.*llama"):
         leantune.patch(model, strict=True)
 
 

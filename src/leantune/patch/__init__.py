@@ -179,11 +179,12 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     modeling = importlib.import_module(family.modeling_module)
     norm_cls = getattr(modeling, family.norm_class) if family.norm_class else None
     attention_cls = getattr(modeling, family.attention_class)
-    mlp_cls = getattr(modeling, family.mlp_class, None)  # None: no dense MLP (Mixtral)
+    # None: no dense MLP (Mixtral has no such class; gpt-oss's GptOssMLP is its MoE block, mlp "none")
+    mlp_cls = getattr(modeling, family.mlp_class, None) if family.mlp_class else None
     experts_cls = getattr(modeling, family.experts_class) if family.experts_class else None
     act_name = getattr(hf.config, family.activation_attr, None)
-    activation = ACTIVATIONS.get(act_name) if family.mlp != "plain" else None
-    use_rope = rope and family.rope == "half"
+    activation = ACTIVATIONS.get(act_name) if family.mlp not in ("plain", "none") else None
+    use_rope = rope and family.rope_fused
 
     counts = collections.Counter()
     left: dict[str, str] = {}
@@ -318,8 +319,10 @@ def _fused_parts(family: Family, activation: str | None) -> list[str]:
     if family.norm:
         parts.append(f"RMSNorm (casting {family.norm_casting}, offset {family.norm_offset:g})"
                      + (f", incl. {family.qk_norm} q/k norms" if family.qk_norm else ""))
-    if family.rope == "half":
-        parts.append("RoPE: ops.rope (partial rotary where cos is narrower than a head)"
+    if family.rope_fused:
+        parts.append("RoPE: ops.rope " + ("on the whole head (cos/sin given per frequency, widened to [cos, cos])"
+                                          if family.rope == "half_freqs" else
+                                          "(partial rotary where cos is narrower than a head)")
                      + (", skipped on layers without RoPE" if family.rope_if else ""))
     qkv = "qkv_proj LoRA: ops.lora_linear" if family.qkv == "fused" else "q/k/v LoRA: ops.lora_qkv"
     parts.append(qkv + "; o_proj LoRA: ops.lora_linear")

@@ -96,7 +96,7 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     state = self._leantune
-    token = ROPE_ACTIVE.set(state.rope)
+    token = ROPE_ACTIVE.set(state.family.rope if state.rope else False)  # the dispatcher reads the rope kind
     try:
         projections = [getattr(self, name) for name in state.family.attention_projections]
         statuses = [lora_status(m) for m in projections] if state.lora else []  # read once per forward
@@ -157,6 +157,8 @@ def _fused_attention(self, family: Family, statuses, hidden_states, position_emb
         extra["sliding_window"] = self.sliding_window if self.is_sliding else None
     if family.attn_softcap:
         extra["softcap"] = self.attn_logit_softcapping
+    if family.attention_sinks_attr is not None:  # HF's kwarg name; its attention function applies them
+        extra["s_aux"] = getattr(self, family.attention_sinks_attr)
     attn_output, attn_weights = interface(
         self, query, key, value, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,

@@ -9,22 +9,29 @@ says so and ``leantune_summary`` reports it).
 
 Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
 - RMSNorm casting: ``weight * x_hat.to(dtype)`` ("llama": Llama, Mistral, Qwen2/3, Phi-3, Granite, GLM, SmolLM3, ...);
-  ``(weight.float() * x_hat).to(dtype)`` (Helium, OLMo 2/3: "gemma" with offset 0); Gemma 1/2/3
+  ``(weight.float() * x_hat).to(dtype)`` (Helium, OLMo 2/3, gpt-oss: "gemma" with offset 0); Gemma 1/2/3
   ``(x_hat * (1 + w.float())).to(dtype)`` ("gemma", offset 1, HF PR 29402). Epsilon in ``variance_epsilon`` or
   ``eps``. LayerNorm models (Starcoder2) keep HF's norm.
 - GLU activation: ``config.hidden_act`` (or Gemma 2/3's ``hidden_activation``); ``silu`` -> SwiGLU,
   ``gelu_pytorch_tanh`` -> GeGLU with tanh GELU, ``gelu`` -> GeGLU with erf GELU.
 - MLP kinds: "gated" (gate_proj/up_proj/down_proj), "gated_fused" (Phi-3, GLM, GLM-4: ``gate_up_proj`` whose output
-  is chunked gate-first), "plain" (up/down with HF's activation module: Arcee relu2, Apertus xIELU, Starcoder2).
+  is chunked gate-first), "plain" (up/down with HF's activation module: Arcee relu2, Apertus xIELU, Starcoder2),
+  "none" (no dense MLP: gpt-oss's ``GptOssMLP`` is the MoE block, router + experts, only its experts are patched).
 - Attention: "separate" q/k/v projections or one "fused" ``qkv_proj`` split [q, k, v] (Phi-3). QK-norm on the head
   dim before RoPE (Qwen3, Gemma3, Apertus, EXAONE 4), after RoPE (HunYuan dense: ``query_layernorm``), or over the
   whole projection width before the head split (OLMo 2/3).
 - RoPE: "half" is the split-halves rotation ``ops.rope`` computes, on the first ``cos.shape[-1]`` dims (partial
-  rotary: Phi-3); "interleaved" rotates adjacent pairs (GLM, GLM-4, Helium, ERNIE 4.5): HF's function is kept.
+  rotary: Phi-3); "half_freqs" is the same rotation of the whole head with cos/sin given once per frequency (width
+  head_dim / 2, not duplicated: gpt-oss's ``GptOssRotaryEmbedding`` returns ``freqs.cos()`` and ``_apply_rotary_emb``
+  forms ``x1 cos - x2 sin, x2 cos + x1 sin`` on the halves), widened to ``[cos, cos]`` for ``ops.rope``;
+  "interleaved" rotates adjacent pairs (GLM, GLM-4, Helium, ERNIE 4.5): HF's function is kept.
   ``rope_if``: layers without RoPE (SmolLM3 ``use_rope`` from ``no_rope_layers``; EXAONE 4 rotates only sliding
   layers when a window is set).
 - Sliding window passed to the attention kernel: "config" (``config.sliding_window``: Mistral, Phi-3, Starcoder2),
   "module" (``module.sliding_window``), "module_if_sliding" (EXAONE 4: the window only where ``is_sliding``).
+- Attention sinks (``attention_sinks_attr``, gpt-oss ``sinks``: one learned logit per head in the softmax
+  denominator): passed as ``s_aux`` to HF's attention function, which applies them (eager, flex and flash kernels
+  as HF dispatches; no leantune attention kernel takes sinks). The projections around it are still fused.
 - Attention-logit softcap: Gemma2 only. Final-logit softcap: Gemma2/3 ``final_logit_softcapping``.
 - Scalars: the attention scale is always ``module.scaling`` (Granite's ``attention_multiplier``, Gemma's
   ``query_pre_attn_scalar``); Granite's ``embedding_multiplier`` is applied by the base model HF runs;
@@ -33,8 +40,9 @@ Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
 - ``residual_dropout_attr``: dropout on the attention and MLP outputs (Seed-OSS, Starcoder2).
 - Mixture of experts (``experts``): the ``{Prefix}Experts`` module of the MoE block runs ``ops.moe_experts``
   (:mod:`.experts`); "swiglu" reads the family's activation (silu only: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gate/up
-  halves), "clamped_swiglu" is gpt-oss's (interleaved, ``experts_interleaved``). The router, shared expert
-  (Qwen2-MoE's ``shared_expert``: a gated ``{Prefix}MLP``) and aux loss keep HF's code. Families without a dense
+  halves), "clamped_swiglu" is gpt-oss's (``GptOssExperts``: transposed ``[E, in, out]`` stacks with biases,
+  interleaved gate/up, ``experts_interleaved``; alpha and limit read from the module). The router (gpt-oss's with a
+  bias), shared expert (Qwen2-MoE's ``shared_expert``: a gated ``{Prefix}MLP``) and aux loss keep HF's code. Families without a dense
   ``{Prefix}MLP`` class (Mixtral) simply have none to patch.
 - Qwen2's and GLM's q/k/v bias and Gemma's embedding scale need no entry: the bias is read from each projection,
   the scale lives in the embedding module HF runs.
@@ -70,22 +78,28 @@ class Family:
     norm_offset: float = 0.0  # 1.0 for Gemma's (1 + w)
     norm_eps_attr: str = "variance_epsilon"
     activation_attr: str = "hidden_act"  # config attribute naming the GLU activation
-    mlp: str = "gated"  # "gated" | "gated_fused" | "plain"
+    mlp: str = "gated"  # "gated" | "gated_fused" | "plain" | "none" (the {prefix}MLP class is not a dense MLP)
     mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")  # in order (gate_up, down when fused)
     act_fn_attr: str = "act_fn"  # the MLP's HF activation module (runs when no fused GLU serves it)
     qkv: str = "separate"  # "separate" (q_proj, k_proj, v_proj) | "fused" (qkv_proj)
     qk_norm: str | None = None  # None | "head" (before RoPE) | "head_after_rope" | "width" (before the head split)
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
-    rope: str = "half"  # "half": ops.rope serves it | "interleaved": HF's apply_rotary_pos_emb kept
+    rope: str = "half"  # "half" / "half_freqs" (cos per frequency): ops.rope | "interleaved": HF's function kept
     rope_if: object = None  # None (every layer rotates) or a function(attention module) -> bool
     sliding_window: str | None = None  # None (not passed) | "config" | "module" | "module_if_sliding"
     attn_softcap: bool = False  # passes module.attn_logit_softcapping to the attention kernel
+    attention_sinks_attr: str | None = None  # module attribute of per-head sink logits, passed as s_aux (gpt-oss)
     final_softcap_attr: str | None = None  # config attribute of the final-logit softcap
     logits_divisor_attr: str | None = None  # config attribute dividing the logits (Granite)
     logits_multiplier_attr: str | None = None  # config attribute multiplying the logits (HyperCLOVA X)
     residual_dropout_attr: str | None = None  # module attribute: dropout p on attention / MLP outputs
     experts: str | None = None  # None (no MoE) | "swiglu" | "clamped_swiglu": {prefix}Experts -> ops.moe_experts
     experts_interleaved: bool = False  # gate/up as even/odd columns of gate_up_proj (gpt-oss), not halves
+
+    @property
+    def rope_fused(self) -> bool:
+        """Whether ``ops.rope`` serves the family's rotation (the rope kind)."""
+        return self.rope in ("half", "half_freqs")
 
     @property
     def norm_class(self) -> str | None:
@@ -96,8 +110,8 @@ class Family:
         return f"{self.prefix}Attention"
 
     @property
-    def mlp_class(self) -> str:
-        return f"{self.prefix}MLP"
+    def mlp_class(self) -> str | None:
+        return None if self.mlp == "none" else f"{self.prefix}MLP"
 
     @property
     def experts_class(self) -> str | None:
@@ -117,11 +131,15 @@ class Family:
         kept = {}
         if not self.norm:
             kept["norm"] = "LayerNorm, not RMSNorm: HF's forward (no fused LayerNorm op)"
-        if self.rope != "half":
+        if not self.rope_fused:
             kept["rope"] = f"{self.rope} rotary pairs: HF's apply_rotary_pos_emb (ops.rope rotates split halves)"
         if self.mlp == "plain":
             kept["mlp activation"] = ("non-gated MLP: HF's activation module; its LoRA projections are fused one "
                                       "by one (ops.lora_linear)")
+        if self.attention_sinks_attr:
+            kept["attention kernel"] = (f"attention sinks ({self.attention_sinks_attr}): HF's attention function "
+                                        "(eager/flex/flash as HF dispatches; it applies the sinks and the sliding "
+                                        "window); q/k/v/o LoRA, RoPE and norms around it are fused")
         return kept
 
 
@@ -168,13 +186,15 @@ FAMILIES: dict[str, Family] = dict([
     _row("qwen2_moe", "Qwen2Moe", experts="swiglu"),
     _row("mixtral", "Mixtral", sliding_window="config", experts="swiglu"),
     _row("olmoe", "Olmoe", qk_norm="width", sliding_window="config", experts="swiglu"),
+    _row("gpt_oss", "GptOss", norm_casting="gemma", rope="half_freqs", sliding_window="module",
+         attention_sinks_attr="sinks", mlp="none", mlp_projections=(), experts="clamped_swiglu",
+         experts_interleaved=True),
     _row("starcoder2", "Starcoder2", norm=False, mlp="plain", mlp_projections=("c_fc", "c_proj"), act_fn_attr="act",
          sliding_window="config", residual_dropout_attr="residual_dropout"),
 ])
 
 # Model types known not to fit yet, and what is missing (the warning names it).
 NOT_COVERED = {
-    "gpt_oss": "attention sinks and alternating sliding windows (issue #29 item 3)",
     "olmo": "LayerNorm without weights and clip_qkv",
     "cohere": "LayerNorm and parallel attention/MLP blocks",
     "cohere2": "LayerNorm and parallel attention/MLP blocks",

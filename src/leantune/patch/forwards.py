@@ -11,7 +11,8 @@ exactly; the others keep PEFT's forward).
 RoPE has no per-instance seam in transformers 5 (the attention forward calls the module-level
 ``apply_rotary_pos_emb``), so the family's modeling module gets a dispatcher while any patched attention module
 uses it (:func:`acquire_rope` / :func:`release_rope`, counted per module by :func:`bind` / :func:`unbind`); it
-runs ``ops.rope`` only inside the forward of a patched attention module (a context variable set there), so an
+runs ``ops.rope`` only inside the forward of a patched attention module (a context variable set there, holding the
+family's rope kind: "half_freqs" cos/sin are widened to one column per rotated dim first), so an
 unpatched model keeps HF's exact function.
 """
 
@@ -75,10 +76,17 @@ def _rope_fits(q, k, cos, sin) -> bool:
 
 def _make_rope_dispatch(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if _ROPE_ACTIVE.get() and unsqueeze_dim == 1 and _rope_fits(q, k, cos, sin):
-            if cos.dim() == 3 and cos.shape[0] == 1 and q.shape[0] != 1:
-                cos, sin = cos[0], sin[0]  # one position row for the whole batch: [S, R]
-            return ops.rope(q, k, cos, sin)
+        kind = _ROPE_ACTIVE.get()  # the family's rope kind inside a patched attention forward, else False
+        if kind and unsqueeze_dim == 1 and torch.is_tensor(q) and torch.is_tensor(cos) and torch.is_tensor(sin):
+            wide_cos, wide_sin = cos, sin
+            if kind == "half_freqs":  # one column per frequency (gpt-oss): ops.rope wants one per rotated dim
+                if cos.shape[-1] * 2 != q.shape[-1]:
+                    return original(q, k, cos, sin, unsqueeze_dim)
+                wide_cos, wide_sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+            if _rope_fits(q, k, wide_cos, wide_sin):
+                if wide_cos.dim() == 3 and wide_cos.shape[0] == 1 and q.shape[0] != 1:
+                    wide_cos, wide_sin = wide_cos[0], wide_sin[0]  # one position row for the whole batch: [S, R]
+                return ops.rope(q, k, wide_cos, wide_sin)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.__doc__ = f"leantune dispatcher: ops.rope inside patched attention, else {original!r}."

@@ -197,8 +197,9 @@ def _mlp_modules(model, strict: bool = True) -> list[nn.Module]:
     if not strict and model_type not in FAMILIES:  # nothing of an uncovered model type was tiled
         return []
     family = family_for(model_type)
-    mlp_cls = getattr(importlib.import_module(family.modeling_module), family.mlp_class, None)
-    if mlp_cls is None:  # no dense MLP class (Mixtral): nothing to tile (MoE experts blocks are not tiled)
+    mlp_cls = None if family.mlp_class is None else getattr(
+        importlib.import_module(family.modeling_module), family.mlp_class, None)
+    if mlp_cls is None:  # no dense MLP class (Mixtral, gpt-oss): nothing to tile (MoE experts blocks are not tiled)
         return []
     return [m for m in hf.modules() if type(m) is mlp_cls]
 
