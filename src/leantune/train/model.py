@@ -212,6 +212,11 @@ def _from_fp8_checkpoint(model, dtype: torch.dtype, path: Path):
         done = quantize(model, "fp8", dtype=dtype)
     except ValueError as exc:
         raise LeantuneError(f"cannot load the FP8 weights of {path}: {str(exc).splitlines()[0]}") from None
+    left = next((name for name, t in model.named_parameters() if t.dtype.itemsize == 1 and t.is_floating_point()),
+                None)
+    if left is not None:  # e.g. transformers' FP8Experts of a mixture-of-experts release, on a CUDA host
+        raise LeantuneError(f"cannot load the FP8 weights of {path}: {left} is FP8 in a layer leantune cannot hold "
+                            "in FP8 yet (only the decoder's linear layers; FP8 experts are not supported)")
     with torch.no_grad():  # parameters only: the FP8 codes and scales are buffers, RoPE's inv_freq stays fp32
         for param in model.parameters():
             if param.is_floating_point() and param.dtype != dtype:
