@@ -11,10 +11,11 @@ import os
 import signal
 
 import pytest
+import test_train
 import torch
 from reference import assert_close
 from safetensors.torch import load_file, save_file
-from test_train import tiny, tiny_config, write_tiny_model  # noqa: F401 (tiny: the fixture)
+from test_train import tiny_config, write_chat_jsonl, write_tiny_model
 
 from leantune import ops, unpatch
 from leantune.errors import LeantuneError
@@ -24,6 +25,7 @@ from leantune.train.model import load_model
 F64 = torch.float64
 U = 2.0 ** -4  # e4m3 unit roundoff
 BLOCK = 128
+tiny = test_train.tiny  # the fixture: the tiny model and chat data of tests/test_train.py
 
 
 def dense_reference(model):
@@ -60,7 +62,8 @@ def check_export(run_dir, out, trained, dtype=torch.float32):
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert merged_model.dtype == dtype  # the compute dtype
     assert_close("export vs trained adapter on the FP8-dequantised base", merged.float(), dense.float(), dtype)
-    assert ((merged.float() - fp8_logits.float()).norm() / fp8_logits.float().norm()).item() < 0.1  # activations in e4m3: ~u / sqrt(3)
+    fp8_err = ((merged.float() - fp8_logits.float()).norm() / fp8_logits.float().norm()).item()
+    assert fp8_err < 0.1  # the trained forward quantises activations to e4m3 too: ~u / sqrt(3) per factor
     return merged_model
 
 
@@ -93,6 +96,19 @@ def test_train_quantize_fp8_runs_resumes_and_exports_into_the_dequantised_base(t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(LeantuneError, match="--quantize must be nf4 or fp8"):
         tiny_config(tiny, tmp_path / "x", quantize="fp4")
+
+
+def test_cli_train_quantize_fp8_says_so_and_records_it(tiny, tmp_path, capsys):
+    """The command line: a one-step unpatched run (PEFT's forward over FP8Linear), its startup line and run.json;
+    an unknown quant type is one error line."""
+    from cli_support import assert_error, run_cli, train_args
+
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "run", "--quantize", "fp8"))
+    assert code == 0, err
+    assert "leantune: 14 linear layers in FP8 (e4m3, one scale per output channel; experimental)" in err
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["quantize"] == "fp8"
+    assert_error(*run_cli(capsys, *train_args(tiny, tmp_path / "bad", "--quantize", "fp4")),
+                 "--quantize must be nf4 or fp8")
 
 
 # ------------------------------------------------------------------------------------------ FP8 checkpoints
@@ -218,10 +234,7 @@ def test_fp8_checkpoint_loads_into_fp8linear_within_the_requantisation_bound(fp8
 
 def test_fp8_checkpoint_trains_with_lora_and_exports(fp8_checkpoint, tmp_path):
     folder, _ = fp8_checkpoint
-    data = tmp_path / "chat.jsonl"
-    from test_train import write_chat_jsonl
-
-    write_chat_jsonl(data, n=40)
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=40)
     fake = {"model": folder, "data": data}
     with pytest.raises(LeantuneError, match="ships FP8 weights .* train it with --quantize fp8"):
         train(tiny_config(fake, tmp_path / "x", max_steps=1), progress=False)

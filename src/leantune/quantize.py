@@ -38,8 +38,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import FP8Weight, NF4Weight, dequantize_blocks, dequantize_nf4, lora_linear, quantize_fp8, quantize_nf4, \
-    requantize_blocks
+from .ops import (
+    FP8Weight,
+    NF4Weight,
+    dequantize_blocks,
+    dequantize_nf4,
+    lora_linear,
+    quantize_fp8,
+    quantize_nf4,
+    requantize_blocks,
+)
 
 QUANT_TYPES = ("nf4", "fp8")
 _TENSOR_FIELDS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code")
@@ -176,7 +184,8 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
 
     Raises:
         ValueError: an unsupported quant type, a model without ``get_decoder()``, or a layer whose weight cannot be
-            NF4 (e.g. its size is not a multiple of 64) or FP8 (inf/NaN); the message names the layer, and the model is unchanged.
+            NF4 (e.g. its size is not a multiple of 64) or FP8 (inf/NaN, a block-scale grid that does not fit the
+            weight); the message names the layer, and the model is unchanged.
     """
     if quant_type not in QUANT_TYPES:
         raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {quant_type!r} (fp4 is not supported yet)")

@@ -59,8 +59,15 @@ from .config import TrainConfig, default_seq_len
 from .data import PackedData, chitchat_path, load_run_data
 from .divergence import DivergenceGuard, good_checkpoints
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
-from .model import (check_quantize, load_model, load_tokenizer, resolve_dtype, resolve_model, use_chat_template,
-                    wrap_lora)
+from .model import (
+    check_quantize,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+    use_chat_template,
+    wrap_lora,
+)
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
 from .sources import canonical
 from .step_log import StepLog, raise_deferred_errors

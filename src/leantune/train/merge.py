@@ -9,9 +9,10 @@ same rules: a temporary file renamed into place, and ``--overwrite`` replaces on
 The base is rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed; a
 ``--quantize nf4`` / ``fp8`` run's base quantised and dequantised, an FP8 checkpoint's from its requantised codes)
 and merged in fp32; the weights are stored in the dtype of the base folder's safetensors weights when that is
-16-bit (an FP8 checkpoint: of its unquantised tensors; else fp32). A run stopped before it wrote its adapter is exported from its last checkpoint (said in one line). The folder
-is written beside ``--out`` and moved into place, with a marker file; a failure, Ctrl-C or SIGTERM leaves no partial
-folder and the previous export in place, and ``--overwrite`` replaces only a previous export.
+16-bit (an FP8 checkpoint: of its unquantised tensors; else fp32). A run stopped before it wrote its adapter is
+exported from its last checkpoint (said in one line). The folder is written beside ``--out`` and moved into place,
+with a marker file; a failure, Ctrl-C or SIGTERM leaves no partial folder and the previous export in place, and
+``--overwrite`` replaces only a previous export.
 """
 
 from __future__ import annotations
