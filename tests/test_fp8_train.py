@@ -232,6 +232,28 @@ def test_fp8_checkpoint_loads_into_fp8linear_within_the_requantisation_bound(fp8
         assert torch.equal(converted.weight_scale, layer.weight_scale), key
 
 
+def test_fp8_checkpoint_loads_the_same_on_a_cuda_host(fp8_checkpoint, monkeypatch):
+    """With a CUDA device transformers keeps its own FP8Linear modules (and its quantizer); here its environment
+    check is bypassed so that the CPU builds them too: leantune's loader gives the same codes, scales and
+    parameters as on a CPU host, and a model transformers no longer counts as quantised."""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    folder, _ = fp8_checkpoint
+    cpu_host = load_model("hf", folder, torch.bfloat16, "cpu", 0)
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    cuda_host = load_model("hf", folder, torch.bfloat16, "cpu", 0)
+    assert not cuda_host.is_quantized and getattr(cuda_host, "hf_quantizer", None) is None
+    assert not getattr(cuda_host.config, "_is_quantized", False)
+    assert getattr(cuda_host.config, "quantization_config", None) is None
+    bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
+    for ours, theirs in ((cpu_host.named_buffers(), cuda_host.named_buffers()),
+                         (cpu_host.named_parameters(), cuda_host.named_parameters())):
+        ours, theirs = dict(ours), dict(theirs)
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert ours[key].dtype == theirs[key].dtype and torch.equal(bits(ours[key]), bits(theirs[key])), key
+
+
 def test_fp8_checkpoint_trains_with_lora_and_exports(fp8_checkpoint, tmp_path):
     folder, _ = fp8_checkpoint
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=40)

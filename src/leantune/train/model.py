@@ -221,7 +221,14 @@ def _from_fp8_checkpoint(model, dtype: torch.dtype, path: Path):
         for param in model.parameters():
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
-    model.hf_quantizer = None  # leantune holds the quantised weights now: saving writes plain tensors
+    # leantune holds the quantised weights now: transformers' quantizer (kept on a CUDA host) and its flags go, so
+    # PEFT and save_pretrained see a plain model
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "_is_quantized", False):
+            module.config._is_quantized = False
     # transformers keeps the conversions it loaded with and reverses them on save_pretrained: its dequantisation
     # would turn into a block requantisation of an export's merged weights
     conversions = []
