@@ -161,15 +161,15 @@ def test_dequantize_blocks_with_partial_tiles_and_the_requantisation_bound():
         ops.dequantize_blocks(w, scale, (128, 128), name="layer")
 
 
-def write_fp8_checkpoint(folder):
-    """A 2-layer Llama (hidden 256, MLP 384: two 128-blocks per dim) saved as a block-FP8 release: e4m3 projection
+def write_fp8_checkpoint(folder, hidden=256, heads=4):
+    """A 2-layer Llama (hidden 256, MLP 384: whole 128-blocks) saved as a block-FP8 release: e4m3 projection
     weights + fp32 ``weight_scale_inv``, the rest bf16, config.json's quantization_config; with the tiny tokenizer.
     Returns {projection weight key: (codes, scale_inv)}."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     write_tiny_model(folder)
-    config = LlamaConfig(vocab_size=259 + 3, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    config = LlamaConfig(vocab_size=259 + 3, hidden_size=hidden, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False)
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config)
@@ -230,6 +230,16 @@ def test_fp8_checkpoint_loads_into_fp8linear_within_the_requantisation_bound(fp8
         assert isinstance(converted, FP8Linear) and converted.compute_dtype == torch.bfloat16
         assert torch.equal(converted.weight.view(torch.uint8), layer.weight.view(torch.uint8)), key
         assert torch.equal(converted.weight_scale, layer.weight_scale), key
+
+
+def test_fp8_checkpoint_with_partial_tiles_is_refused_on_a_cpu_host(tmp_path, monkeypatch):
+    """hidden 192: 2 scale rows per 192-row weight, which transformers' CPU dequantisation would cut into 96-row
+    tiles; the loader refuses it, naming a weight, instead of training on mis-scaled weights."""
+    write_fp8_checkpoint(tmp_path / "model", hidden=192, heads=3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LeantuneError, match=r"without a CUDA device: model\.layers\.0\..*_proj\.weight is \d+ x "
+                                            r"\d+, not a multiple of the 128 x 128 blocks"):
+        load_model("hf", tmp_path / "model", torch.float32, "cpu", 0)
 
 
 def test_fp8_checkpoint_loads_the_same_on_a_cuda_host(fp8_checkpoint, monkeypatch):

@@ -200,6 +200,33 @@ def check_quantize(kind: str, path: Path, quantize: str | None) -> None:
                             + (f", not --quantize {quantize}" if quantize else ""))
 
 
+def _check_fp8_tiles(path: Path, quant: dict) -> None:
+    """Without a CUDA device transformers 5.17 dequantises an FP8 checkpoint itself, taking the tile size as the
+    weight's dims over the scale grid's: right only for dims that are multiples of ``weight_block_size`` (a 200-row
+    weight with 2 scale rows would get 100-row tiles, silently wrong). Refuse such a checkpoint before loading it
+    (from the safetensors headers)."""
+    from safetensors import safe_open
+
+    block = quant.get("weight_block_size")
+    if block is None:
+        return
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    for file in files:
+        if not (path / file).is_file():
+            continue  # transformers reports a missing file
+        with safe_open(str(path / file), framework="pt") as fh:
+            for key in fh.keys():
+                shape = fh.get_slice(key).get_shape()
+                if key.endswith("_scale_inv") or len(shape) != 2 or fh.get_slice(key).get_dtype() != "F8_E4M3":
+                    continue
+                if shape[0] % block[0] or shape[1] % block[1]:
+                    raise LeantuneError(f"cannot load the FP8 weights of {path} without a CUDA device: {key} is "
+                                        f"{shape[0]} x {shape[1]}, not a multiple of the {block[0]} x {block[1]} "
+                                        "blocks, which transformers' CPU dequantisation mis-scales")
+
+
 def _from_fp8_checkpoint(model, dtype: torch.dtype, path: Path):
     """A model transformers loaded in fp32 from an FP8 checkpoint with its decoder linears in leantune's FP8
     (``quantize(model, "fp8")``: each block-scaled weight dequantised in fp32 and requantised per output channel,
@@ -278,6 +305,8 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
             transformers_logging.set_verbosity_error()  # its load report table: the checks below say it in a line
             try:
                 fp8 = fp8_checkpoint(kind, path) is not None
+                if fp8 and not torch.cuda.is_available():
+                    _check_fp8_tiles(path, fp8_checkpoint(kind, path))
                 model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if fp8 else dtype,
                                                                    output_loading_info=True,
                                                                    ignore_mismatched_sizes=True)
