@@ -12,7 +12,7 @@ from ._loss import deferred_error_flags, raise_deferred_errors
 from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
 from .distillation import linear_distillation_loss
-from .fp8 import FP8Weight, dequantize_fp8, quantize_fp8
+from .fp8 import FP8Weight, dequantize_blocks, dequantize_fp8, quantize_fp8, requantize_blocks
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs
@@ -33,6 +33,7 @@ __all__ = [
     "cross_entropy",
     "deferred_error_flags",
     "dora_linear",
+    "dequantize_blocks",
     "dequantize_fp8",
     "dequantize_nf4",
     "geglu",
@@ -44,6 +45,7 @@ __all__ = [
     "lora_qkv",
     "moe_experts",
     "quantize_fp8",
+    "requantize_blocks",
     "quantize_nf4",
     "raise_deferred_errors",
     "rms_norm",

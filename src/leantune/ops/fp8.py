@@ -125,9 +125,10 @@ def quantize_rows(t: torch.Tensor, *, name: str = "x") -> tuple[torch.Tensor, to
     return q, scale
 
 
-def quantize_fp8(weight: torch.Tensor, *, name: str = "weight") -> FP8Weight:
+def quantize_fp8(weight: torch.Tensor, *, name: str = "weight", dtype: torch.dtype | None = None) -> FP8Weight:
     """``weight [out, in]`` (fp32/fp16/bf16) as an :class:`FP8Weight` with per-output-channel scales
-    (:func:`quantize_rows`). Temporaries: 4 bytes per weight.
+    (:func:`quantize_rows`). ``dtype``: the compute dtype recorded in it (default: the weight's own; a weight
+    dequantised in fp32 for a bf16 model passes bfloat16). Temporaries: 4 bytes per weight.
 
     Raises:
         ValueError: not a 2-D float tensor, an empty one, or non-finite values (the message names ``name``).
@@ -141,7 +142,52 @@ def quantize_fp8(weight: torch.Tensor, *, name: str = "weight") -> FP8Weight:
     if not torch.isfinite(weight).all():  # quantisation time, not a training step: a sync is fine
         raise ValueError(f"{name}: holds inf or NaN, which FP8 weights cannot represent")
     q, scale = quantize_rows(weight.detach(), name=name)
-    return FP8Weight(q.contiguous(), scale, weight.dtype, name)
+    return FP8Weight(q.contiguous(), scale, dtype or weight.dtype, name)
+
+
+def dequantize_blocks(qweight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] | None, *,
+                      name: str = "weight") -> torch.Tensor:
+    """The fp32 weight ``[out, in]`` of a block-scaled FP8 checkpoint tensor (DeepSeek-V3 / Qwen3 "fine-grained"
+    FP8, transformers' ``FineGrainedFP8Config``): W[i, j] = qweight[i, j] * scale_inv[i // b0, j // b1] with
+    ``block_size = (b0, b1)`` (128 x 128 in those releases), ``scale_inv`` fp32 (or e8m0) ``[ceil(out / b0),
+    ceil(in / b1)]``: the last block of a row or column may be partial. ``block_size=None``: one per-tensor scale
+    (``scale_inv`` of one element). One fp32 product per weight, rounded once (the e4m3 value has 4 significant
+    bits, the scale 24: the product is exact unless it needs more than fp32's 24, so within 2^-24 relative).
+
+    Raises:
+        ValueError: qweight not a 2-D float8 tensor, or scale_inv not of the grid's shape (names ``name``).
+    """
+    if not isinstance(qweight, torch.Tensor) or qweight.dim() != 2 or qweight.dtype not in (E4M3,
+                                                                                          torch.float8_e5m2):
+        got = f"{qweight.dtype} {tuple(qweight.shape)}" if isinstance(qweight, torch.Tensor) \
+            else type(qweight).__name__
+        raise ValueError(f"{name}: a block-scaled FP8 weight must be a 2-D float8 tensor, got {got}")
+    rows, cols = qweight.shape
+    b0, b1 = (rows, cols) if block_size is None else (int(block_size[0]), int(block_size[1]))
+    grid = (-(-rows // b0), -(-cols // b1)) if b0 > 0 and b1 > 0 else None
+    if grid is None or not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != grid[0] * grid[1]:
+        got = tuple(scale_inv.shape) if isinstance(scale_inv, torch.Tensor) else type(scale_inv).__name__
+        raise ValueError(f"{name}: block size {block_size} of a {rows} x {cols} weight needs a scale grid of "
+                         f"{grid}, got scale_inv of shape {got}")
+    scale = scale_inv.float().reshape(grid)
+    scale = scale.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
+    return qweight.float() * scale
+
+
+def requantize_blocks(qweight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] | None, *,
+                      dtype: torch.dtype, name: str = "weight") -> FP8Weight:
+    """A block-scaled FP8 checkpoint weight (:func:`dequantize_blocks`, in fp32) requantised per output channel
+    as an :class:`FP8Weight` of compute dtype ``dtype``: the one FP8 object the LoRA ops take.
+
+    Extra error (docs/design.md, "FP8 checkpoints"): the block-dequantised value v is rounded once more, to the
+    row's grid s_row = absmax_row / 448, so |dequantize_fp8(result) - v| <= u |v| + 2^-10 s_row (u = 2^-4), on
+    top of the checkpoint's own rounding. Blocks whose scale is far below the row's lose the most (their small
+    values fall below 2^-6 s_row, the subnormal range, absolute spacing 2^-9 s_row).
+
+    Raises:
+        ValueError: as :func:`dequantize_blocks`, or non-finite values.
+    """
+    return quantize_fp8(dequantize_blocks(qweight, scale_inv, block_size, name=name), name=name, dtype=dtype)
 
 
 def dequantize_fp8(w: FP8Weight, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -59,7 +59,15 @@ from .config import TrainConfig, default_seq_len
 from .data import PackedData, chitchat_path, load_run_data
 from .divergence import DivergenceGuard, good_checkpoints
 from .metrics import MetricsLog, plot_losses, say, speak, to_json
-from .model import load_model, load_tokenizer, resolve_dtype, resolve_model, use_chat_template, wrap_lora
+from .model import (
+    check_quantize,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+    use_chat_template,
+    wrap_lora,
+)
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
 from .sources import canonical
 from .step_log import StepLog, raise_deferred_errors
@@ -267,6 +275,7 @@ def _prepare(config: TrainConfig) -> _Run:
     resume_from = distributed.on_main(lambda: run_folder.check_output(config))
 
     kind, model_path = resolve_model(config.model)
+    check_quantize(kind, model_path, config.quantize)
     tokenizer = load_tokenizer(kind, model_path)
     use_chat_template(tokenizer, config.chat_template)
     data_path = canonical(config.data, chitchat_path())

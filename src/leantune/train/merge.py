@@ -6,11 +6,13 @@
 ``--format gguf`` writes one .gguf file instead (``gguf_export``: Llama architecture, f16/bf16/q8_0/f32), under the
 same rules: a temporary file renamed into place, and ``--overwrite`` replaces only a previous GGUF export.
 
-The base is rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed) and merged
-in fp32; the weights are stored in the dtype of the base folder's safetensors weights when that is 16-bit (else
-fp32). A run stopped before it wrote its adapter is exported from its last checkpoint (said in one line). The folder
-is written beside ``--out`` and moved into place, with a marker file; a failure, Ctrl-C or SIGTERM leaves no partial
-folder and the previous export in place, and ``--overwrite`` replaces only a previous export.
+The base is rebuilt exactly as training loaded it (a config.json base re-initialised with the run's seed; a
+``--quantize nf4`` / ``fp8`` run's base quantised and dequantised, an FP8 checkpoint's from its requantised codes)
+and merged in fp32; the weights are stored in the dtype of the base folder's safetensors weights when that is
+16-bit (an FP8 checkpoint: of its unquantised tensors; else fp32). A run stopped before it wrote its adapter is
+exported from its last checkpoint (said in one line). The folder is written beside ``--out`` and moved into place,
+with a marker file; a failure, Ctrl-C or SIGTERM leaves no partial folder and the previous export in place, and
+``--overwrite`` replaces only a previous export.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def _check_export_target(target: Path, overwrite: bool, base_model: Path) -> Non
 
 def _checkpoint_dtype(kind: str, path: Path) -> torch.dtype | None:
     """The dtype of a Hugging Face folder's floating-point safetensors weights when it is 16-bit (an export is
-    written in it, as the base was stored), else None: fp32, .bin weights, a GGUF or a random init (fp32)."""
+    written in it, as the base was stored; for an FP8 checkpoint that of its unquantised tensors, the compute
+    dtype), else None: fp32, .bin weights, a GGUF or a random init (fp32)."""
     from safetensors import SafetensorError, safe_open
 
     if kind != "hf":
@@ -70,8 +73,8 @@ def _checkpoint_dtype(kind: str, path: Path) -> torch.dtype | None:
             weights = path / "model.safetensors"
         if not weights.is_file():
             return None
-        with safe_open(str(weights), framework="pt") as fh:
-            dtypes = {fh.get_slice(key).get_dtype() for key in fh.keys()}
+        with safe_open(str(weights), framework="pt") as fh:  # an FP8 checkpoint's fp32 block scales aside
+            dtypes = {fh.get_slice(key).get_dtype() for key in fh.keys() if not key.endswith("_scale_inv")}
     except (OSError, ValueError, KeyError, IndexError, SafetensorError):  # unreadable here: write fp32
         return None
     floats = dtypes & {"F32", "F16", "BF16", "F64"}
@@ -96,16 +99,31 @@ def _untie_embeddings(peft_model) -> None:
         config.tie_word_embeddings = False
 
 
-def _dequantised_base(model, trained_dtype: torch.dtype) -> None:
-    """Every weight ``leantune.quantize`` puts in NF4 replaced, in place, by its NF4 value (quantised from the dtype
-    the run trained in, dequantised in fp32): a QLoRA run's export is the dequantised base plus the adapter."""
-    from ..ops import dequantize_nf4, quantize_nf4
-    from ..quantize import quantized_linears
+def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4") -> None:
+    """Every weight ``leantune.quantize`` puts in NF4 / FP8 replaced, in place, by its quantised value (quantised
+    from the dtype the run trained in, dequantised in fp32): a QLoRA / FP8 run's export is the dequantised base
+    plus the adapter. An FP8 checkpoint's layers (``FP8Linear`` from the loader, the codes training used) become
+    ``nn.Linear`` layers of their fp32 dequantisation, so PEFT merges into them."""
+    from ..ops import dequantize_fp8, dequantize_nf4, quantize_fp8, quantize_nf4
+    from ..quantize import FP8Linear, quantized_linears
 
     with torch.no_grad():
         for name, linear in quantized_linears(model):
-            nf4 = quantize_nf4(linear.weight.to(trained_dtype), name=name)
-            linear.weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
+            if quant_type == "fp8":
+                fp8 = quantize_fp8(linear.weight.to(trained_dtype), name=name)
+                linear.weight.copy_(dequantize_fp8(fp8, torch.float32))
+            else:
+                nf4 = quantize_nf4(linear.weight.to(trained_dtype), name=name)
+                linear.weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
+        for parent in list(model.modules()):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, FP8Linear):
+                    linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                    linear.weight = torch.nn.Parameter(dequantize_fp8(child.weight_fp8, torch.float32),
+                                                       requires_grad=False)
+                    if child.bias is not None:
+                        linear.bias = torch.nn.Parameter(child.bias.detach().float(), requires_grad=False)
+                    setattr(parent, child_name, linear)
 
 
 def export(adapter: str, out: str, *, overwrite: bool = False, format: str = "hf", dtype: str | None = None) -> Path:
@@ -214,8 +232,8 @@ def _merged_model(run_dir: Path, adapter_dir: Path, saved: Path | None, run: dic
     tokenizer = (load_tokenizer("hf", tokenizer_dir) if tokenizer_dir.is_dir()
                  else load_tokenizer(kind, model_path))
     base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
-    if run["config"].get("quantize") == "nf4":  # the adapter learnt on the NF4 base: merge into that base
-        _dequantised_base(base, getattr(torch, run["dtype"].removeprefix("torch.")))
+    if run["config"].get("quantize") in ("nf4", "fp8"):  # the adapter learnt on that base: merge into it
+        _dequantised_base(base, getattr(torch, run["dtype"].removeprefix("torch.")), run["config"]["quantize"])
     if saved is None:
         _check_adapter_file(run_dir, adapter_dir)
         peft_model = PeftModel.from_pretrained(base, adapter_dir)

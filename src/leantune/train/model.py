@@ -7,6 +7,7 @@ missing tensor would be initialised at random), a tokenizer that is missing or e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -176,9 +177,110 @@ def use_chat_template(tokenizer, path: str | None) -> None:
     tokenizer.chat_template = template
 
 
+def fp8_checkpoint(kind: str, path: Path) -> dict | None:
+    """The ``quantization_config`` of a Hugging Face folder whose config.json declares FP8 weights (``quant_method``
+    ``"fp8"``: e4m3 weights beside block scales, as DeepSeek-V3 and Qwen3-FP8 ship them), else None."""
+    if kind != "hf":
+        return None
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None  # check_causal_lm says what is wrong with it
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return quant if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else None
+
+
+def check_quantize(kind: str, path: Path, quantize: str | None) -> None:
+    """An FP8 checkpoint trains with ``--quantize fp8`` only: its weights stay FP8 (requantised per output
+    channel); another setting would train on a different base than the one it ships."""
+    quant = fp8_checkpoint(kind, path)
+    if quant is not None and quantize != "fp8":
+        raise LeantuneError(f"{path} ships FP8 weights (quantization_config: quant_method fp8, weight_block_size "
+                            f"{quant.get('weight_block_size')}): train it with --quantize fp8"
+                            + (f", not --quantize {quantize}" if quantize else ""))
+
+
+def _check_fp8_tiles(path: Path, quant: dict) -> None:
+    """Without a CUDA device transformers 5.17 dequantises an FP8 checkpoint itself, taking the tile size as the
+    weight's dims over the scale grid's: right only for dims that are multiples of ``weight_block_size`` (a 200-row
+    weight with 2 scale rows would get 100-row tiles, silently wrong). Refuse such a checkpoint before loading it
+    (from the safetensors headers)."""
+    from safetensors import safe_open
+
+    block = quant.get("weight_block_size")
+    if block is None:
+        return
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    for file in files:
+        if not (path / file).is_file():
+            continue  # transformers reports a missing file
+        with safe_open(str(path / file), framework="pt") as fh:
+            for key in fh.keys():
+                shape = fh.get_slice(key).get_shape()
+                if key.endswith("_scale_inv") or len(shape) != 2 or fh.get_slice(key).get_dtype() != "F8_E4M3":
+                    continue
+                if shape[0] % block[0] or shape[1] % block[1]:
+                    raise LeantuneError(f"cannot load the FP8 weights of {path} without a CUDA device: {key} is "
+                                        f"{shape[0]} x {shape[1]}, not a multiple of the {block[0]} x {block[1]} "
+                                        "blocks, which transformers' CPU dequantisation mis-scales")
+
+
+def _from_fp8_checkpoint(model, dtype: torch.dtype, path: Path):
+    """A model transformers loaded in fp32 from an FP8 checkpoint with its decoder linears in leantune's FP8
+    (``quantize(model, "fp8")``: each block-scaled weight dequantised in fp32 and requantised per output channel,
+    compute dtype ``dtype``) and every other parameter in ``dtype``. Loading in fp32 makes the codes the same on
+    every host: with a CUDA device transformers keeps its own FP8 linears (converted from their blocks here),
+    without one it dequantises into ``nn.Linear`` weights of the load dtype, in fp32 the same products."""
+    from ..quantize import quantize
+
+    try:
+        done = quantize(model, "fp8", dtype=dtype)
+    except ValueError as exc:
+        raise LeantuneError(f"cannot load the FP8 weights of {path}: {str(exc).splitlines()[0]}") from None
+    left = next((name for name, t in model.named_parameters() if t.dtype.itemsize == 1 and t.is_floating_point()),
+                None)
+    if left is not None:  # e.g. transformers' FP8Experts of a mixture-of-experts release, on a CUDA host
+        raise LeantuneError(f"cannot load the FP8 weights of {path}: {left} is FP8 in a layer leantune cannot hold "
+                            "in FP8 yet (only the decoder's linear layers; FP8 experts are not supported)")
+    with torch.no_grad():  # parameters only: the FP8 codes and scales are buffers, RoPE's inv_freq stays fp32
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+    # leantune holds the quantised weights now: transformers' quantizer (kept on a CUDA host) and its flags go, so
+    # PEFT and save_pretrained see a plain model
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "_is_quantized", False):
+            module.config._is_quantized = False
+    # transformers keeps the conversions it loaded with and reverses them on save_pretrained: its dequantisation
+    # would turn into a block requantisation of an export's merged weights
+    conversions = []
+    for conversion in getattr(model, "_weight_conversions", None) or []:
+        operations = getattr(conversion, "operations", None)
+        if operations is not None:
+            kept = [op for op in operations if type(op).__name__ != "Fp8Dequantize"]
+            if not kept:
+                continue
+            conversion.operations = kept
+        conversions.append(conversion)
+    if hasattr(model, "_weight_conversions"):
+        model._weight_conversions = conversions
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.config.dtype = dtype
+    say(f"leantune: {done['layers']} FP8 linear layers of {path.name} (block-scaled e4m3) requantised per output "
+        f"channel: {done['bytes_after'] / 2**30:.2f} GiB of frozen weights")
+    return model
+
+
 def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int):
     """A causal LM on ``device`` in ``dtype``; a config.json is initialised randomly (seeded) directly on device;
-    ``device="meta"``: the model of a stored folder built from its config.json alone, without storage.
+    ``device="meta"``: the model of a stored folder built from its config.json alone, without storage. A folder
+    that ships FP8 weights (``fp8_checkpoint``) comes with its decoder linears as leantune ``FP8Linear`` layers.
 
     Raises LeantuneError for a model that is not a causal LM, an unsupported model type or unreadable weights.
     """
@@ -202,11 +304,17 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
             verbosity = transformers_logging.get_verbosity()
             transformers_logging.set_verbosity_error()  # its load report table: the checks below say it in a line
             try:
-                model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
+                fp8 = fp8_checkpoint(kind, path) is not None
+                if fp8 and not torch.cuda.is_available():
+                    _check_fp8_tiles(path, fp8_checkpoint(kind, path))
+                model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if fp8 else dtype,
+                                                                   output_loading_info=True,
                                                                    ignore_mismatched_sizes=True)
             finally:
                 transformers_logging.set_verbosity(verbosity)
             _check_loading_info(path, info)
+            if fp8:
+                model = _from_fp8_checkpoint(model, dtype, path)
     except (ValueError, KeyError) as exc:
         if kind == "gguf" and (damaged := _damaged_gguf(path)) is not None:
             raise damaged from None
@@ -275,7 +383,7 @@ def wrap_lora(model, config: TrainConfig):
         model = get_peft_model(model, lora)
     except ValueError as exc:
         raise LeantuneError(f"cannot apply LoRA: {str(exc).splitlines()[0]}") from None
-    if config.quantize is not None:  # after PEFT: the LoRA layers' bases become NF4, the adapters stay
+    if config.quantize is not None:  # after PEFT: the LoRA layers' bases become NF4/FP8, the adapters stay
         from ..quantize import quantize
 
         try:
@@ -284,8 +392,10 @@ def wrap_lora(model, config: TrainConfig):
             raise LeantuneError(f"--quantize {config.quantize}: {str(exc).splitlines()[0]}") from None
         if torch.device(next(model.parameters()).device).type == "cuda":
             torch.cuda.empty_cache()  # the 16-bit weights just replaced
-        say(f"leantune: {done['layers']} linear layers in NF4: {done['bytes_before'] / 2**30:.2f} GiB of frozen "
-            f"weights -> {done['bytes_after'] / 2**30:.2f} GiB")
+        what = {"nf4": "NF4", "fp8": "FP8 (e4m3, one scale per output channel; experimental)"}[config.quantize]
+        if done["layers"]:  # none: an FP8 checkpoint's layers, converted (and said) at load
+            say(f"leantune: {done['layers']} linear layers in {what}: {done['bytes_before'] / 2**30:.2f} GiB of "
+                f"frozen weights -> {done['bytes_after'] / 2**30:.2f} GiB")
     if config.patch == "on":
         try:
             model = patch(model, offload_checkpoints=config.offload_checkpoints, tile_mlp=config.tile_mlp,
