@@ -53,7 +53,7 @@ from .forwards import (
     lora_status,
     unbind,
 )
-from .experts import experts_activation, experts_base, experts_status
+from .experts import experts_activation, experts_base, experts_status, float_class
 from .lora_status import is_dora
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
 from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp
@@ -264,7 +264,7 @@ def _bind_experts(name, module, experts_cls, family, config, counts, left) -> No
     """Bind the experts forward on the outermost module at ``module.experts`` (a PEFT ParamWrapper chain or the
     experts module itself, :mod:`.experts`)."""
     child = module.__dict__.get("_modules", {}).get("experts")
-    if child is None or type(experts_base(child)) is not experts_cls:
+    if child is None or float_class(experts_base(child)) is not experts_cls:
         return
     where = f"{name}.experts" if name else "experts"
     if _foreign_forward(child):
