@@ -39,12 +39,20 @@ def tiny_moe_model(model_type: str):
     )
 
 
-def tiny_moe_peft(model_type: str):
+def tiny_moe_peft(model_type: str, nf4: str | None = None):
+    """The tiny model with LoRA on attention and both expert stacks; ``nf4``: ``"before"`` / ``"after"``
+    ``get_peft_model``, ``leantune.quantize(model, "nf4")`` (linears and expert stacks in NF4)."""
     family = FAMILIES[model_type]
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(family.attention_projections), lora_dropout=0.0,
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                       init_lora_weights=False)
-    return get_peft_model(tiny_moe_model(model_type), lora)
+    model = tiny_moe_model(model_type)
+    if nf4 == "before":
+        assert leantune.quantize(model, "nf4")["experts"] == 2
+    model = get_peft_model(model, lora)
+    if nf4 == "after":
+        assert leantune.quantize(model, "nf4")["experts"] == 2
+    return model
 
 
 def loss_and_grads(model, input_ids, labels):
@@ -56,8 +64,8 @@ def loss_and_grads(model, input_ids, labels):
     return out.loss.detach(), out.aux_loss.detach(), grads
 
 
-def check_moe_parity(model_type, monkeypatch, rows=2, seq=9):
-    model = tiny_moe_peft(model_type).train()
+def check_moe_parity(model_type, monkeypatch, rows=2, seq=9, nf4=None):
+    model = tiny_moe_peft(model_type, nf4).train()
     assert any("experts" in n and "lora_A" in n for n, _ in model.named_parameters())
     input_ids = torch.randint(3, VOCAB, (rows, seq))
     labels = input_ids.clone()
@@ -103,6 +111,57 @@ def test_moe_matches_hf_triton(model_type, monkeypatch):
     """Through the Triton backend (interpreter on CPU): one row of 5 tokens."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
     check_moe_parity(model_type, monkeypatch, rows=1, seq=5)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("model_type", TRITON)
+def test_nf4_experts_match_peft(model_type, order, monkeypatch):
+    """QLoRA on MoE: linears and expert stacks in NF4 (quantised before or after get_peft_model); patched (the
+    stacks dequantised inside ops.moe_experts) vs unpatched PEFT over the same NF4-dequantised weights."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    check_moe_parity(model_type, monkeypatch, nf4=order)
+
+
+def test_nf4_experts_triton(monkeypatch):
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    check_moe_parity("qwen3_moe", monkeypatch, rows=1, seq=5, nf4="before")
+
+
+def test_nf4_experts_state_dict_and_memory():
+    """Either order gives the same model; the state dict holds the experts' NF4 buffers (no placeholder) and loads
+    into a model quantised from other weights, whose stacks (codes, scales, offset) then dequantise to the same
+    values (NF4Linear's buffers are not persistent: the linears are not compared); the placeholders hold one
+    element."""
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    losses, models = [], []
+    for order in ("before", "after"):
+        torch.manual_seed(5)
+        model = tiny_moe_peft("mixtral", order)
+        losses.append(model(input_ids=input_ids, labels=input_ids).loss.detach())
+        models.append(model)
+    assert torch.equal(losses[0], losses[1])
+    experts = models[0].base_model.model.model.layers[0].mlp.experts
+    while hasattr(experts, "base_layer"):
+        experts = experts.base_layer
+    assert experts.gate_up_proj.shape == (4, 48, 32) and experts.gate_up_proj.untyped_storage().nbytes() == 4
+    state = models[0].state_dict()
+    assert not any(k.endswith(("experts.base_layer.base_layer.gate_up_proj", "experts.base_layer.base_layer.down_proj"))
+                   for k in state)
+    assert any(k.endswith("gate_up_proj_nf4_codes") for k in state)
+    torch.manual_seed(6)
+    other = tiny_moe_peft("mixtral", "before")
+    assert not torch.equal(other(input_ids=input_ids, labels=input_ids).loss, losses[0])
+    other.load_state_dict(state, strict=True)
+
+    def stacks(model):
+        found = [m for m in model.modules() if hasattr(m, "nf4_stack")]
+        assert len(found) == 2
+        return [ops.dequantize_nf4(m.nf4_stack(n)) for m in found for n in ("gate_up_proj", "down_proj")]
+
+    assert all(torch.equal(a, b) for a, b in zip(stacks(other), stacks(models[0])))
+    other.to(torch.float64)  # .to rebuilds the one-element placeholders in the new dtype
+    base = other.base_model.model.model.layers[0].mlp.experts.base_layer.base_layer
+    assert base.gate_up_proj.dtype == torch.float64 and base.gate_up_proj.untyped_storage().nbytes() == 8
 
 
 def test_disabled_adapters_keep_peft(monkeypatch):
