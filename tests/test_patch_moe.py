@@ -164,6 +164,31 @@ def test_nf4_experts_state_dict_and_memory():
     assert base.gate_up_proj.dtype == torch.float64 and base.gate_up_proj.untyped_storage().nbytes() == 8
 
 
+@pytest.mark.parametrize("model_type", TRITON)
+def test_nf4_experts_module_is_hf_over_dequantised_stacks(model_type):
+    """The NF4 experts module's own (unpatched) forward equals HF's experts class over the dequantised stacks, with
+    no PEFT; a stack NF4 cannot hold raises naming it and leaves the model unchanged."""
+    model = tiny_moe_model(model_type)
+    experts = model.model.layers[1].mlp.experts
+    leantune.quantize(model, "nf4")
+    assert type(experts).__name__.startswith("NF4") and experts.gate_up_proj.stride() == (0, 0, 0)
+    reference = experts._leantune_float_class(model.config)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(reference, name).copy_(ops.dequantize_nf4(experts.nf4_stack(name)))
+    x = torch.randn(7, 32)
+    index = torch.rand(7, 4).argsort(-1)[:, :2]
+    weights = torch.rand(7, 2)
+    assert torch.equal(experts(x, index, weights), reference(x, index, weights))
+
+    model = tiny_moe_model(model_type)
+    bad = model.model.layers[0].mlp.experts
+    bad.down_proj = torch.nn.Parameter(torch.randn(4, 31, 23))  # 2852 weights
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj: NF4 needs .* multiple of 64"):
+        leantune.quantize(model, "nf4")
+    assert not any(type(m).__name__.startswith("NF4") for m in model.modules())
+
+
 def test_disabled_adapters_keep_peft(monkeypatch):
     """With adapters disabled (a DPO reference pass), PEFT's / HF's experts forward runs, as unpatched."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
