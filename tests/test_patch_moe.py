@@ -200,3 +200,20 @@ def test_disabled_adapters_keep_peft(monkeypatch):
     with torch.no_grad(), model.disable_adapter():
         out = model(input_ids=input_ids).logits
     assert rel_err(out, ref) <= 1e-5
+
+
+def test_export_rounds_expert_stacks_through_nf4():
+    """``leantune export`` of a QLoRA run merges into the base as the run saw it: the float model's expert stacks
+    replaced by their NF4 values, equal to what ``leantune.quantize`` dequantises to."""
+    from leantune.train.merge import _dequantised_base
+
+    torch.manual_seed(3)
+    base = tiny_moe_model("mixtral")
+    torch.manual_seed(3)
+    quantised = tiny_moe_model("mixtral")
+    leantune.quantize(quantised, "nf4")
+    _dequantised_base(base, torch.float32)
+    for layer, q_layer in zip(base.model.layers, quantised.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            expected = ops.dequantize_nf4(q_layer.mlp.experts.nf4_stack(name))
+            assert torch.equal(getattr(layer.mlp.experts, name), expected)

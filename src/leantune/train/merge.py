@@ -100,12 +100,18 @@ def _dequantised_base(model, trained_dtype: torch.dtype) -> None:
     """Every weight ``leantune.quantize`` puts in NF4 replaced, in place, by its NF4 value (quantised from the dtype
     the run trained in, dequantised in fp32): a QLoRA run's export is the dequantised base plus the adapter."""
     from ..ops import dequantize_nf4, quantize_nf4
-    from ..quantize import quantized_linears
+    from ..quantize import EXPERT_STACKS, expert_stacks, quantized_linears
 
     with torch.no_grad():
         for name, linear in quantized_linears(model):
             nf4 = quantize_nf4(linear.weight.to(trained_dtype), name=name)
             linear.weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
+        for name, module in model.named_modules():  # MoE expert stacks, one 3-D NF4 weight each (leantune.quantize)
+            if expert_stacks(module):
+                for stack in EXPERT_STACKS:
+                    weight = getattr(module, stack)
+                    nf4 = quantize_nf4(weight.to(trained_dtype), name=f"{name}.{stack}")
+                    weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
 
 
 def export(adapter: str, out: str, *, overwrite: bool = False, format: str = "hf", dtype: str | None = None) -> Path:

@@ -284,8 +284,9 @@ def wrap_lora(model, config: TrainConfig):
             raise LeantuneError(f"--quantize {config.quantize}: {str(exc).splitlines()[0]}") from None
         if torch.device(next(model.parameters()).device).type == "cuda":
             torch.cuda.empty_cache()  # the 16-bit weights just replaced
-        say(f"leantune: {done['layers']} linear layers in NF4: {done['bytes_before'] / 2**30:.2f} GiB of frozen "
-            f"weights -> {done['bytes_after'] / 2**30:.2f} GiB")
+        experts = f" and {done['experts']} MoE experts modules" if done.get("experts") else ""
+        say(f"leantune: {done['layers']} linear layers{experts} in NF4: {done['bytes_before'] / 2**30:.2f} GiB of "
+            f"frozen weights -> {done['bytes_after'] / 2**30:.2f} GiB")
     if config.patch == "on":
         try:
             model = patch(model, offload_checkpoints=config.offload_checkpoints, tile_mlp=config.tile_mlp,
