@@ -9,6 +9,9 @@ loss rel <= 1e-5, LoRA gradients rel <= 1e-4. The experts must run ``ops.moe_exp
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -180,6 +183,9 @@ def test_nf4_experts_module_is_hf_over_dequantised_stacks(model_type):
     index = torch.rand(7, 4).argsort(-1)[:, :2]
     weights = torch.rand(7, 2)
     assert torch.equal(experts(x, index, weights), reference(x, index, weights))
+    for twin in (copy.deepcopy(experts), pickle.loads(pickle.dumps(experts))):  # placeholders stay one element
+        assert type(twin) is type(experts) and twin.gate_up_proj.untyped_storage().nbytes() == 4
+        assert torch.equal(twin(x, index, weights), reference(x, index, weights))
 
     model = tiny_moe_model(model_type)
     bad = model.model.layers[0].mlp.experts

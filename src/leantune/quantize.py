@@ -40,6 +40,8 @@ to ``ops.moe_experts``, which dequantises inside its node.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -158,6 +160,19 @@ class NF4Experts(nn.Module):
                 self._parameters[n] = _placeholder(p.shape, fn(p.detach()[(slice(0, 1),) * p.dim()].clone()))
         return self
 
+    def __deepcopy__(self, memo):
+        # Parameter.__deepcopy__ clones a placeholder into a dense stack: copy without them, then new placeholders
+        held = {n: self._parameters.pop(n) for n in self._leantune_nf4 if n in self._parameters}
+        try:
+            clone = type(self).__new__(type(self))
+            memo[id(self)] = clone
+            clone.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        finally:
+            self._parameters.update(held)
+        for n, p in held.items():
+            clone._parameters[n] = _placeholder(p.shape, p)
+        return clone
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for n in self._leantune_nf4:
@@ -200,8 +215,10 @@ def _nf4_class(cls: type) -> type:
     if issubclass(cls, NF4Experts):
         return cls
     if cls not in _NF4_CLASSES:
-        _NF4_CLASSES[cls] = type(f"NF4{cls.__name__}", (NF4Experts, cls), {"_leantune_float_class": cls,
-                                                                          "__module__": __name__})
+        name = f"NF4{cls.__name__}"
+        _NF4_CLASSES[cls] = type(name, (NF4Experts, cls), {"_leantune_float_class": cls, "__module__": __name__,
+                                                           "__qualname__": name})
+        globals().setdefault(name, _NF4_CLASSES[cls])  # where pickle looks the class up by name
     return _NF4_CLASSES[cls]
 
 
