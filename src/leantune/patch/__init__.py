@@ -333,7 +333,8 @@ def _fused_parts(family: Family, activation: str | None) -> list[str]:
         parts.append(f"MoE experts: ops.moe_experts ({family.experts}, gate/up "
                      f"{'interleaved' if family.experts_interleaved else 'halves'}; tokens grouped by expert on the "
                      "device, LoRA on gate_up_proj / down_proj as per-expert low-rank products, W + BA never "
-                     "formed); router, shared expert and aux loss: HF's")
+                     "formed; NF4 stacks from leantune.quantize dequantised inside the op); router, shared expert "
+                     "and aux loss: HF's")
     scaled = family.logits_divisor_attr or family.logits_multiplier_attr
     parts.append("loss: ops.linear_cross_entropy" + (" on the hidden states scaled as the logits" if scaled else "")
                  + (" with the final-logit softcap" if family.final_softcap_attr else ""))
