@@ -2,7 +2,7 @@
 # The device-machine checks behind benchmarks/RESULTS.md, one part per argument, each bounded in time. From the repo
 # root on the device machine (inputs: `.venv/bin/python benchmarks/make_gpu_inputs.py` here, carry .gpu and .whl):
 #   bash benchmarks/gpu_checks.sh tests fsdp1 nf4 e2e-offload max-context-offload
-# QLoRA (each about one 10-minute call or less): qlora qlora-70b, then qlora-cap, cap-262k; TRL: trl; the peak: peak
+# QLoRA (each about one 10-minute call or less): qlora qlora-70b qlora-mixtral, then qlora-cap, cap-262k; TRL: trl; the peak: peak
 # Host-bound steps (#25), one call each: host, host-off, host-1b
 # Every part writes under $OUT and prints a short table last.
 set -uo pipefail
@@ -84,6 +84,12 @@ part_qlora_70b() {  # Llama-3-70B shape, QLoRA on one card, 4096 x 1 (built laye
   timeout $(bound 400) python3 -m leantune bench e2e --configs .gpu/llama3-70b --seq 4096 --batch 1 --gc on --steps 3 \
     --warmup 1 --impls leantune+nf4 --matmul-tflops 700 --budget-s 390 --out "$OUT/qlora70b" > "$OUT/qlora70b.log" 2>&1
   echo "qlora-70b exit $?"; tail -8 "$OUT/qlora70b.log"
+}
+
+part_qlora_mixtral() {  # Mixtral-8x7B shape, NF4 linears and expert stacks, LoRA r16 on attention and experts, 4096 x 1
+  timeout $(bound 560) python3 -m leantune bench e2e --configs .gpu/mixtral-8x7b --seq 4096 --batch 1 --gc on --steps 3 \
+    --warmup 1 --impls leantune+nf4 --budget-s 540 --out "$OUT/qlora-mixtral" > "$OUT/qlora-mixtral.log" 2>&1
+  echo "qlora-mixtral exit $?"; tail -8 "$OUT/qlora-mixtral.log"
 }
 
 part_qlora_cap() {  # one probe: 8B QLoRA with offload + tiling at 344,064 tokens (>= Unsloth's 342,733) in 80 GiB

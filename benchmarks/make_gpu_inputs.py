@@ -1,5 +1,7 @@
 """Build .gpu/ (git-ignored, carried to the device machine): Llama-3-8B, Llama-3-70B and Llama-3.2-1B shaped config
-folders (the 8B and 1B ones with SmolLM2's tokenizer beside them), and a 2,500-conversation chitchat subset. Run
+folders (the 8B and 1B ones with SmolLM2's tokenizer beside them), the MoE ones Mixtral-8x7B and Qwen3-30B-A3B
+(configs only: the benchmarks draw random weights on the card; shapes from the models' published config.json), and
+a 2,500-conversation chitchat subset. Run
 here (CPU) from the repo root:
 
     .venv/bin/python benchmarks/make_gpu_inputs.py
@@ -9,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from leantune import assets
 
@@ -23,6 +25,22 @@ SHAPES = {
     "llama32-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
                        tie_word_embeddings=True),
 }
+
+MOE = {
+    "mixtral-8x7b": MixtralConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None, router_aux_loss_coef=0.02,
+        output_router_logits=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    "qwen3-30b-a3b": Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, router_aux_loss_coef=0.001, output_router_logits=True,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+}
+for name, config in MOE.items():
+    config.save_pretrained(OUT / name)
 
 tokenizer_dir = Path(assets.smollm2_path())
 for name, shape in SHAPES.items():

@@ -372,6 +372,51 @@ def test_child_dry_run_on_cpu_agrees_between_implementations(tiny_config):
     assert other["first_loss"] != lt_off["first_loss"]
 
 
+def test_nf4_moe_build_quantises_experts_layer_by_layer(tmp_path, monkeypatch):
+    """A MoE config: LoRA on attention and the expert stacks in every build; ``leantune+nf4`` puts the stacks in NF4
+    one layer at a time (at each layer's quantisation no other layer holds a materialised bf16 stack), the codes
+    those of the bf16 build's stacks (same seeded draws), and the frozen bytes count the codes, not placeholders."""
+    from transformers import MixtralConfig
+
+    import importlib
+
+    from leantune import ops
+    from leantune.bench.flops import frozen_weight_bytes
+
+    quantize_module = importlib.import_module("leantune.quantize")  # the module, not leantune.quantize the function
+
+    MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path / "moe")
+    live = []
+    original = quantize_module.quantize_experts
+
+    def spy(module, name="experts"):
+        live.append(sum(1 for m in model_holder[0].modules() if quantize_module.expert_stacks(m)
+                        and not m.gate_up_proj.is_meta))
+        return original(module, name)
+
+    model_holder = []
+    from transformers import AutoModelForCausalLM
+
+    real_from_config = AutoModelForCausalLM.from_config
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config",
+                        lambda *a, **k: model_holder.append(real_from_config(*a, **k)) or model_holder[-1])
+    monkeypatch.setattr(quantize_module, "quantize_experts", spy)
+    spec = dict(config=str(tmp_path / "moe"), seq=8, batch=1, gc=True, device="cpu")
+    nf4, _ = step.build(RunSpec("leantune+nf4", **spec))
+    assert live == [1, 1, 1]
+    bf16, _ = step.build(RunSpec("hf+peft", **spec))
+    for model in (nf4, bf16):
+        assert sum("experts" in n and "lora_A" in n for n, _ in model.named_parameters()) == 6
+    quantised = [m for m in nf4.modules() if hasattr(m, "nf4_stack")]
+    dense = [m for m in bf16.modules() if type(m).__name__ == "MixtralExperts"]
+    assert len(quantised) == len(dense) == 3
+    for q, d in zip(quantised, dense):
+        assert torch.equal(q.nf4_stack("gate_up_proj").codes, ops.quantize_nf4(d.gate_up_proj.detach()).codes)
+    assert frozen_weight_bytes(nf4) < frozen_weight_bytes(bf16) / 2
+    assert nf4.leantune_summary["counts"]["experts_lora"] == 3
+
+
 def test_child_dry_run_with_dora_agrees_with_peft(tiny_config):
     """--dora: PEFT's DoRA adapters on both sides; the patched run's first loss and grad norm agree with PEFT's."""
     runs = [step.run_one_safe(RunSpec(impl, tiny_config, seq=16, batch=1, gc=False, warmup=0, steps=1, device="cpu",

@@ -57,11 +57,17 @@ def _case(n, hidden, inter, n_experts, k, rank, dtype=torch.float32, *, bias=Fal
     return x, index, w, w1, w2, factors, biases
 
 
-def _run(case, **options):
+def _run(case, nf4=False, **options):
+    """The op vs moe_ref; ``nf4``: the stacks quantised (ops.quantize_nf4), the reference over their dequantised
+    values (the op must equal the float64 formula over exactly those weights)."""
     x, index, w, w1, w2, (a1, b1, a2, b2), (bias1, bias2) = case
     transposed = options.pop("transposed", False)
-    gate_up = ops.ExpertWeights(w1, a1, b1, 0.5, bias1, transposed)
-    down = ops.ExpertWeights(w2, a2, b2, 1.5, bias2, transposed)
+    q1, q2 = w1, w2
+    if nf4:
+        q1, q2 = ops.quantize_nf4(w1), ops.quantize_nf4(w2)
+        w1, w2 = ops.dequantize_nf4(q1, dtype=torch.float32), ops.dequantize_nf4(q2, dtype=torch.float32)
+    gate_up = ops.ExpertWeights(q1, a1, b1, 0.5, bias1, transposed)
+    down = ops.ExpertWeights(q2, a2, b2, 1.5, bias2, transposed)
     y = ops.moe_experts(x, index, w, gate_up, down, **options)
     inputs = [x, w, a1, b1, a2, b2]
     dy = torch.randn_like(y)
@@ -117,11 +123,17 @@ def test_router_ties_from_topk(backend):
     _run(_case(8, 12, 6, 4, 2, 2, index=index))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(backend, dtype):
-    """Values and gradients within the eager formula's error in that dtype + 1e-2 (docs/design.md)."""
+@pytest.mark.parametrize("dtype,nf4", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
+def test_half_precision(backend, dtype, nf4):
+    """Values and gradients within the eager formula's error in that dtype + 1e-2 (docs/design.md); ``nf4``: the
+    stacks in NF4, both formulas over the values the backend dequantises them to in ``dtype`` (the interpreter
+    truncates fp32 -> bf16 at a store, docs/design.md "Backends": the weights the op really multiplies by)."""
     x, index, w, w1, w2, factors, _ = _case(17, 24, 16, 4, 2, 4, dtype)
-    y = ops.moe_experts(x, index, w, ops.ExpertWeights(w1, *factors[:2], 0.5), ops.ExpertWeights(w2, *factors[2:], 1.5))
+    q1, q2 = w1, w2
+    if nf4:
+        q1, q2 = ops.quantize_nf4(w1), ops.quantize_nf4(w2)
+        w1, w2 = ops.dequantize_nf4(q1, dtype=dtype), ops.dequantize_nf4(q2, dtype=dtype)
+    y = ops.moe_experts(x, index, w, ops.ExpertWeights(q1, *factors[:2], 0.5), ops.ExpertWeights(q2, *factors[2:], 1.5))
     dy = torch.randn_like(y)
     inputs = [x, w, *factors]
     grads = torch.autograd.grad(y, inputs, dy)
@@ -136,6 +148,27 @@ def test_half_precision(backend, dtype):
     for name, out, expected, base in zip(["y", "dx", "dw", "dA1", "dB1", "dA2", "dB2"], [y, *grads],
                                          [ref, *ref_grads], [eager, *eager_grads]):
         assert_close(name, out, expected, dtype, eager=base)
+
+
+@pytest.mark.parametrize("n,hidden,inter,n_experts,k,rank,transposed", [
+    (9, 16, 6, 4, 2, 3, False),  # down's 96 weights per expert: 64-blocks that span two experts
+    (7, 32, 8, 3, 2, 2, True)])
+def test_nf4_stacks(backend, monkeypatch, n, hidden, inter, n_experts, k, rank, transposed):
+    """NF4 expert stacks (QLoRA): values and grads against the float64 formula over the dequantised weights, the
+    stack dequantised in forward and again in backward (the backend's dequantiser) and never saved for backward."""
+    from leantune.ops import moe
+
+    calls = []
+    original = moe.dequantize_nf4
+    monkeypatch.setattr(moe, "dequantize_nf4", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        _run(_case(n, hidden, inter, n_experts, k, rank, transposed=transposed), nf4=True,
+             activation="clamped_swiglu" if transposed else "swiglu", interleaved=transposed, transposed=transposed)
+    assert len(calls) == 4  # 2 stacks x (forward + backward)
+    stacks = {(n_experts, 2 * inter, hidden), (n_experts, hidden, 2 * inter), (n_experts, hidden, inter),
+              (n_experts, inter, hidden)}
+    assert saved and not stacks & set(saved)  # the node saved no dequantised stack
 
 
 def test_grouped_mm_padding_matches_matmul(backend):
@@ -197,6 +230,7 @@ def test_input_errors():
         (dict(down=ops.ExpertWeights(w2, bias=torch.zeros(3, 7))), "down.bias must have shape"),
         (dict(gate_up=ops.ExpertWeights(w1.clone().requires_grad_())), "gate_up.weight must be frozen"),
         (dict(gate_up=(w1, None, None, 0.0)), "gate_up must be an ops.ExpertWeights"),
+        (dict(down=ops.ExpertWeights(ops.quantize_nf4(torch.randn(3, 64)))), "down.weight must be 3-D"),
         (dict(activation="gelu"), "activation must be one of"),
         (dict(limit=0.0), "limit must be > 0"),
         (dict(checks="later"), "checks must be one of"),

@@ -171,15 +171,17 @@ def test_patched_step_reads_nothing_back(case, watch, monkeypatch):
         assert torch.isfinite(loss).all()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_patched_moe_step_reads_nothing_back(model_type, watch, monkeypatch):
+@pytest.mark.parametrize("model_type,nf4", [("qwen3_moe", None), ("mixtral", None), ("gpt_oss", None),
+                                           ("mixtral", "before")])
+def test_patched_moe_step_reads_nothing_back(model_type, nf4, watch, monkeypatch):
     """MoE experts through ops.moe_experts (LoRA on the expert stacks, deferred index checks, aux loss on); gpt-oss:
     biased router, clamped SwiGLU experts, RoPE widened from per-frequency cos/sin, sinks and a sliding layer in
-    HF's attention function."""
+    HF's attention function; with ``nf4`` the linears and expert stacks in NF4, dequantised inside the op (the
+    offset a Python float)."""
     from test_patch_moe import VOCAB, tiny_moe_peft
 
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_moe_peft(model_type).train()
+    model = tiny_moe_peft(model_type, nf4).train()
     leantune.patch(model)
     assert model.leantune_summary["counts"]["experts_lora"] == 2
     input_ids = torch.randint(3, VOCAB, (2, 12))

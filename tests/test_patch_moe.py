@@ -10,6 +10,9 @@ loss rel <= 1e-5, LoRA gradients rel <= 1e-4. The experts must run ``ops.moe_exp
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -43,12 +46,20 @@ def tiny_moe_model(model_type: str):
     )
 
 
-def tiny_moe_peft(model_type: str):
+def tiny_moe_peft(model_type: str, nf4: str | None = None):
+    """The tiny model with LoRA on attention and both expert stacks; ``nf4``: ``"before"`` / ``"after"``
+    ``get_peft_model``, ``leantune.quantize(model, "nf4")`` (linears and expert stacks in NF4)."""
     family = FAMILIES[model_type]
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(family.attention_projections), lora_dropout=0.0,
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                       init_lora_weights=False)
-    return get_peft_model(tiny_moe_model(model_type), lora)
+    model = tiny_moe_model(model_type)
+    if nf4 == "before":
+        assert leantune.quantize(model, "nf4")["experts"] == 2
+    model = get_peft_model(model, lora)
+    if nf4 == "after":
+        assert leantune.quantize(model, "nf4")["experts"] == 2
+    return model
 
 
 def loss_and_grads(model, input_ids, labels):
@@ -60,8 +71,8 @@ def loss_and_grads(model, input_ids, labels):
     return out.loss.detach(), out.aux_loss.detach(), grads
 
 
-def check_moe_parity(model_type, monkeypatch, rows=2, seq=9):
-    model = tiny_moe_peft(model_type).train()
+def check_moe_parity(model_type, monkeypatch, rows=2, seq=9, nf4=None):
+    model = tiny_moe_peft(model_type, nf4).train()
     assert any("experts" in n and "lora_A" in n for n, _ in model.named_parameters())
     input_ids = torch.randint(3, VOCAB, (rows, seq))
     labels = input_ids.clone()
@@ -107,6 +118,85 @@ def test_moe_matches_hf_triton(model_type, monkeypatch):
     """Through the Triton backend (interpreter on CPU): one row of 5 tokens."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
     check_moe_parity(model_type, monkeypatch, rows=1, seq=5)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("model_type", TRITON)
+def test_nf4_experts_match_peft(model_type, order, monkeypatch):
+    """QLoRA on MoE: linears and expert stacks in NF4 (quantised before or after get_peft_model); patched (the
+    stacks dequantised inside ops.moe_experts) vs unpatched PEFT over the same NF4-dequantised weights."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    check_moe_parity(model_type, monkeypatch, nf4=order)
+
+
+def test_nf4_experts_triton(monkeypatch):
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    check_moe_parity("qwen3_moe", monkeypatch, rows=1, seq=5, nf4="before")
+
+
+def test_nf4_experts_state_dict_and_memory():
+    """Either order gives the same model; the state dict holds the experts' NF4 buffers (no placeholder) and loads
+    into a model quantised from other weights, whose stacks (codes, scales, offset) then dequantise to the same
+    values (NF4Linear's buffers are not persistent: the linears are not compared); the placeholders hold one
+    element."""
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    losses, models = [], []
+    for order in ("before", "after"):
+        torch.manual_seed(5)
+        model = tiny_moe_peft("mixtral", order)
+        losses.append(model(input_ids=input_ids, labels=input_ids).loss.detach())
+        models.append(model)
+    assert torch.equal(losses[0], losses[1])
+    experts = models[0].base_model.model.model.layers[0].mlp.experts
+    while hasattr(experts, "base_layer"):
+        experts = experts.base_layer
+    assert experts.gate_up_proj.shape == (4, 48, 32) and experts.gate_up_proj.untyped_storage().nbytes() == 4
+    state = models[0].state_dict()
+    assert not any(k.endswith(("experts.base_layer.base_layer.gate_up_proj", "experts.base_layer.base_layer.down_proj"))
+                   for k in state)
+    assert any(k.endswith("gate_up_proj_nf4_codes") for k in state)
+    torch.manual_seed(6)
+    other = tiny_moe_peft("mixtral", "before")
+    assert not torch.equal(other(input_ids=input_ids, labels=input_ids).loss, losses[0])
+    other.load_state_dict(state, strict=True)
+
+    def stacks(model):
+        found = [m for m in model.modules() if hasattr(m, "nf4_stack")]
+        assert len(found) == 2
+        return [ops.dequantize_nf4(m.nf4_stack(n)) for m in found for n in ("gate_up_proj", "down_proj")]
+
+    assert all(torch.equal(a, b) for a, b in zip(stacks(other), stacks(models[0])))
+    other.to(torch.float64)  # .to rebuilds the one-element placeholders in the new dtype
+    base = other.base_model.model.model.layers[0].mlp.experts.base_layer.base_layer
+    assert base.gate_up_proj.dtype == torch.float64 and base.gate_up_proj.untyped_storage().nbytes() == 8
+
+
+@pytest.mark.parametrize("model_type", TRITON)
+def test_nf4_experts_module_is_hf_over_dequantised_stacks(model_type):
+    """The NF4 experts module's own (unpatched) forward equals HF's experts class over the dequantised stacks, with
+    no PEFT; a stack NF4 cannot hold raises naming it and leaves the model unchanged."""
+    model = tiny_moe_model(model_type)
+    experts = model.model.layers[1].mlp.experts
+    leantune.quantize(model, "nf4")
+    assert type(experts).__name__.startswith("NF4") and experts.gate_up_proj.stride() == (0, 0, 0)
+    reference = experts._leantune_float_class(model.config)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(reference, name).copy_(ops.dequantize_nf4(experts.nf4_stack(name)))
+    x = torch.randn(7, 32)
+    index = torch.rand(7, 4).argsort(-1)[:, :2]
+    weights = torch.rand(7, 2)
+    assert torch.equal(experts(x, index, weights), reference(x, index, weights))
+    for twin in (copy.deepcopy(experts), pickle.loads(pickle.dumps(experts))):  # placeholders stay one element
+        assert type(twin) is type(experts) and twin.gate_up_proj.untyped_storage().nbytes() == 4
+        assert torch.equal(twin(x, index, weights), reference(x, index, weights))
+
+    model = tiny_moe_model(model_type)
+    bad = model.model.layers[0].mlp.experts
+    bad.down_proj = torch.nn.Parameter(torch.randn(4, 31, 23))  # 2852 weights
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj: NF4 needs .* multiple of 64"):
+        leantune.quantize(model, "nf4")
+    assert not any(type(m).__name__.startswith("NF4") for m in model.modules())
 
 
 def test_disabled_adapters_keep_peft(monkeypatch):
@@ -196,3 +286,20 @@ def test_gpt_oss_rope_dispatch_widens_per_frequency_cos(monkeypatch):
         assert len(calls) == 1
     finally:
         ROPE_ACTIVE.reset(token)
+
+
+def test_export_rounds_expert_stacks_through_nf4():
+    """``leantune export`` of a QLoRA run merges into the base as the run saw it: the float model's expert stacks
+    replaced by their NF4 values, equal to what ``leantune.quantize`` dequantises to."""
+    from leantune.train.merge import _dequantised_base
+
+    torch.manual_seed(3)
+    base = tiny_moe_model("mixtral")
+    torch.manual_seed(3)
+    quantised = tiny_moe_model("mixtral")
+    leantune.quantize(quantised, "nf4")
+    _dequantised_base(base, torch.float32)
+    for layer, q_layer in zip(base.model.layers, quantised.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            expected = ops.dequantize_nf4(q_layer.mlp.experts.nf4_stack(name))
+            assert torch.equal(getattr(layer.mlp.experts, name), expected)

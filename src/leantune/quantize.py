@@ -30,9 +30,26 @@ into plain ``nn.Linear`` weights (of the load dtype) where none is (its quantize
 ``block_size``) is dequantised in fp32 and requantised per output channel (``ops.requantize_blocks``: one more
 e4m3 rounding, docs/design.md "FP8 checkpoints"); loaded in fp32, the dequantised ``nn.Linear`` holds the same fp32
 values, so both give the same codes.
+
+MoE experts (NF4 only). An experts module (transformers 5.17's ``MixtralExperts``, ``Qwen3MoeExperts``, ...: 3-D
+parameters ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``) keeps each stack as ONE :class:`NF4Weight` of
+3-D logical shape (bitsandbytes' flat 64-blocks over the row-major stack: each expert's rows are whole blocks, as
+for a 2-D weight; one offset and one nested-scale array for the stack). One weight, not E of them: one Triton launch
+dequantises the stack, and five buffers per stack instead of 5 E. Its tensors are buffers ``<stack>_nf4_<field>``
+of the experts module (persistent: they follow ``.to(device)`` and are the state dict). The module's class becomes
+an :class:`NF4Experts` subclass of its own, and ``gate_up_proj`` / ``down_proj`` stay registered as frozen
+*placeholder* parameters of the stack's logical shape and compute dtype, backed by ONE element (a stride-0 expand):
+PEFT's ``target_parameters`` finds them by ``named_parameters`` and its ``ParamWrapper`` reads only their shape,
+dtype and device, so ``get_peft_model`` works in either order at no memory. ``.to`` rebuilds the placeholders from
+their moved element (``_apply``), and the state dict leaves them out. The module's own (HF's) forward, the path when
+it is not patched, dequantises each stack into the placeholder's data for the call (PEFT's parametrization then
+adds its delta to the dequantised W, as over a bf16 stack); ``leantune.patch`` hands :meth:`NF4Experts.nf4_stack`
+to ``ops.moe_experts``, which dequantises inside its node.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +68,7 @@ from .ops import (
 
 QUANT_TYPES = ("nf4", "fp8")
 _TENSOR_FIELDS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code")
+EXPERT_STACKS = ("gate_up_proj", "down_proj")
 
 
 class NF4Linear(nn.Linear):
@@ -144,6 +162,134 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
         return dequantize_blocks(linear.weight.detach(), linear.weight_scale_inv.detach(), linear.block_size)
     return linear.weight.detach()
 
+def _placeholder(shape, like: torch.Tensor) -> nn.Parameter:
+    """A frozen parameter of ``shape`` with ``like``'s dtype and device holding one element (a stride-0 expand)."""
+    one = torch.zeros((1,) * len(shape), dtype=like.dtype, device=like.device)
+    return nn.Parameter(one.expand(*shape), requires_grad=False)
+
+
+class NF4Experts(nn.Module):
+    """Mixin of a MoE experts module whose ``gate_up_proj`` / ``down_proj`` stacks are NF4 (module docstring).
+
+    Built by :func:`quantize_experts` as ``type(f"NF4{cls.__name__}", (NF4Experts, cls), {})`` over the experts
+    class ``cls``; ``_leantune_float_class`` is ``cls``. Buffers ``<stack>_nf4_{codes, absmax_codes, nested_absmax,
+    code, nested_code, offset}``; parameters ``<stack>``: frozen one-element placeholders of the stack's shape.
+    """
+
+    _leantune_float_class: type = nn.Module
+
+    def nf4_stack(self, name: str) -> NF4Weight:
+        """The NF4 weight of stack ``name`` (``"gate_up_proj"`` or ``"down_proj"``), its logical 3-D shape."""
+        shape, dtype, qname, offset = self._leantune_nf4[name]
+        return NF4Weight(**{f: getattr(self, f"{name}_nf4_{f}") for f in _TENSOR_FIELDS}, offset=offset,
+                         shape=shape, dtype=dtype, name=qname)
+
+    def _apply(self, fn, recurse=True):
+        # the placeholders' one element goes through fn (device, dtype) and is expanded again: never fn on the
+        # expand itself, which would allocate the whole stack
+        held = {n: self._parameters.pop(n) for n in self._leantune_nf4 if n in self._parameters}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, p in held.items():
+                self._parameters[n] = _placeholder(p.shape, fn(p.detach()[(slice(0, 1),) * p.dim()].clone()))
+        return self
+
+    def __deepcopy__(self, memo):
+        # Parameter.__deepcopy__ clones a placeholder into a dense stack: copy without them, then new placeholders
+        held = {n: self._parameters.pop(n) for n in self._leantune_nf4 if n in self._parameters}
+        try:
+            clone = type(self).__new__(type(self))
+            memo[id(self)] = clone
+            clone.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        finally:
+            self._parameters.update(held)
+        for n, p in held.items():
+            clone._parameters[n] = _placeholder(p.shape, p)
+        return clone
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for n in self._leantune_nf4:
+            destination.pop(prefix + n, None)  # a placeholder: the stack is its NF4 buffers
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        held = {n: self._parameters.pop(n) for n in self._leantune_nf4 if n in self._parameters}
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self._parameters.update(held)
+        for n, (shape, dtype, qname, _) in list(self._leantune_nf4.items()):
+            if prefix + f"{n}_nf4_offset" in state_dict:  # the offset is a Python float in use: read once at load
+                offset = float(getattr(self, f"{n}_nf4_offset"))
+                self._leantune_nf4[n] = (shape, dtype, qname, offset)
+
+    def forward(self, *args, **kwargs):
+        """The experts class's own forward with each stack dequantised (to the placeholder's dtype) into the
+        placeholder's data for this call: PEFT's parametrization, when active, adds its delta to it."""
+        holders = []
+        for n in self._leantune_nf4:
+            parametrized = nn.utils.parametrize.is_parametrized(self, n)
+            holder = self.parametrizations[n].original if parametrized else self._parameters[n]
+            holders.append((holder, holder.data))
+        try:
+            for (holder, _), n in zip(holders, self._leantune_nf4):
+                holder.data = dequantize_nf4(self.nf4_stack(n), dtype=holder.dtype)
+            return super().forward(*args, **kwargs)
+        finally:
+            for holder, data in holders:
+                holder.data = data
+
+
+_NF4_CLASSES: dict[type, type] = {}
+
+
+def _nf4_class(cls: type) -> type:
+    if issubclass(cls, NF4Experts):
+        return cls
+    if cls not in _NF4_CLASSES:
+        name = f"NF4{cls.__name__}"
+        _NF4_CLASSES[cls] = type(name, (NF4Experts, cls), {"_leantune_float_class": cls, "__module__": __name__,
+                                                           "__qualname__": name})
+        globals().setdefault(name, _NF4_CLASSES[cls])  # where pickle looks the class up by name
+    return _NF4_CLASSES[cls]
+
+
+def expert_stacks(module: nn.Module) -> bool:
+    """Whether ``module`` is a MoE experts module :func:`quantize` puts in NF4: 3-D frozen-able ``gate_up_proj``
+    and ``down_proj`` parameters of its own (not yet NF4)."""
+    return not isinstance(module, NF4Experts) and all(
+        isinstance(module._parameters.get(n), nn.Parameter) and module._parameters[n].dim() == 3
+        for n in EXPERT_STACKS)
+
+
+def quantize_experts(module: nn.Module, name: str = "experts") -> tuple[int, int]:
+    """Put ``module``'s expert stacks in NF4, in place (module docstring); returns (bytes before, bytes after).
+
+    Raises:
+        ValueError: not an experts module (:func:`expert_stacks`), or a stack NF4 cannot hold (names it); the
+            module is unchanged then.
+    """
+    if not expert_stacks(module):
+        raise ValueError(f"{name}: not a MoE experts module with 3-D gate_up_proj and down_proj parameters")
+    stacks = {n: quantize_nf4(module._parameters[n].detach(), name=f"{name}.{n}") for n in EXPERT_STACKS}
+    before = after = 0
+    meta = {}
+    for n, w in stacks.items():
+        old = module._parameters.pop(n)
+        before += old.numel() * old.element_size()
+        for f in _TENSOR_FIELDS:
+            module.register_buffer(f"{n}_nf4_{f}", getattr(w, f))
+        after += sum(getattr(w, f).numel() * getattr(w, f).element_size() for f in _TENSOR_FIELDS[:3])
+        module.register_buffer(f"{n}_nf4_offset", torch.tensor(w.offset, dtype=torch.float32, device=w.device))
+        module._parameters[n] = _placeholder(w.shape, old)
+        meta[n] = (w.shape, w.dtype, w.name, w.offset)
+    module.__class__ = _nf4_class(type(module))
+    module._leantune_nf4 = meta
+    return before, after
+
 
 def _decoder(model: nn.Module) -> nn.Module:
     """The decoder stack (embeddings, blocks, final norm; not lm_head) of a Hugging Face causal LM."""
@@ -178,9 +324,13 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
     ``dtype``: the compute dtype the quantised layers record (their outputs' dtype, PEFT's adapters' rounding);
     default: each weight's own, a block-FP8 layer's the input embeddings' (transformers keeps those unquantised).
 
+    With ``"nf4"`` the MoE experts modules' 3-D ``gate_up_proj`` / ``down_proj`` stacks are quantised too
+    (:func:`quantize_experts`, module docstring); with ``"fp8"`` they stay as they are.
+
     Returns:
-        ``{"layers": number of linear layers quantised, "bytes_before": their weight bytes, "bytes_after": the
-        quantised bytes (NF4: codes + absmax codes + nested absmax; FP8: e4m3 weight + fp32 scales)}``.
+        ``{"layers": number of linear layers quantised, "experts": number of experts modules quantised,
+        "bytes_before": their weight bytes, "bytes_after": the quantised bytes (NF4: codes + absmax codes + nested
+        absmax; FP8: e4m3 weight + fp32 scales)}``.
 
     Raises:
         ValueError: an unsupported quant type, a model without ``get_decoder()``, or a layer whose weight cannot be
@@ -192,6 +342,13 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
     decoder = _decoder(model)
     prefix = next((n + "." for n, m in model.named_modules() if m is decoder and n), "")
     targets = [(name[len(prefix):], module) for name, module in quantized_linears(model)]
+    experts = [(prefix + name, m) for name, m in decoder.named_modules() if expert_stacks(m)] \
+        if quant_type == "nf4" else []
+    for name, module in experts:  # the check quantize_nf4 would fail on, before anything changes
+        for n in EXPERT_STACKS:
+            if module._parameters[n].numel() % 64:
+                raise ValueError(f"{name}.{n}: NF4 needs a number of weights that is a multiple of 64, got shape "
+                                 f"{tuple(module._parameters[n].shape)}")
     replacements = []
     embeddings = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
     fp8_dtype = dtype or getattr(getattr(embeddings, "weight", None), "dtype", torch.float32)
@@ -216,4 +373,7 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
             linear.weight_scale_inv.numel() * linear.weight_scale_inv.element_size() if is_block_fp8(linear) else 0)
         fields = ("weight", "weight_scale") if quant_type == "fp8" else ("codes", "absmax_codes", "nested_absmax")
         after += sum(getattr(replacement, f).numel() * getattr(replacement, f).element_size() for f in fields)
-    return {"layers": len(replacements), "bytes_before": before, "bytes_after": after}
+    for name, module in experts:  # after the linears: one stack at a time, its bf16 tensor freed as it goes
+        b, a = quantize_experts(module, name)
+        before, after = before + b, after + a
+    return {"layers": len(replacements), "experts": len(experts), "bytes_before": before, "bytes_after": after}

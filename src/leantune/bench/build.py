@@ -2,7 +2,8 @@
 
 Every implementation gets the same weights: the model is built from its config, then every matrix is re-drawn from
 (seed, parameter name) (:func:`seeded_init`), so the weights depend neither on the module classes (Liger swaps some)
-nor on the order they were built in. LoRA: r=16, alpha=32 on all 7 projections, ``init_lora_weights=False``
+nor on the order they were built in. LoRA: r=16, alpha=32 on all 7 projections (a MoE config: also its expert stacks, PEFT ``target_parameters``
+``mlp.experts.gate_up_proj`` / ``down_proj``), ``init_lora_weights=False``
 (non-zero B, so every gradient is non-trivial), adapters in fp32 (PEFT's default), sdpa attention, gradient
 checkpointing non-reentrant with ``enable_input_require_grads``.
 
@@ -25,7 +26,8 @@ baseline: no fused quantisation yet).
 
 The QLoRA models are built one decoder layer at a time (:func:`_build_quantized`): the model on the meta device,
 then each layer materialised, drawn from the same (seed, name) as the bf16 model's, and quantised before the next,
-so the bf16 model never exists whole (a 70B one would not fit on the card). Both quantise the same bf16 weights to
+so the bf16 model never exists whole (a 70B one would not fit on the card); ``leantune+nf4`` quantises a MoE layer's
+expert stacks there too (Mixtral-8x7B shape: ~2.8 GB of bf16 stacks per layer, one layer at a time). Both quantise the same bf16 weights to
 the same NF4 codes (leantune's quantiser is bit-exact with bitsandbytes'), so their first losses must agree.
 """
 
@@ -42,6 +44,7 @@ QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled",
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 _TILE_SUFFIX = re.compile(r"\+tiled(\d+)$")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # MoE configs: LoRA on the expert stacks
 
 
 def split_tile(impl: str) -> tuple[str, int | None]:
@@ -104,11 +107,15 @@ def build(spec, device: str | None = None, shard=None):
     return model, config
 
 
-def _lora_config(spec):
+def _lora_config(spec, model=None):
+    """LoRA on ``TARGETS``; on a MoE ``model`` also on its expert stacks (PEFT ``target_parameters``)."""
     from peft import LoraConfig
 
+    moe = model is not None and any(name.endswith("mlp.experts") and getattr(m, "gate_up_proj", None) is not None
+                                    for name, m in model.named_modules())
     return LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, target_modules=TARGETS, lora_dropout=0.0,
                       init_lora_weights=False, bias="none", task_type="CAUSAL_LM",
+                      target_parameters=list(EXPERT_TARGETS) if moe else None,
                       use_dora=getattr(spec, "dora", False))  # trl_bench's specs have no dora field
 
 
@@ -137,7 +144,7 @@ def _build_bf16(spec, config, device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
-    model = get_peft_model(model, _lora_config(spec))
+    model = get_peft_model(model, _lora_config(spec, model))
     seeded_init(model, spec.seed + 1, trainable_only=True)
     return model
 
@@ -153,7 +160,7 @@ def _build_meta(spec, config):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
-    model = get_peft_model(model, _lora_config(spec))
+    model = get_peft_model(model, _lora_config(spec, model))
     for name, module in model.named_modules():  # the adapters, drawn as seeded_init(trainable_only) does
         names.setdefault(module, (name, spec.seed + 1, None))
     return model, names
@@ -207,7 +214,7 @@ def _build_quantized(spec, config, device):
     names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))  # the bf16 model's names
     layers = list(model.get_decoder().layers)
     if spec.impl.startswith("leantune"):  # PEFT wraps nn.Linear bases; leantune's NF4 replaces them under the wrappers
-        model = get_peft_model(model, _lora_config(spec))
+        model = get_peft_model(model, _lora_config(spec, model))
     inside = {id(m) for layer in layers for m in layer.modules()}
     outside = [m for m in hf.modules() if id(m) not in inside]
     for layer in layers:
@@ -218,7 +225,7 @@ def _build_quantized(spec, config, device):
         hf.tie_weights()
     _checkpointing(hf, spec)
     if spec.impl == "hf+peft+bnb":  # PEFT puts lora.bnb.Linear4bit over bitsandbytes' layers
-        model = get_peft_model(model, _lora_config(spec))
+        model = get_peft_model(model, _lora_config(spec, model))
     seeded_init(model, spec.seed + 1, trainable_only=True)
     return model
 
@@ -234,8 +241,18 @@ def _materialize(modules, hf, names, device) -> None:
 
 def _quantize_layer(layer, impl: str, names) -> None:
     """Replace the layer's frozen projections by quantised ones: leantune's ``NF4Linear`` (``FP8Linear`` for
-    ``leantune+fp8``) under PEFT's wrappers, or bitsandbytes' ``Linear4bit`` (quantised as it moves to the device)."""
+    ``leantune+fp8``) under PEFT's wrappers, or bitsandbytes' ``Linear4bit`` (quantised as it moves to the device).
+    The NF4 leantune ones also put a MoE experts module's stacks in NF4 (``leantune.quantize_experts``: the layer's
+    bf16 stacks are freed here, so a Mixtral-8x7B-shaped model never holds more than one layer's); bitsandbytes and
+    FP8 keep the stacks in bf16."""
     from torch import nn
+
+    if impl.startswith("leantune") and impl != "leantune+fp8":
+        from ..quantize import expert_stacks, quantize_experts
+
+        for module in list(layer.modules()):
+            if expert_stacks(module):
+                quantize_experts(module, names.get(module, ("experts",))[0])
 
     for parent in list(layer.modules()):
         for child_name, child in list(parent.named_children()):

@@ -72,6 +72,9 @@ def frozen_weight_bytes(model) -> int:
         if hasattr(module, "weight_nf4"):  # leantune's NF4Linear keeps its codes in buffers
             for name in ("codes", "absmax_codes", "nested_absmax"):
                 count(getattr(module, name))
+        for stack in getattr(module, "_leantune_nf4", ()):  # leantune's NF4 experts module
+            for name in ("codes", "absmax_codes", "nested_absmax"):
+                count(getattr(module, f"{stack}_nf4_{name}"))
     return sum(seen.values())
 
 

@@ -33,6 +33,14 @@ Saved for backward: x, the pair order, gate_up's pre-activation g [N k, 2I], the
 dtype (hidden_states', or autocast's), fp32 accumulation; the low-rank factors are cast to it as PEFT's
 ``get_delta_factors`` casts them to the weight's dtype; gradients come back in each input's dtype.
 
+NF4 experts (QLoRA): ``ExpertWeights.weight`` may be an :class:`~leantune.ops.NF4Weight` of the stack's 3-D shape.
+The node dequantises it (``dequantize_nf4``: the Triton kernel on the Triton backend, torch ops on the torch one)
+into a transient compute-dtype buffer just before the projection's grouped GEMM, in forward and again in backward;
+only the NF4 codes are kept for backward, never the dequantised stack. Transient memory: one projection's stack at
+a time, e.g. Mixtral-8x7B's gate_up 8 x 28672 x 4096 x 2 B = 1.9 GB in bf16 (0.94 GB for down), freed after the
+GEMMs that read it. The next lever (not built): dequantise per chunk of experts into a reused workspace and run the
+grouped GEMM per chunk (``offsets`` sliced), bounding the transient to a chunk.
+
 Grouped GEMMs: Triton backend ``ops.moe_kernels.grouped_mm`` / ``grouped_outer`` (one launch for all experts,
 low-rank term in the same pass); torch backend ``torch._grouped_mm`` (its CPU and CUDA kernels need 16-byte-aligned
 strides: operands whose widths are not are zero-padded first, exact).
@@ -60,6 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _loss, _runtime
+from .nf4 import NF4Weight, dequantize_nf4
 
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 CHECKS = ("eager", "deferred")
@@ -67,10 +76,11 @@ CHECKS = ("eager", "deferred")
 
 class ExpertWeights(NamedTuple):
     """One expert projection stack: frozen ``weight [E, out, in]`` (HF's default; ``[E, in, out]`` with
-    ``transposed``, gpt-oss), adapters ``lora_A [E, r, in]`` and ``lora_B [E, out, r]`` (PEFT's layout, any strides)
-    or both None, ``scaling``, ``bias [E, out]`` or None."""
+    ``transposed``, gpt-oss), a tensor or an :class:`~leantune.ops.NF4Weight` of that 3-D shape (QLoRA experts:
+    dequantised inside the op, module docstring), adapters ``lora_A [E, r, in]`` and ``lora_B [E, out, r]`` (PEFT's
+    layout, any strides) or both None, ``scaling``, ``bias [E, out]`` or None."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | NF4Weight
     lora_A: torch.Tensor | None = None
     lora_B: torch.Tensor | None = None
     scaling: float = 0.0
@@ -83,12 +93,17 @@ class ExpertWeights(NamedTuple):
         return (e, a, b) if self.transposed else (e, b, a)
 
     def as_kn(self) -> torch.Tensor:
-        """The weight as ``[E, in, out]`` (a view): the b operand of x -> x W^T."""
+        """The (dense) weight as ``[E, in, out]`` (a view): the b operand of x -> x W^T."""
         return self.weight if self.transposed else self.weight.transpose(-2, -1)
 
     def as_nk(self) -> torch.Tensor:
-        """The weight as ``[E, out, in]`` (a view): the b operand of dy -> dy W."""
+        """The (dense) weight as ``[E, out, in]`` (a view): the b operand of dy -> dy W."""
         return self.weight.transpose(-2, -1) if self.transposed else self.weight
+
+
+def _dense(weight, dtype: torch.dtype) -> torch.Tensor:
+    """A dense weight as it is, an NF4 stack dequantised to ``dtype`` (a transient buffer: the caller drops it)."""
+    return dequantize_nf4(weight, dtype=dtype) if isinstance(weight, NF4Weight) else weight
 
 
 # -------------------------------------------------------------------------------------------- torch grouped GEMMs
@@ -240,17 +255,20 @@ class MoEExpertsFunction(torch.autograd.Function):
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=x.device)
             xs = x[order // k]
-            g, t1 = _project_forward(gmm, xs, _proj(cfg, 0, w1, a1, b1, bias1), offsets, experts)
+            g, t1 = _project_forward(gmm, xs, _proj(cfg, 0, _dense(w1, x.dtype), a1, b1, bias1), offsets, experts)
             h = _act_forward(g, cfg)
-            o, t2 = _project_forward(gmm, h, _proj(cfg, 1, w2, a2, b2, bias2), offsets, experts)
+            o, t2 = _project_forward(gmm, h, _proj(cfg, 1, _dense(w2, x.dtype), a2, b2, bias2), offsets, experts)
             o_tokens = o[inverse].view(n, k, -1)
             # [N, 1, k] @ [N, k, H] in the compute dtype (fp32 accumulation, no fp32 copy of o)
             y = torch.bmm(top_k_weights.to(o.dtype).unsqueeze(1), o_tokens).squeeze(1)
             if poison is not None:
                 y = y + poison
         keep_o = ctx.needs_input_grad[2]
+        # an NF4 stack is kept as its codes (frozen buffers, ctx attributes), never its dequantised values
+        ctx.nf4 = tuple(w if isinstance(w, NF4Weight) else None for w in (w1, w2))
+        dense = [None if isinstance(w, NF4Weight) else w for w in (w1, w2)]
         ctx.save_for_backward(x, top_k_weights, order, inverse, experts, offsets, g, t1, t2,
-                              o if keep_o else None, w1, a1, b1, w2, a2, b2)
+                              o if keep_o else None, dense[0], a1, b1, dense[1], a2, b2)
         ctx.cfg = cfg
         return y.to(x.dtype)
 
@@ -258,6 +276,8 @@ class MoEExpertsFunction(torch.autograd.Function):
     @_runtime.first_derivative_only
     def backward(ctx, dy):
         x, w, order, inverse, experts, offsets, g, t1, t2, o, w1, a1, b1, w2, a2, b2 = ctx.saved_tensors
+        w1 = w1 if ctx.nf4[0] is None else ctx.nf4[0]
+        w2 = w2 if ctx.nf4[1] is None else ctx.nf4[1]
         cfg = ctx.cfg
         n, k = w.shape
         gmm, outer = _kernels(x.device)
@@ -272,10 +292,11 @@ class MoEExpertsFunction(torch.autograd.Function):
                 d_w = d_w.view(n, k).to(w.dtype)
             d_o = dy_s * w.reshape(-1)[order].to(x.dtype).unsqueeze(1)
             h = _act_forward(g, cfg)
-            dh, d_a2, d_b2 = _project_backward(gmm, outer, d_o, h, t2, _proj(cfg, 1, w2, a2, b2, None), offsets)
+            dh, d_a2, d_b2 = _project_backward(gmm, outer, d_o, h, t2,
+                                               _proj(cfg, 1, _dense(w2, x.dtype), a2, b2, None), offsets)
             dg = _act_backward(dh, g, cfg)
-            d_xs, d_a1, d_b1 = _project_backward(gmm, outer, dg, x[tokens], t1, _proj(cfg, 0, w1, a1, b1, None),
-                                                 offsets)
+            d_xs, d_a1, d_b1 = _project_backward(gmm, outer, dg, x[tokens], t1,
+                                                 _proj(cfg, 0, _dense(w1, x.dtype), a1, b1, None), offsets)
             d_x = d_xs[inverse].view(n, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
         return d_x, None, d_w, None, None, None, d_a1, d_b1, None, None, d_a2, d_b2, None
 
@@ -284,8 +305,10 @@ class MoEExpertsFunction(torch.autograd.Function):
 def _check_projection(name: str, p, n_experts: int | None, hidden_states) -> ExpertWeights:
     if not isinstance(p, ExpertWeights):
         raise ValueError(f"{name} must be an ops.ExpertWeights, got {type(p).__name__}")
-    _runtime.check_tensor(f"{name}.weight", p.weight)
-    if p.weight.dim() != 3:
+    nf4 = isinstance(p.weight, NF4Weight)
+    if not nf4:
+        _runtime.check_tensor(f"{name}.weight", p.weight)
+    if len(p.weight.shape) != 3:
         raise ValueError(f"{name}.weight must be 3-D [E, out, in] ([E, in, out] transposed), got "
                          f"{tuple(p.weight.shape)}")
     if not isinstance(p.transposed, bool):
@@ -293,7 +316,7 @@ def _check_projection(name: str, p, n_experts: int | None, hidden_states) -> Exp
     e, d_in, d_out = p.dims()
     if n_experts is not None and e != n_experts:
         raise ValueError(f"{name}.weight must hold {n_experts} experts (gate_up's), got {e}")
-    if torch.is_grad_enabled() and p.weight.requires_grad:
+    if not nf4 and torch.is_grad_enabled() and p.weight.requires_grad:
         raise ValueError(f"{name}.weight must be frozen (requires_grad False): the op gives the experts' weights "
                          "no gradient")
     if (p.lora_A is None) != (p.lora_B is None):
@@ -312,8 +335,8 @@ def _check_projection(name: str, p, n_experts: int | None, hidden_states) -> Exp
         _runtime.check_shape(f"{name}.bias", p.bias, (e, d_out), "[E, out]")
         if torch.is_grad_enabled() and p.bias.requires_grad:
             raise ValueError(f"{name}.bias must be frozen (requires_grad False)")
-    _runtime.check_same_device(**{f"{name}.{f}": getattr(p, f) for f in ("weight", "lora_A", "lora_B", "bias")},
-                               hidden_states=hidden_states)
+    _runtime.check_same_device(**{f"{name}.{f}": getattr(p, f) for f in ("lora_A", "lora_B", "bias")},
+                               **{f"{name}.weight": p.weight.codes if nf4 else p.weight}, hidden_states=hidden_states)
     return p._replace(scaling=scaling)
 
 
@@ -395,7 +418,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                   (gate_up.transposed, down.transposed))
     args = []
     for p in (gate_up, down):
-        args += [p.weight.to(dtype), p.lora_A, p.lora_B, None if p.bias is None else p.bias.to(dtype)]
+        args += [p.weight if isinstance(p.weight, NF4Weight) else p.weight.to(dtype), p.lora_A, p.lora_B, None if p.bias is None else p.bias.to(dtype)]
     weights = top_k_weights.reshape(index.shape)
     if x.shape[0] == 0 or index.shape[1] == 0:  # no pair: y = 0 (still connected to the graph's inputs)
         y = x * 0 + (weights.sum() * 0).to(dtype)

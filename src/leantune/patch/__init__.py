@@ -53,7 +53,7 @@ from .forwards import (
     lora_status,
     unbind,
 )
-from .experts import experts_activation, experts_base, experts_status
+from .experts import experts_activation, experts_base, experts_status, float_class
 from .lora_status import is_dora
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
 from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp
@@ -265,7 +265,7 @@ def _bind_experts(name, module, experts_cls, family, config, counts, left) -> No
     """Bind the experts forward on the outermost module at ``module.experts`` (a PEFT ParamWrapper chain or the
     experts module itself, :mod:`.experts`)."""
     child = module.__dict__.get("_modules", {}).get("experts")
-    if child is None or type(experts_base(child)) is not experts_cls:
+    if child is None or float_class(experts_base(child)) is not experts_cls:
         return
     where = f"{name}.experts" if name else "experts"
     if _foreign_forward(child):
@@ -336,7 +336,8 @@ def _fused_parts(family: Family, activation: str | None) -> list[str]:
         parts.append(f"MoE experts: ops.moe_experts ({family.experts}, gate/up "
                      f"{'interleaved' if family.experts_interleaved else 'halves'}; tokens grouped by expert on the "
                      "device, LoRA on gate_up_proj / down_proj as per-expert low-rank products, W + BA never "
-                     "formed); router, shared expert and aux loss: HF's")
+                     "formed; NF4 stacks from leantune.quantize dequantised inside the op); router, shared expert "
+                     "and aux loss: HF's")
     scaled = family.logits_divisor_attr or family.logits_multiplier_attr
     parts.append("loss: ops.linear_cross_entropy" + (" on the hidden states scaled as the logits" if scaled else "")
                  + (" with the final-logit softcap" if family.final_softcap_attr else ""))

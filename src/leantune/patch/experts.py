@@ -11,6 +11,10 @@ the adapters' A/B (views of ``lora_A.weight [r E, in]`` and ``lora_B.weight [out
 ``get_delta_factors`` layout) to the op, so the product is never formed. Whatever the op cannot reproduce exactly
 (adapters disabled or merged, several active adapters, hooks, trainable expert weights, another activation) runs
 PEFT's / HF's forward.
+
+NF4 experts (``leantune.quantize(model, "nf4")``, an ``NF4Experts`` module): ``gate_up_proj`` / ``down_proj`` are
+one-element placeholders and the stacks live in NF4 buffers; :func:`experts_status` hands the module's
+``nf4_stack(name)`` (an ``ops.NF4Weight`` [E, out, in]) to the op, which dequantises inside its node.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ def _param_wrapper():
 
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def float_class(module: nn.Module) -> type:
+    """The experts class of ``module``: its own, or the one an NF4 experts class was built over."""
+    return getattr(type(module), "_leantune_float_class", type(module))
 
 
 def experts_base(module: nn.Module) -> nn.Module:
@@ -81,6 +90,9 @@ def experts_status(module: nn.Module, family) -> tuple[tuple[ops.ExpertWeights, 
         bias = getattr(module, f"{name}_bias", None)
         if weight is None or weight.dim() != 3 or weight.requires_grad or (bias is not None and bias.requires_grad):
             return None, f"{name} missing, not 3-D or trainable"
+        nf4_stack = getattr(module, "nf4_stack", None)
+        if nf4_stack is not None:  # NF4 experts: the parameter is a placeholder (module docstring)
+            weight = nf4_stack(name)
         lora = adapters.get(name)
         if lora is None:
             weights.append(ops.ExpertWeights(weight, None, None, 0.0, bias, transposed))

@@ -103,9 +103,10 @@ def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4"
     """Every weight ``leantune.quantize`` puts in NF4 / FP8 replaced, in place, by its quantised value (quantised
     from the dtype the run trained in, dequantised in fp32): a QLoRA / FP8 run's export is the dequantised base
     plus the adapter. An FP8 checkpoint's layers (``FP8Linear`` from the loader, the codes training used) become
-    ``nn.Linear`` layers of their fp32 dequantisation, so PEFT merges into them."""
+    ``nn.Linear`` layers of their fp32 dequantisation, so PEFT merges into them. MoE expert stacks are NF4 only
+    in an NF4 run (FP8 keeps them in the compute dtype)."""
     from ..ops import dequantize_fp8, dequantize_nf4, quantize_fp8, quantize_nf4
-    from ..quantize import FP8Linear, quantized_linears
+    from ..quantize import EXPERT_STACKS, FP8Linear, expert_stacks, quantized_linears
 
     with torch.no_grad():
         for name, linear in quantized_linears(model):
@@ -115,6 +116,12 @@ def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4"
             else:
                 nf4 = quantize_nf4(linear.weight.to(trained_dtype), name=name)
                 linear.weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
+        for name, module in model.named_modules():  # MoE expert stacks, one 3-D NF4 weight each (leantune.quantize)
+            if quant_type == "nf4" and expert_stacks(module):
+                for stack in EXPERT_STACKS:
+                    weight = getattr(module, stack)
+                    nf4 = quantize_nf4(weight.to(trained_dtype), name=f"{name}.{stack}")
+                    weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
         for parent in list(model.modules()):
             for child_name, child in list(parent.named_children()):
                 if isinstance(child, FP8Linear):

@@ -393,9 +393,10 @@ def wrap_lora(model, config: TrainConfig):
         if torch.device(next(model.parameters()).device).type == "cuda":
             torch.cuda.empty_cache()  # the 16-bit weights just replaced
         what = {"nf4": "NF4", "fp8": "FP8 (e4m3, one scale per output channel; experimental)"}[config.quantize]
+        experts = f" and {done['experts']} MoE experts modules" if done.get("experts") else ""
         if done["layers"]:  # none: an FP8 checkpoint's layers, converted (and said) at load
-            say(f"leantune: {done['layers']} linear layers in {what}: {done['bytes_before'] / 2**30:.2f} GiB of "
-                f"frozen weights -> {done['bytes_after'] / 2**30:.2f} GiB")
+            say(f"leantune: {done['layers']} linear layers{experts} in {what}: {done['bytes_before'] / 2**30:.2f} GiB "
+                f"of frozen weights -> {done['bytes_after'] / 2**30:.2f} GiB")
     if config.patch == "on":
         try:
             model = patch(model, offload_checkpoints=config.offload_checkpoints, tile_mlp=config.tile_mlp,
