@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+
+import torch
 
 from ..ops import _runtime
 
-# True inside the forward of a patched attention module whose rope kind is on: the RoPE dispatcher runs ops.rope
-ROPE_ACTIVE = contextvars.ContextVar("leantune_rope_active", default=False)
+# True inside the forward of a patched attention module whose rope kind is on: the RoPE dispatcher runs ops.rope.
+# A context variable keeps threads and tasks apart; dynamo cannot trace one (a graph break per attention layer), so
+# inside torch.compile the flag is a plain attribute, which dynamo tracks as a side effect of the frame.
+_ROPE_ACTIVE = contextvars.ContextVar("leantune_rope_active", default=False)
+
+
+class _TracedFlag:
+    on = False
+
+
+@contextlib.contextmanager
+def rope_active_in(on: bool):
+    """Inside the block, :func:`rope_active` is ``on`` (restored after, on errors too)."""
+    if torch.compiler.is_compiling():
+        previous, _TracedFlag.on = _TracedFlag.on, on
+        try:
+            yield
+        finally:
+            _TracedFlag.on = previous
+        return
+    token = _ROPE_ACTIVE.set(on)
+    try:
+        yield
+    finally:
+        _ROPE_ACTIVE.reset(token)
+
+
+def rope_active() -> bool:
+    """Whether the caller runs inside a patched attention forward with RoPE served by ``ops.rope``."""
+    return _TracedFlag.on if torch.compiler.is_compiling() else _ROPE_ACTIVE.get()
 
 
 def call_original(module, *args, **kwargs):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ._common import ROPE_ACTIVE as _ROPE_ACTIVE
+from ._common import rope_active as _rope_active
 from ._common import call_original as _call_original
 from ._common import served as _served
 from .blocks import attention_forward, mlp_forward
@@ -75,7 +75,7 @@ def _rope_fits(q, k, cos, sin) -> bool:
 
 def _make_rope_dispatch(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if _ROPE_ACTIVE.get() and unsqueeze_dim == 1 and _rope_fits(q, k, cos, sin):
+        if _rope_active() and unsqueeze_dim == 1 and _rope_fits(q, k, cos, sin):
             if cos.dim() == 3 and cos.shape[0] == 1 and q.shape[0] != 1:
                 cos, sin = cos[0], sin[0]  # one position row for the whole batch: [S, R]
             return ops.rope(q, k, cos, sin)

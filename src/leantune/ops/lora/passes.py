@@ -275,6 +275,8 @@ def _scaled_product(a, b, scale, *, out=None):
     rounding, and on the GPU one launch instead of a matmul and a scaling pass. ``out`` may be a column slice."""
     if out is None:
         out = _runtime.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    if not out.is_contiguous() and torch.compiler.is_compiling():  # dynamo refuses a strided out=
+        return out.copy_(torch.addmm(out, a, b, beta=0, alpha=scale))
     return torch.addmm(out, a, b, beta=0, alpha=scale, out=out)
 
 
