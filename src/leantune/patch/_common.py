@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 
 import torch
@@ -19,20 +18,18 @@ class _TracedFlag:
     on = False
 
 
-@contextlib.contextmanager
-def rope_active_in(on: bool):
-    """Inside the block, :func:`rope_active` is ``on`` (restored after, on errors too)."""
+def set_rope_active(on: bool):
+    """Make :func:`rope_active` return ``on``; returns the token :func:`reset_rope_active` restores from."""
     if torch.compiler.is_compiling():
         previous, _TracedFlag.on = _TracedFlag.on, on
-        try:
-            yield
-        finally:
-            _TracedFlag.on = previous
-        return
-    token = _ROPE_ACTIVE.set(on)
-    try:
-        yield
-    finally:
+        return previous
+    return _ROPE_ACTIVE.set(on)
+
+
+def reset_rope_active(token) -> None:
+    if torch.compiler.is_compiling():
+        _TracedFlag.on = token
+    else:
         _ROPE_ACTIVE.reset(token)
 
 

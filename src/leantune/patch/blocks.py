@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ._common import call_original, rope_active_in, served
+from ._common import call_original, reset_rope_active, served, set_rope_active
 from .families import Family
 from .lora_status import fusable, fused_group, lora_status, project
 
@@ -96,7 +96,8 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     state = self._leantune
-    with rope_active_in(state.rope):
+    token = set_rope_active(state.rope)
+    try:
         projections = [getattr(self, name) for name in state.family.attention_projections]
         statuses = [lora_status(m) for m in projections] if state.lora else []  # read once per forward
         if any(fusable(s) for s in statuses):
@@ -104,6 +105,8 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
                                     attention_mask, past_key_values, **kwargs)
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+    finally:
+        reset_rope_active(token)
 
 
 def _qkv(self, family: Family, statuses, hidden_states):
