@@ -73,12 +73,17 @@ def _cases(device="cpu"):
          [*_leaves((n, h), device=device), *lora_params(q, k, v_)]),
         ("lora_mlp", lambda x, *_: ops.lora_mlp(x, gate, up, down).square().sum(),
          [*_leaves((2, n, h), device=device), *lora_params(gate, up, down)]),
+        ("lora_linear dropout", lambda x, *_: ops.lora_linear(x, *q, dropout=0.3).square().sum(),
+         [*_leaves((n, h), device=device), *lora_params(q)]),
+        ("lora_mlp dropout", lambda x, *_: ops.lora_mlp(x, gate, up, down, dropout=0.3).square().sum(),
+         [*_leaves((n, h), device=device), *lora_params(gate, up, down)]),
     ]
 
 
-def _value_and_grads(fn, leaves):
+def _value_and_grads(fn, leaves, seed=0):
     for t in leaves:
         t.grad = None
+    torch.manual_seed(seed)  # the same dropout seeds for the compiled and the eager call
     value = fn(*leaves)
     value.backward()
     return value.detach(), [t.grad.clone() for t in leaves]

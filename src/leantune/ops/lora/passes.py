@@ -20,10 +20,20 @@ from .kernels import dropout_triton, lowrank_add_triton, skinny_matmul, skinny_t
 
 
 def _torch_mask(seed, shape, p, device):
+    if torch.compiler.is_compiling():  # dynamo cannot create a Generator: the same draw as one opaque op
+        return _torch_mask_op(seed, list(shape), p)
     generator = torch.Generator(device=device)
     generator.manual_seed(int(seed))
     keep = torch.rand(shape, generator=generator, device=device) >= p
     return keep.to(torch.float32) * (1.0 / (1.0 - p))
+
+
+@torch.library.custom_op("leantune::lora_dropout_mask", mutates_args=())
+def _torch_mask_op(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
+    return _torch_mask(seed, shape, p, seed.device)
+
+
+_torch_mask_op.register_fake(lambda seed, shape, p: seed.new_empty(shape, dtype=torch.float32))
 
 
 def _dropout(x, seeds, index, p, impl, dtype):
