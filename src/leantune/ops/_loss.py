@@ -165,7 +165,8 @@ def _deferred_label_check(labels, n_vocab, ignore_index):
     """The deferred check (module docstring): a handful of O(N) kernels, no host read."""
     ok = ((labels >= 0) & (labels < n_vocab)) | (labels == ignore_index)
     any_bad = record_deferred("labels", ok, labels,
-                              _label_message(n_vocab, ignore_index, "{found}") + " (found inside a training step: the loss of that step is NaN and the label was "
+                              _label_message(n_vocab, ignore_index, "{found}")
+                              + " (found inside a training step: the loss of that step is NaN and the label was "
                               "ignored)")
     safe = torch.where(ok, labels, ignore_index)
     n_valid = (safe != ignore_index).sum()

@@ -128,7 +128,7 @@ def _fused_attention(self, family: Family, statuses, hidden_states, position_emb
                      past_key_values, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    modeling = sys.modules[family.modeling_module]  # imported: its classes built this model (import_module: a graph break)
+    modeling = sys.modules[family.modeling_module]  # its classes built the model (import_module breaks the graph)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query, key, value = _qkv(self, family, statuses, hidden_states)

@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ._common import rope_active as _rope_active
 from ._common import call_original as _call_original
+from ._common import rope_active as _rope_active
 from ._common import served as _served
 from .blocks import attention_forward, mlp_forward
-from .experts import experts_forward
 from .document_attention import remember_single_sequences
+from .experts import experts_forward
 from .families import Family
 from .input_embeddings import input_embeddings
 from .lora_status import carries_fusable_lora, has_hooks, lora_status
