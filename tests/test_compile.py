@@ -161,7 +161,6 @@ def test_eager_label_checks_break_the_graph_deferred_ones_do_not(monkeypatch):
     assert rel_err(compiled(logits, labels), ops.cross_entropy(logits, labels)) <= 1e-6
 
 
-@pytest.mark.skipif(ON_GPU, reason="the CPU inductor case; the GPU runs test_triton_path_compiles")
 def test_inductor_compiles_rms_norm_and_swiglu(monkeypatch):
     """Inductor (C++ codegen on the CPU) over the torch path of two ops in one graph, gradients included."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
@@ -175,7 +174,10 @@ def test_inductor_compiles_rms_norm_and_swiglu(monkeypatch):
 @pytest.mark.parametrize("index", range(len(_cases())), ids=[name for name, _, _ in _cases()])
 def test_triton_path_compiles(index, backend, monkeypatch):
     """The Triton launches inside the ops' nodes, traced by dynamo as user-defined Triton kernels."""
+    import torch._inductor.config
+
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)  # dropout seeds drawn as eager draws them
     _, fn, leaves = _cases("cuda")[index]
     assert _runtime.backend(leaves[0].device) == "triton"
-    _compiled_matches_eager(fn, leaves, backend=backend, tol=1e-4)
+    _compiled_matches_eager(fn, leaves, backend=backend)
