@@ -115,16 +115,18 @@ def test_each_op_compiles_fullgraph_like_eager(index, monkeypatch):
 
 
 def test_patched_model_training_step_compiles_fullgraph_like_eager(monkeypatch):
-    """A patched Llama + PEFT LoRA model: forward, fused loss and backward in one graph (no RoPE-flag, import or
-    check breaks), the loss and every LoRA gradient as the eager step's, no recompile for a new batch."""
+    """A patched Llama + PEFT LoRA model with (non-reentrant) gradient checkpointing: forward, fused loss and
+    backward in one graph (no RoPE-flag, import, input-embedding hook or deferred-flag breaks), the loss and every
+    LoRA gradient as the eager step's, no recompile for a new batch."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     model = tiny_peft_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     leantune.patch(model)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     def step(input_ids, labels):
-        return model(input_ids=input_ids, labels=labels).loss
+        return model(input_ids=input_ids, labels=labels, use_cache=False).loss
 
     def loss_and_grads(fn, input_ids, labels):
         model.zero_grad(set_to_none=True)

@@ -92,6 +92,14 @@ def remember_single_sequences(position_ids: torch.Tensor) -> None:
     _install_capture_causal_skip()
 
 
+def install_dispatchers() -> None:
+    """Put the packed-row and capture-mask dispatchers in ``masking_utils`` now (``leantune.patch`` does, when it
+    binds the causal-LM forward), not at the first forward: a frame torch.compile traced before they existed guards
+    on transformers' functions and would recompile once they appear. Both defer to transformers until told."""
+    _install_packing_dispatch()
+    _install_capture_causal_skip()
+
+
 def _install_capture_causal_skip() -> None:
     """transformers' ``_ignore_causal_mask_sdpa`` refuses to leave the causal mask to SDPA's ``is_causal`` while
     "tracing", which includes CUDA-graph capture: a dense [B, 1, S, S] mask is then built and SDPA loses its flash
