@@ -262,7 +262,7 @@ def test_gpt_oss_rope_dispatch_widens_per_frequency_cos(monkeypatch):
     from transformers.models.gpt_oss import modeling_gpt_oss
 
     from leantune.patch import forwards
-    from leantune.patch._common import ROPE_ACTIVE
+    from leantune.patch._common import reset_rope_active, set_rope_active
 
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     hf = modeling_gpt_oss.apply_rotary_pos_emb
@@ -273,7 +273,7 @@ def test_gpt_oss_rope_dispatch_widens_per_frequency_cos(monkeypatch):
     calls = []
     original = ops.rope
     monkeypatch.setattr(ops, "rope", lambda *a, **kw: calls.append(a[2].shape) or original(*a, **kw))
-    token = ROPE_ACTIVE.set("half_freqs")
+    token = set_rope_active("half_freqs")
     try:
         out = dispatch(q, k, cos, sin)
         assert calls == [torch.Size([7, 8])]  # widened, one position row for the batch
@@ -285,7 +285,7 @@ def test_gpt_oss_rope_dispatch_widens_per_frequency_cos(monkeypatch):
                 assert torch.equal(got, ref)
         assert len(calls) == 1
     finally:
-        ROPE_ACTIVE.reset(token)
+        reset_rope_active(token)
 
 
 def test_export_rounds_expert_stacks_through_nf4():

@@ -100,7 +100,7 @@ class BoundKernel:
         return f"BoundKernel({self.fn!r})"
 
     def __getitem__(self, grid):
-        if callable(grid):
+        if callable(grid) or torch.compiler.is_compiling():  # dynamo traces a JIT launch, not the binding (exec, C)
             return self.fn[grid]
         return functools.partial(self._launch, grid)
 

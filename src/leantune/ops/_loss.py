@@ -127,33 +127,45 @@ def _label_message(n_vocab, ignore_index, found) -> str:
 
 
 # deferred input errors, per (device, source): int64 [2] = (1 once a bad value was seen, the first bad value), and on
-# the host the message of the latest deferred check of that source on that device (a function of the bad value).
+# the host the message of the latest deferred check of that source on that device (a template of {found}).
 # Sources: "labels" (the loss ops), "top_k_index" (ops.moe_experts).
 _FLAGS: dict[tuple[torch.device, str], torch.Tensor] = {}
-_FLAG_CONTEXT: dict[tuple[torch.device, str], object] = {}
+_FLAG_CONTEXT: dict[tuple[torch.device, str], str] = {}
 
 
-def record_deferred(source: str, device: torch.device, ok: torch.Tensor, values: torch.Tensor, message) -> torch.Tensor:
-    """Record on the device whether ``values`` (any shape) hold a bad entry (``ok`` False there) and the first one,
-    for :func:`raise_deferred_errors` (``message(found)`` forms its text); returns ``any_bad``, a 0-dim bool tensor.
-    A few O(n) kernels, no host read."""
-    key = (device, source)
+def record_deferred(source: str, ok: torch.Tensor, values: torch.Tensor, message: str) -> torch.Tensor:
+    """Record on ``ok``'s device whether ``values`` (any shape) hold a bad entry (``ok`` False there) and the first
+    one, for :func:`raise_deferred_errors` (``message.format(found=...)`` forms its text); returns ``any_bad``, a
+    0-dim bool tensor. A few O(n) kernels, no host read."""
+    if torch.compiler.is_compiling():  # one opaque op: a flag created while tracing would recompile the next call
+        return _record_flag_op(ok, values, source, message)
+    return _record_flag(ok, values, source, message)
+
+
+def _record_flag(ok: torch.Tensor, values: torch.Tensor, source: str, message: str) -> torch.Tensor:
+    key = (ok.device, source)
+    _FLAG_CONTEXT[key] = message
     any_bad = ~ok.all()
     flag = _FLAGS.get(key)
     if flag is None:
-        flag = _FLAGS[key] = torch.zeros(2, dtype=torch.int64, device=device)
-    _FLAG_CONTEXT[key] = message
+        flag = _FLAGS[key] = torch.zeros(2, dtype=torch.int64, device=ok.device)
     if values.numel():
         first = values.reshape(-1).gather(0, (~ok).reshape(-1).to(torch.uint8).argmax().reshape(1)).long()
         flag.copy_(torch.where(flag[:1] > 0, flag, torch.cat([any_bad.long().reshape(1), first])))
     return any_bad
 
 
+# Under torch.compile the flag update is a custom op: dynamo does not trace the flag table, so the compiled graph does
+# not guard on which flags exist (the table's one side effect happens when the op runs, as in eager mode).
+_record_flag_op = torch.library.custom_op("leantune::record_deferred_flag", mutates_args=())(_record_flag)
+_record_flag_op.register_fake(lambda ok, values, source, message: ok.new_empty((), dtype=torch.bool))
+
+
 def _deferred_label_check(labels, n_vocab, ignore_index):
     """The deferred check (module docstring): a handful of O(N) kernels, no host read."""
     ok = ((labels >= 0) & (labels < n_vocab)) | (labels == ignore_index)
-    any_bad = record_deferred("labels", labels.device, ok, labels,
-                              lambda found: _label_message(n_vocab, ignore_index, found)
+    any_bad = record_deferred("labels", ok, labels,
+                              _label_message(n_vocab, ignore_index, "{found}")
                               + " (found inside a training step: the loss of that step is NaN and the label was "
                               "ignored)")
     safe = torch.where(ok, labels, ignore_index)
@@ -183,7 +195,7 @@ def raise_deferred_errors() -> None:
         seen, found = flag.tolist()
         if seen:
             flag.zero_()
-            raise ValueError(_FLAG_CONTEXT[key](found))
+            raise ValueError(_FLAG_CONTEXT[key].format(found=found))
 
 
 def check_statistics(statistics) -> tuple[str, ...]:

@@ -262,8 +262,9 @@ def check_inputs(gate, up, activation, dh=None):
 
 
 def _overlap(a, b):
-    """Whether two contiguous tensors share any byte (two halves of one buffer do not)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+    """Whether two contiguous tensors share any byte (two halves of one buffer do not). Under torch.compile: False
+    (dynamo has no data pointers; the traced in-place writes are functionalised, so no overlap can corrupt them)."""
+    if torch.compiler.is_compiling() or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -340,8 +340,8 @@ def _check_projection(name: str, p, n_experts: int | None, hidden_states) -> Exp
     return p._replace(scaling=scaling)
 
 
-def _index_message(n_experts: int):
-    return lambda found: f"top_k_index must be in [0, {n_experts}) (one expert per entry); found {found}"
+def _index_message(n_experts: int) -> str:
+    return f"top_k_index must be in [0, {n_experts}) (one expert per entry); found {{found}}"
 
 
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -405,13 +405,13 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     poison = None
     ok = (index >= 0) & (index < n_experts)
     if checks == "deferred":
-        bad = _loss.record_deferred("top_k_index", device, ok, index, _index_message(n_experts))
+        bad = _loss.record_deferred("top_k_index", ok, index, _index_message(n_experts))
         index = torch.where(ok, index, 0)
         poison = torch.where(bad, float("nan"), 0.0)
     elif index.numel():
         low, high = (int(v) for v in torch.stack(torch.aminmax(index)).tolist())
         if low < 0 or high >= n_experts:
-            raise ValueError(_index_message(n_experts)(low if low < 0 else high))
+            raise ValueError(_index_message(n_experts).format(found=low if low < 0 else high))
     dtype = _runtime.autocast_dtype(device) or hidden_states.dtype
     x = _runtime.as_rows(hidden_states).to(dtype)
     cfg = _Config(activation, interleaved, alpha, limit, (gate_up.scaling, down.scaling),

@@ -53,6 +53,7 @@ from .forwards import (
     lora_status,
     unbind,
 )
+from .document_attention import install_dispatchers as install_mask_dispatchers
 from .experts import experts_activation, experts_base, experts_status, float_class
 from .lora_status import is_dora
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
@@ -238,6 +239,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
                     f"the instance forward {_name(wrapper)}, around leantune's causal-LM forward: "
                     "ops.linear_cross_entropy only where it calls that forward")
             counts["loss"] = 1
+            install_mask_dispatchers()
             if type(hf.lm_head) is not nn.Linear:
                 left["lm_head"] = f"{type(hf.lm_head).__name__}: logits formed, loss from ops.cross_entropy"
     hf.__dict__[_MODEL_ATTR] = (family.name, use_rope and counts["rope"] > 0)

@@ -10,13 +10,13 @@ operation, with the LoRA projections through ``ops.lora_qkv`` / ``ops.lora_mlp``
 
 from __future__ import annotations
 
-import importlib
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ._common import ROPE_ACTIVE, call_original, served
+from ._common import call_original, reset_rope_active, served, set_rope_active
 from .families import Family
 from .lora_status import fusable, fused_group, lora_status, project
 
@@ -96,7 +96,7 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     state = self._leantune
-    token = ROPE_ACTIVE.set(state.family.rope if state.rope else False)  # the dispatcher reads the rope kind
+    token = set_rope_active(state.family.rope if state.rope else False)  # the dispatcher reads the rope kind
     try:
         projections = [getattr(self, name) for name in state.family.attention_projections]
         statuses = [lora_status(m) for m in projections] if state.lora else []  # read once per forward
@@ -106,7 +106,7 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     finally:
-        ROPE_ACTIVE.reset(token)
+        reset_rope_active(token)
 
 
 def _qkv(self, family: Family, statuses, hidden_states):
@@ -128,7 +128,7 @@ def _fused_attention(self, family: Family, statuses, hidden_states, position_emb
                      past_key_values, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    modeling = importlib.import_module(family.modeling_module)
+    modeling = sys.modules[family.modeling_module]  # its classes built the model (import_module breaks the graph)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query, key, value = _qkv(self, family, statuses, hidden_states)

@@ -81,10 +81,21 @@ def remember_single_sequences(position_ids: torch.Tensor) -> None:
     """Tell the next forwards on ``position_ids`` ``[B or 1, S]`` that each row is one sequence (what the causal-LM
     forward knows when it made the positions itself, 0..S-1): transformers' packed-row check then returns None with
     no host sync, and under CUDA-graph capture (where that check skips its sync and always builds a dense mask) the
-    attention keeps its mask-free causal path."""
+    attention keeps its mask-free causal path. Under torch.compile nothing: transformers' check already avoids the
+    sync while tracing, and installing the dispatchers from inside a compiled frame would recompile the next call."""
+    if torch.compiler.is_compiling():
+        return
     length = position_ids.shape[-1]
     _spans_cache[:] = [position_ids, position_ids._version, [[(0, length)]] * position_ids.shape[0]]
     _packing_known[:] = [position_ids, position_ids._version, False]
+    _install_packing_dispatch()
+    _install_capture_causal_skip()
+
+
+def install_dispatchers() -> None:
+    """Put the packed-row and capture-mask dispatchers in ``masking_utils`` now (``leantune.patch`` does, when it
+    binds the causal-LM forward), not at the first forward: a frame torch.compile traced before they existed guards
+    on transformers' functions and would recompile once they appear. Both defer to transformers until told."""
     _install_packing_dispatch()
     _install_capture_causal_skip()
 
@@ -141,7 +152,7 @@ def _install_packing_dispatch() -> None:
         return
 
     def find_packed_sequence_indices(position_ids):
-        packed = _known_packing(position_ids)
+        packed = None if torch.compiler.is_compiling() else _known_packing(position_ids)  # traced: transformers' own
         if packed is None:
             return find_packed_sequence_indices._leantune_original(position_ids)
         if not packed:

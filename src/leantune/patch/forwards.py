@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ._common import ROPE_ACTIVE as _ROPE_ACTIVE
 from ._common import call_original as _call_original
+from ._common import rope_active as _rope_active
 from ._common import served as _served
 from .blocks import attention_forward, mlp_forward
-from .experts import experts_forward
 from .document_attention import remember_single_sequences
+from .experts import experts_forward
 from .families import Family
 from .input_embeddings import input_embeddings
 from .lora_status import carries_fusable_lora, has_hooks, lora_status
@@ -76,7 +76,7 @@ def _rope_fits(q, k, cos, sin) -> bool:
 
 def _make_rope_dispatch(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        kind = _ROPE_ACTIVE.get()  # the family's rope kind inside a patched attention forward, else False
+        kind = _rope_active()  # the family's rope kind inside a patched attention forward, else False
         if kind and unsqueeze_dim == 1 and torch.is_tensor(q) and torch.is_tensor(cos) and torch.is_tensor(sin):
             wide_cos, wide_sin = cos, sin
             if kind == "half_freqs":  # one column per frequency (gpt-oss): ops.rope wants one per rotated dim

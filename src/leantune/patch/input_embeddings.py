@@ -3,6 +3,7 @@ nothing needs it (see :func:`input_embeddings`; docs/design.md, "Memory model").
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ._model import checkpoint_reentrant
@@ -24,6 +25,10 @@ def input_embeddings(base, input_ids, hidden_states_out: bool):
     is detached only where leantune can tell that nothing reads that gradient or needs the leaf:
     :func:`_detach_is_safe`. The loss and every parameter's gradient are unchanged."""
     embeddings = base.get_input_embeddings()
+    if (torch.compiler.is_compiling() and not hidden_states_out and not embeddings._forward_pre_hooks
+            and _detach_is_safe(base, embeddings) and not _trainable(embeddings)):
+        # traced, the hook's requires_grad_ on an intermediate is refused: skip it, as the detach below would
+        return embeddings.forward(input_ids)
     embeds = embeddings(input_ids)
     if (embeds.requires_grad and embeds.grad_fn is None and not hidden_states_out
             and _detach_is_safe(base, embeddings)):
@@ -50,3 +55,7 @@ def _detach_is_safe(base: nn.Module, embeddings: nn.Module) -> bool:
             return False
         checkpointed = True
     return checkpointed
+
+
+def _trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())

@@ -209,10 +209,11 @@ class LoraMLPFunction(torch.autograd.Function):
     @staticmethod
     @_runtime.first_derivative_only
     def backward(ctx, dy):
-        if ctx.used:
-            raise RuntimeError("lora_mlp's backward overwrites its saved activations and cannot run twice "
-                               "(retain_graph=True is not supported)")
-        ctx.used = True
+        if not torch.compiler.is_compiling():  # traced, the overwrites are functionalised: no saved buffer changes
+            if ctx.used:
+                raise RuntimeError("lora_mlp's backward overwrites its saved activations and cannot run twice "
+                                   "(retain_graph=True is not supported)")
+            ctx.used = True
         x2d, gate, up, seeds, *rest = ctx.saved_tensors
         n_nf4 = _n_saved(ctx.nf4)
         projs, (xa_g, xa_u, xa_d) = _Proj.unflatten(rest[:len(rest) - n_nf4], 3)

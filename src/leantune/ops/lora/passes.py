@@ -20,10 +20,20 @@ from .kernels import dropout_triton, lowrank_add_triton, skinny_matmul, skinny_t
 
 
 def _torch_mask(seed, shape, p, device):
+    if torch.compiler.is_compiling():  # dynamo cannot create a Generator: the same draw as one opaque op
+        return _torch_mask_op(seed, list(shape), p)
     generator = torch.Generator(device=device)
     generator.manual_seed(int(seed))
     keep = torch.rand(shape, generator=generator, device=device) >= p
     return keep.to(torch.float32) * (1.0 / (1.0 - p))
+
+
+@torch.library.custom_op("leantune::lora_dropout_mask", mutates_args=())
+def _torch_mask_op(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
+    return _torch_mask(seed, shape, p, seed.device)
+
+
+_torch_mask_op.register_fake(lambda seed, shape, p: seed.new_empty(shape, dtype=torch.float32))
 
 
 def _dropout(x, seeds, index, p, impl, dtype):
@@ -275,6 +285,8 @@ def _scaled_product(a, b, scale, *, out=None):
     rounding, and on the GPU one launch instead of a matmul and a scaling pass. ``out`` may be a column slice."""
     if out is None:
         out = _runtime.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    if not out.is_contiguous() and torch.compiler.is_compiling():  # dynamo refuses a strided out=
+        return out.copy_(torch.addmm(out, a, b, beta=0, alpha=scale))
     return torch.addmm(out, a, b, beta=0, alpha=scale, out=out)
 
 
