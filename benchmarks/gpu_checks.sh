@@ -130,6 +130,25 @@ part_trl_sft() {  # TRL SFT only, 8B 4096 x 1: leantune with and without the hea
     > "$OUT/trl-sft.log" 2>&1; echo "trl sft exit $?"; tail -8 "$OUT/trl-sft.log"
 }
 
+part_tests_round3() {  # round 3's kernels and paths on the card: launch path, graphs, no-sync, MoE, FP8, compile, RL heads
+  timeout $(bound 270) python3 -m pytest -q -n 8 -p no:cacheprovider -rs tests/test_launch.py tests/test_graphs.py \
+    tests/test_no_sync.py tests/test_moe_kernels.py tests/test_moe.py tests/test_patch_moe.py tests/test_fp8.py \
+    tests/test_fp8_train.py tests/test_compile.py tests/test_log_probs.py tests/test_preference.py \
+    tests/test_distillation.py > "$OUT/pytest-r3.log" 2>&1
+  echo "pytest (round 3) exit $?"; tail -2 "$OUT/pytest-r3.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest-r3.log" | head -20
+}
+
+part_probes() {  # the bound launch path, the grouped expert GEMMs, the FP8 GEMM pieces (each < 2 min)
+  local p; for p in launch_probe moe_probe fp8_probe; do
+    timeout $(bound 110) python3 benchmarks/$p.py > "$OUT/$p.md" 2>&1; echo "$p exit $?"; tail -25 "$OUT/$p.md"
+  done
+}
+
+part_moe_block() {  # the MoE training step, HF+PEFT (grouped_mm experts) vs leantune, Qwen3-30B-A3B layer shape
+  timeout $(bound 200) python3 benchmarks/moe_block_bench.py > "$OUT/moe_block.md" 2>&1; echo "moe_block exit $?"
+  tail -14 "$OUT/moe_block.md"
+}
+
 # Issue #25's step figures: 20 timed steps per run, three runs (REPEAT) per implementation (IMPLS, default
 # hf+peft,leantune+graph) interleaved in one call (the worst quoted), step ms median / min / p90, host issue ms, GPU-busy fraction from a separate profiled pass of 3 steps.
 # One part per device call (each about 6-7 minutes for 8B: 6 children of ~10 s start + 20-40 s build + 25 steps + the
