@@ -175,12 +175,12 @@ def test_grouped_mm_padding_matches_matmul(backend):
     """The torch grouped GEMM pads widths that are not 16-byte aligned: exact against per-group matmuls."""
     from leantune.ops import moe
 
-    a, b = torch.randn(9, 5), torch.randn(3, 5, 7)
-    offsets = torch.tensor([4, 4, 9], dtype=torch.int32)
+    a, b = torch.randn(9, 5, device=DEVICE), torch.randn(3, 5, 7, device=DEVICE)
+    offsets = torch.tensor([4, 4, 9], dtype=torch.int32, device=DEVICE)
     out = moe.torch_grouped_mm(a, b, offsets)
     ref = torch.cat([a[:4] @ b[0], a[4:] @ b[2]])
     assert torch.allclose(out, ref, atol=1e-5)
-    outer = moe.torch_grouped_outer(a, torch.randn(9, 3), offsets)
+    outer = moe.torch_grouped_outer(a, torch.randn(9, 3, device=DEVICE), offsets)
     assert outer.shape == (3, 5, 3) and torch.all(outer[1] == 0)
 
 
@@ -227,10 +227,11 @@ def test_input_errors():
         (dict(gate_up=ops.ExpertWeights(w1, a1, None, 0.5)), "both tensors or both None"),
         (dict(gate_up=ops.ExpertWeights(w1, a1[:, :, :3], b1, 0.5)), r"gate_up.lora_A must have shape \(3, r, 8\)"),
         (dict(down=ops.ExpertWeights(w2, a2, b2[:, :, :1], 1.0)), "down.lora_B must have shape"),
-        (dict(down=ops.ExpertWeights(w2, bias=torch.zeros(3, 7))), "down.bias must have shape"),
+        (dict(down=ops.ExpertWeights(w2, bias=torch.zeros(3, 7, device=DEVICE))), "down.bias must have shape"),
         (dict(gate_up=ops.ExpertWeights(w1.clone().requires_grad_())), "gate_up.weight must be frozen"),
         (dict(gate_up=(w1, None, None, 0.0)), "gate_up must be an ops.ExpertWeights"),
-        (dict(down=ops.ExpertWeights(ops.quantize_nf4(torch.randn(3, 64)))), "down.weight must be 3-D"),
+        (dict(down=ops.ExpertWeights(ops.quantize_nf4(torch.randn(3, 64, device=DEVICE)))),
+         "down.weight must be 3-D"),
         (dict(activation="gelu"), "activation must be one of"),
         (dict(limit=0.0), "limit must be > 0"),
         (dict(checks="later"), "checks must be one of"),

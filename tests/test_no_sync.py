@@ -8,18 +8,22 @@ frame's file under src/leantune) is recorded, and the test fails on any. ``train
 rows on the host (CPU tensors by construction) before they go to the device.
 
 The GPU test (``-m gpu``) runs a patched step under ``torch.cuda.set_sync_debug_mode("error")``, which also catches
-syncs no Python frame shows (pageable copies, transformers' own).
+syncs no Python frame shows (pageable copies, transformers' own). The Triton-backend cases build their tensors and
+model on ``conftest.DEVICE`` (the interpreter on the CPU, the card on CUDA); on CUDA the loss ops' case runs under
+that debug mode as well (the ops alone: any sync there is leantune's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from conftest import DEVICE
 from test_patch_families import batch, tiny_config, tiny_model, tiny_peft_model
+from torch.overrides import TorchFunctionMode
 
 import leantune
 from leantune import ops
@@ -99,6 +103,22 @@ def _boolean_index(tensor, index, *value):
 @pytest.fixture
 def watch(monkeypatch):
     return SyncCalls(monkeypatch)
+
+
+@contextlib.contextmanager
+def cuda_syncs_raise():
+    """On CUDA, any synchronising CUDA call inside the block raises (``torch.cuda.set_sync_debug_mode("error")``),
+    whoever makes it and whether or not a Python frame shows it; on the CPU nothing synchronises and the block runs
+    as it is."""
+    if DEVICE != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _step(model, watch, **inputs):
@@ -221,14 +241,17 @@ def test_unpacked_rows_skip_transformers_packing_check(watch, monkeypatch):
 
 @pytest.mark.parametrize("family", ["gemma2"])
 def test_patched_step_reads_nothing_back_on_triton(family, watch, monkeypatch):
-    """The Triton kernels' launch path (interpreter here): nothing read back either, softcap included."""
+    """The Triton kernels' launch path (interpreter on the CPU, the card on CUDA): nothing read back either, softcap
+    included. Not under the CUDA sync debug mode: HF's eager attention (Gemma-2's softcap) builds its mask from a CPU
+    scalar, a sync of transformers'."""
     from peft import get_peft_model
     from test_patch_families import lora_config
 
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
-    model = leantune.patch(get_peft_model(tiny_model(family, layers=1), lora_config())).train()
-    input_ids, labels = batch(rows=1, seq=6)
-    assert torch.isfinite(_step(model, watch, input_ids=input_ids, labels=labels, num_items_in_batch=torch.tensor(5)))
+    model = leantune.patch(get_peft_model(tiny_model(family, layers=1).to(DEVICE), lora_config())).train()
+    input_ids, labels = (t.to(DEVICE) for t in batch(rows=1, seq=6))
+    num_items = torch.tensor(5, device=DEVICE)
+    assert torch.isfinite(_step(model, watch, input_ids=input_ids, labels=labels, num_items_in_batch=num_items))
 
 
 def test_document_attention_step_reads_nothing_back(watch, monkeypatch):
@@ -253,19 +276,28 @@ def test_document_attention_step_reads_nothing_back(watch, monkeypatch):
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
 @pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
 def test_loss_ops_deferred_read_nothing_back(op, z_loss, watch, backend):
-    """The public ops with checks="deferred", z-loss and softcap, tensor num_items, forward and backward."""
-    hidden = torch.randn(9, 16, requires_grad=True)
-    weight = torch.randn(40, 16, requires_grad=True)
-    labels = torch.randint(0, 40, (9,))
+    """The public ops with checks="deferred", z-loss and softcap, tensor num_items, forward and backward; on CUDA also
+    under the sync debug mode, after a warm-up call (the kernels compile outside the checked block)."""
+    hidden = torch.randn(9, 16, device=DEVICE, requires_grad=True)
+    weight = torch.randn(40, 16, device=DEVICE, requires_grad=True)
+    labels = torch.randint(0, 40, (9,), device=DEVICE)
     labels[::3] = -100
-    with watch:
+    num_items = torch.tensor(4, device=DEVICE)  # made here: creating a CUDA tensor from a host value copies (a sync)
+
+    def forward_backward():
         if op == "cross_entropy":
-            loss = ops.cross_entropy(hidden @ weight.t(), labels, softcap=5.0, z_loss=z_loss,
-                                     num_items=torch.tensor(4), checks="deferred")
+            loss = ops.cross_entropy(hidden @ weight.t(), labels, softcap=5.0, z_loss=z_loss, num_items=num_items,
+                                     checks="deferred")
         else:
-            loss = ops.linear_cross_entropy(hidden, weight, labels, softcap=5.0, z_loss=z_loss,
-                                            num_items=torch.tensor(4), checks="deferred")
+            loss = ops.linear_cross_entropy(hidden, weight, labels, softcap=5.0, z_loss=z_loss, num_items=num_items,
+                                            checks="deferred")
         loss.backward()
+        return loss
+
+    if DEVICE == "cuda":
+        forward_backward()
+    with watch, cuda_syncs_raise():
+        loss = forward_backward()
     assert watch.calls == [], watch.calls
     assert torch.isfinite(loss)
 
@@ -439,9 +471,9 @@ def test_patched_step_has_no_sync_on_gpu(case):
 def test_deferred_bad_label_is_ignored_by_the_kernels(op, backend):
     """Both backends: a label past V (or negative) never reaches a kernel's index; the other rows' gradients are
     those of the same call with the bad rows ignored, and the loss is NaN."""
-    hidden = torch.randn(6, 16, requires_grad=True)
-    weight = torch.randn(30, 16)
-    labels = torch.randint(0, 30, (6,))
+    hidden = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    weight = torch.randn(30, 16, device=DEVICE)
+    labels = torch.randint(0, 30, (6,), device=DEVICE)
     labels[1], labels[4] = 30 + 10**9, -7
     ignored = labels.clone()
     ignored[1] = ignored[4] = -100

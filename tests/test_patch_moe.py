@@ -3,18 +3,24 @@ the 3-D expert stacks (``target_parameters``), loss with the router aux loss and
 
 Each family is a tiny random model from its transformers config class (2 layers, hidden 32, E=4 experts, top-2,
 router aux loss on), norms perturbed, non-zero B everywhere. gpt-oss keeps HF's attention function (its sinks):
-a spy attention function checks that the patched forward hands it the sinks and the layer's window. The unpatched HF+PEFT model (fp32) is the reference:
-loss rel <= 1e-5, LoRA gradients rel <= 1e-4. The experts must run ``ops.moe_experts`` and PEFT's parametrization
-(which forms W + BA for the stack) must never run.
+a spy attention function checks that the patched forward hands it the sinks and the layer's window. The unpatched
+HF+PEFT model (fp32) is the reference: loss rel <= 1e-5, LoRA gradients rel <= 1e-4. The experts must run
+``ops.moe_experts`` and PEFT's parametrization (which forms W + BA for the stack) must never run.
+
+The parity runs on ``conftest.DEVICE`` (the interpreter on the CPU, the card on CUDA). On CUDA the fp32 reference
+keeps full fp32 products: TF32 is off for cuBLAS within the check (HF's default experts path, "grouped_mm", takes
+torch's fallback there for fp32, one cuBLAS GEMM per expert).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 
 import pytest
 import torch
+from conftest import DEVICE
 from peft import LoraConfig, get_peft_model
 from reference import rel_err
 from test_patch_families import assert_grads_close
@@ -46,14 +52,17 @@ def tiny_moe_model(model_type: str):
     )
 
 
-def tiny_moe_peft(model_type: str, nf4: str | None = None):
+def tiny_moe_peft(model_type: str, nf4: str | None = None, device: str | None = None):
     """The tiny model with LoRA on attention and both expert stacks; ``nf4``: ``"before"`` / ``"after"``
-    ``get_peft_model``, ``leantune.quantize(model, "nf4")`` (linears and expert stacks in NF4)."""
+    ``get_peft_model``, ``leantune.quantize(model, "nf4")`` (linears and expert stacks in NF4). ``device``: where
+    the base model goes before quantisation and PEFT (None: where from_config built it, the CPU)."""
     family = FAMILIES[model_type]
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(family.attention_projections), lora_dropout=0.0,
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                       init_lora_weights=False)
     model = tiny_moe_model(model_type)
+    if device is not None:
+        model = model.to(device)
     if nf4 == "before":
         assert leantune.quantize(model, "nf4")["experts"] == 2
     model = get_peft_model(model, lora)
@@ -71,10 +80,31 @@ def loss_and_grads(model, input_ids, labels):
     return out.loss.detach(), out.aux_loss.detach(), grads
 
 
+@contextlib.contextmanager
+def fp32_products():
+    """Inside the block, fp32 GEMMs on CUDA run in full fp32 (no TF32), whatever another test of the process set;
+    restored after. On the CPU there is no TF32: nothing to do."""
+    if DEVICE != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def check_moe_parity(model_type, monkeypatch, rows=2, seq=9, nf4=None):
-    model = tiny_moe_peft(model_type, nf4).train()
+    with fp32_products():
+        _check_moe_parity(model_type, monkeypatch, rows, seq, nf4)
+
+
+def _check_moe_parity(model_type, monkeypatch, rows, seq, nf4):
+    model = tiny_moe_peft(model_type, nf4, device=DEVICE).train()
     assert any("experts" in n and "lora_A" in n for n, _ in model.named_parameters())
-    input_ids = torch.randint(3, VOCAB, (rows, seq))
+    assert all(p.device.type == DEVICE for p in model.parameters())
+    input_ids = torch.randint(3, VOCAB, (rows, seq), device=DEVICE)
     labels = input_ids.clone()
     labels[0, -2:] = -100
     ref_loss, ref_aux, ref_grads = loss_and_grads(model, input_ids, labels)
@@ -115,7 +145,7 @@ def test_moe_matches_hf(model_type, monkeypatch):
 
 @pytest.mark.parametrize("model_type", TRITON)
 def test_moe_matches_hf_triton(model_type, monkeypatch):
-    """Through the Triton backend (interpreter on CPU): one row of 5 tokens."""
+    """Through the Triton backend (interpreter on the CPU, the card on CUDA): one row of 5 tokens."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
     check_moe_parity(model_type, monkeypatch, rows=1, seq=5)
 
