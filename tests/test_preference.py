@@ -1,5 +1,6 @@
 """ops.preference (GRPO, DPO, ORPO, SimPO, KTO) vs float64 references and vs TRL 1.16's own computation on the same
-batch; through the fused log-prob head on both backends."""
+batch; through the fused log-prob head on both backends. Only the cases that compare with TRL skip without it (the
+heads and the errors need none), and every tensor is on ``conftest.DEVICE``."""
 
 import collections
 import types
@@ -12,7 +13,6 @@ from reference import assert_close, dpo_ref, grads64, grpo_ref, kto_ref, log_pro
 from leantune import ops
 from leantune.ops import preference
 
-pytest.importorskip("trl")
 B, T = 4, 6
 
 
@@ -50,6 +50,7 @@ GRPO_CASES = [("grpo", 0.0, "token", None, False), ("bnpo", 0.04, "token", 1.5, 
 def test_grpo_matches_reference_and_trl(loss_type, beta, level, delta, sampler):
     """Loss, dL/dlogp and logged KL / clip ratios against float64 and against TRL's GRPOTrainer._compute_loss run on
     the same log-probs (its model call replaced by them); ``sampler``: vLLM's importance-sampling correction."""
+    pytest.importorskip("trl")
     from trl import GRPOTrainer
 
     lp, mask = _log_probs(B, T), _mask()
@@ -75,8 +76,9 @@ def test_grpo_matches_reference_and_trl(loss_type, beta, level, delta, sampler):
         accelerator=_fake_accelerator(), max_completion_length=T + 2, _entropy_bonus_enabled=False,
         args=types.SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=1),
         _metrics={"train": collections.defaultdict(list)})
-    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long, device=DEVICE),
+              "prompt_mask": torch.ones(B, 2, dtype=torch.long, device=DEVICE),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long, device=DEVICE), "completion_mask": mask,
               "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": mask.sum(), "importance_sampling_ratio": weights}
     trl_loss = GRPOTrainer._compute_loss(fake, None, inputs)
@@ -121,7 +123,7 @@ def _dpo_trl(loss_type, beta, c, r, rc, rr, completion_mask):
         ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type],
         loss_weights=[1.0], beta=beta, label_smoothing=0.0, use_weighting=False, _tp_size=1, _total_train_tokens=0,
         _metrics={"train": collections.defaultdict(list)})
-    inputs = {"input_ids": torch.zeros(completion_mask.shape, dtype=torch.long), "completion_mask": completion_mask,
+    inputs = {"input_ids": torch.zeros_like(completion_mask), "completion_mask": completion_mask,
               "attention_mask": torch.ones_like(completion_mask), "ref_chosen_logps": rc, "ref_rejected_logps": rr}
     loss = DPOTrainer._compute_loss(fake, lambda **kwargs: outputs, inputs, return_outputs=False)
     return loss, per_token
@@ -131,6 +133,7 @@ def _dpo_trl(loss_type, beta, c, r, rc, rr, completion_mask):
 def test_dpo_matches_reference_and_trl(loss_type):
     """Token log-probs [2B, T-1] of chosen then rejected, summed per sequence: loss and dL/dlogp against float64
     and against TRL's DPOTrainer._compute_loss on the same tokens."""
+    pytest.importorskip("trl")
     completion_mask = (torch.rand(2 * B, T, device=DEVICE) > 0.3).long()
     completion_mask[:, -1] = 1
     shifted = completion_mask[:, 1:].float()
@@ -178,6 +181,7 @@ def test_dpo_label_smoothing_and_through_the_head(backend):
 def test_orpo_simpo_kto_match_reference_and_trl():
     """ORPO vs ORPOTrainer.odds_ratio_loss, SimPO vs CPOTrainer.cpo_loss, KTO vs KTOTrainer._compute_loss, all on
     the same log-probs, and each vs its float64 formula (values and gradients)."""
+    pytest.importorskip("trl")
     from trl.experimental.cpo import CPOTrainer
     from trl.experimental.orpo import ORPOTrainer
 
@@ -226,8 +230,9 @@ def _check_kto():
         precompute_ref_logps=True, calculate_KL=True, loss_type="kto", beta=0.3, desirable_weight=1.2,
         undesirable_weight=0.8, _tp_size=1, _total_train_tokens=0, _metrics={"train": collections.defaultdict(list)},
         _compute_kl_logps=lambda model, batch: kl_lp)
-    batch = {"label": labels, "input_ids": torch.zeros(5, 3, dtype=torch.long),
-             "completion_mask": torch.ones(5, 3, dtype=torch.long), "attention_mask": torch.ones(5, 3),
+    batch = {"label": labels, "input_ids": torch.zeros(5, 3, dtype=torch.long, device=DEVICE),
+             "completion_mask": torch.ones(5, 3, dtype=torch.long, device=DEVICE),
+             "attention_mask": torch.ones(5, 3, device=DEVICE),
              "ref_logps": ref, "ref_KL_logps": ref_kl}
     trl_loss = KTOTrainer._compute_loss(fake, lambda **kwargs: outputs, batch, return_outputs=False)
     # TRL orders the losses desirable first; the mean is the same
@@ -242,7 +247,7 @@ def _check_kto():
 
 def test_empty_batches_give_zero():
     lp = _log_probs(2, 3)
-    loss, _ = preference.grpo_loss(lp, torch.zeros(2, 3), torch.ones(2), loss_type="grpo")
+    loss, _ = preference.grpo_loss(lp, torch.zeros(2, 3, device=DEVICE), torch.ones(2, device=DEVICE), loss_type="grpo")
     assert loss.item() == 0.0 and (torch.autograd.grad(loss, [lp])[0] == 0).all()
     empty = _log_probs(0)
     loss, kl = preference.kto_loss(empty, empty, empty.detach(), empty.detach())
@@ -251,17 +256,17 @@ def test_empty_batches_give_zero():
 
 def test_error_cases():
     lp = _log_probs(2, 3)
-    mask = torch.ones(2, 3)
+    mask = torch.ones(2, 3, device=DEVICE)
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        preference.grpo_loss(lp, mask, torch.ones(2), loss_type="ppo")
+        preference.grpo_loss(lp, mask, torch.ones(2, device=DEVICE), loss_type="ppo")
     with pytest.raises(ValueError, match="ref_log_probs is required"):
-        preference.grpo_loss(lp, mask, torch.ones(2), beta=0.1)
+        preference.grpo_loss(lp, mask, torch.ones(2, device=DEVICE), beta=0.1)
     with pytest.raises(ValueError, match="advantages must be"):
-        preference.grpo_loss(lp, mask, torch.ones(3))
+        preference.grpo_loss(lp, mask, torch.ones(3, device=DEVICE))
     with pytest.raises(ValueError, match="mask must have shape"):
-        preference.grpo_loss(lp, mask[:1], torch.ones(2))
+        preference.grpo_loss(lp, mask[:1], torch.ones(2, device=DEVICE))
     with pytest.raises(ValueError, match="importance_sampling_level"):
-        preference.grpo_loss(lp, mask, torch.ones(2), importance_sampling_level="batch")
+        preference.grpo_loss(lp, mask, torch.ones(2, device=DEVICE), importance_sampling_level="batch")
     c = _log_probs(2)
     with pytest.raises(ValueError, match="loss_type must be one of"):
         preference.dpo_loss(c, c, c, c, loss_type="robust")
