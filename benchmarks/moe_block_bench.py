@@ -84,6 +84,21 @@ def count_syncs(model, input_ids):
     return [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
 
 
+def first_sync_site(model, input_ids):
+    """Where the first synchronising call of a step is made (its Python frames), or None."""
+    import traceback
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(model, input_ids)
+    except RuntimeError as error:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if "torch/" not in f.filename]
+        return "\n".join(f"{f.filename}:{f.lineno} {f.line}" for f in frames[-4:])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
@@ -108,7 +123,9 @@ def main():
           f"grad norm rel {abs(lt_first[1] - hf_first[1]) / hf_first[1]:.2e}")
     if device.type == "cuda":
         syncs = count_syncs(model, input_ids)
-        print(f"syncs in a leantune step (any source): {len(syncs)}", *syncs[:10], sep="\n  ")
+        print(f"syncs in a leantune step (any source): {len(syncs)}")
+        if syncs:
+            print("first one at:", first_sync_site(model, input_ids), sep="\n")
 
 
 if __name__ == "__main__":

@@ -274,6 +274,32 @@ def test_document_attention_step_reads_nothing_back(watch, monkeypatch):
 
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_patched_moe_step_has_no_sync_on_gpu(model_type):
+    """An MoE step (router, experts through ops.moe_experts with LoRA on the stacks, the aux loss, AdamW) under
+    set_sync_debug_mode("error"): HF's own no-mask aux loss (torch.bincount) would raise here."""
+    from test_patch_moe import VOCAB, tiny_moe_peft
+
+    torch.manual_seed(0)
+    model = tiny_moe_peft(model_type, device="cuda").to(torch.bfloat16).train()
+    leantune.patch(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    input_ids = torch.randint(3, VOCAB, (2, 32), device="cuda")
+    for checked in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            out = model(input_ids=input_ids, labels=input_ids)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.loss) and out.aux_loss > 0
+
+
 @pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
 def test_loss_ops_deferred_read_nothing_back(op, z_loss, watch, backend):
     """The public ops with checks="deferred", z-loss and softcap, tensor num_items, forward and backward; on CUDA also

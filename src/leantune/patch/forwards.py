@@ -292,6 +292,11 @@ def _moe_output(self, family, fields, outputs, attention_mask, router_logits, re
     aux_loss = None
     if router_logits:
         modeling = importlib.import_module(family.modeling_module)
+        if attention_mask is None:
+            # HF's no-mask branch counts with torch.bincount, a host sync on CUDA (one per layer); an all-ones mask
+            # takes its scatter_add branch instead: the same counts and sums, exactly, read nothing back
+            first = outputs.router_logits[0]
+            attention_mask = torch.ones(first.shape[0], device=first.device, dtype=torch.float32)
         aux_loss = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
                                                      self.num_experts_per_tok, attention_mask)
         fields["loss"] = fields["loss"] + self.router_aux_loss_coef * aux_loss.to(fields["loss"].device)
