@@ -14,7 +14,6 @@ torch's fallback there for fp32, one cuBLAS GEMM per expert).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import pickle
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from peft import LoraConfig, get_peft_model
-from reference import rel_err
+from reference import fp32_products, rel_err
 from test_patch_families import assert_grads_close
 from test_patch_structures import model_from_config
 
@@ -78,21 +77,6 @@ def loss_and_grads(model, input_ids, labels):
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert grads and all(g is not None for g in grads.values())
     return out.loss.detach(), out.aux_loss.detach(), grads
-
-
-@contextlib.contextmanager
-def fp32_products():
-    """Inside the block, fp32 GEMMs on CUDA run in full fp32 (no TF32), whatever another test of the process set;
-    restored after. On the CPU there is no TF32: nothing to do."""
-    if DEVICE != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def check_moe_parity(model_type, monkeypatch, rows=2, seq=9, nf4=None):
