@@ -53,6 +53,22 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.d
 
 
 @contextlib.contextmanager
+def fp32_products():
+    """Inside the block, fp32 GEMMs of cuBLAS run in full fp32 (no TF32), whatever another test of the process set;
+    restored after. The fp32 parity checks on CUDA need it (TF32's 10-bit mantissa is far past their 1e-5); on a
+    machine without CUDA there is no TF32 and the block runs as it is."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@contextlib.contextmanager
 def recording_sizes():
     """Inside the block, every tensor a torch op returns and every buffer leantune allocates (NaN-filled) adds its
     element count to the yielded list: the tests that no ``[N, V]`` tensor ever exists read its max."""

@@ -3,6 +3,9 @@
 The op reference is DoRA's forward written from the paper / PEFT (``m / ||W + s B A||_row`` detached, times
 ``x W^T + s x A^T B^T``, plus b) in float64, its gradients from float64 autograd. The model test compares the patched
 model with PEFT 0.21's own DoRA forward (the unpatched model): loss and every LoRA / magnitude gradient, fp32.
+
+Tensors and models live on ``conftest.DEVICE`` (the CPU here, the Triton backend through the interpreter; the card on
+CUDA, where TF32 is off for cuBLAS in every test: the fp32 references keep full fp32 products).
 """
 
 from __future__ import annotations
@@ -12,12 +15,18 @@ import collections
 import pytest
 import torch
 from conftest import DEVICE
-from reference import F64, rel_err, tolerance
+from reference import F64, fp32_products, rel_err, tolerance
 from test_patch_families import assert_grads_close, batch, loss_and_grads, tiny_peft_model
 
 import leantune
 from leantune import ops
 from leantune.ops.lora import dora_weight_norm
+
+
+@pytest.fixture(autouse=True)
+def _fp32_products():
+    with fp32_products():
+        yield
 
 
 def dora_reference(x, weight, lora_A, lora_B, scaling, magnitude, bias):
@@ -110,9 +119,10 @@ def test_dora_linear_rejects_bad_input():
     assert y.shape == (3, 6)
 
 
-def _dora_model(family):
-    """A tiny PEFT DoRA model with its magnitudes moved off their init (m = ||W + s B A||, so m / n != 1)."""
-    model = tiny_peft_model(family, use_dora=True)
+def _dora_model(family, device=None):
+    """A tiny PEFT DoRA model on ``device`` (None: the CPU) with its magnitudes moved off their init
+    (m = ||W + s B A||, so m / n != 1)."""
+    model = tiny_peft_model(family, device=device, use_dora=True)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_magnitude_vector" in name:
@@ -125,9 +135,9 @@ def _dora_model(family):
 def test_patched_dora_matches_peft(family, impl, shape, monkeypatch):
     """Patched vs PEFT's DoRA forward: loss and every lora_A / lora_B / magnitude gradient (qwen2: q/k/v biases)."""
     monkeypatch.setenv("LEANTUNE_BACKEND", impl)
-    model = _dora_model(family)
+    model = _dora_model(family, DEVICE)
     model.train()
-    input_ids, labels = batch(*shape, pad_last=1)
+    input_ids, labels = batch(*shape, pad_last=1, device=DEVICE)
     ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
     assert sum("lora_magnitude_vector" in name for name in ref_grads) == 14
     calls = collections.Counter()
@@ -150,9 +160,9 @@ def test_patched_dora_matches_peft(family, impl, shape, monkeypatch):
 def test_dora_with_dropout_in_training_keeps_peft_forward(monkeypatch):
     """DoRA with lora_dropout in training: PEFT's forward, the summary says why; in eval the op serves it."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_peft_model("llama", use_dora=True, lora_dropout=0.1)
+    model = tiny_peft_model("llama", device=DEVICE, use_dora=True, lora_dropout=0.1)
     model.train()
-    input_ids, labels = batch()
+    input_ids, labels = batch(device=DEVICE)
     torch.manual_seed(0)
     ref_loss, _, _ = loss_and_grads(model, input_ids, labels)
     leantune.patch(model)
@@ -228,14 +238,14 @@ def test_fused_gate_up_and_qkv_with_dora_match_peft(monkeypatch):
 
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     targets = list(structures.FAMILIES["phi3"].projections)
-    model = get_peft_model(structures.tiny_model("phi3"), LoraConfig(
+    model = get_peft_model(structures.tiny_model("phi3", DEVICE), LoraConfig(
         r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, use_dora=True))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_magnitude_vector" in name:
                 param.mul_(1.0 + 0.3 * torch.randn_like(param))
     model.train()
-    input_ids = torch.randint(3, structures.VOCAB, (2, 9))
+    input_ids = torch.randint(3, structures.VOCAB, (2, 9), device=DEVICE)
     ref_loss, ref_grads = structures.loss_and_grads(model, input_ids, input_ids)
     calls = collections.Counter()
     original = ops.dora_linear

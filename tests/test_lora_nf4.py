@@ -1,11 +1,16 @@
 """The fused LoRA ops with NF4 frozen weights (QLoRA): the same values and gradients as a float64 reference built from
 the dequantised weights, on both backends; the node keeps the 4-bit codes, never a dequantised weight, and
-dequantises into workspaces it reuses."""
+dequantises into workspaces it reuses.
+
+Tensors live on ``conftest.DEVICE`` (the CPU here, the Triton backend through the interpreter; the card on CUDA);
+on CUDA every test runs with TF32 off for cuBLAS (the torch backend's fp32 products must stay fp32 for the 1e-5 bar).
+"""
 
 import pytest
 import reference
 import torch
-from reference import F64, assert_close, grads64, lora_linear_ref, swiglu_ref
+from conftest import DEVICE
+from reference import F64, assert_close, fp32_products, grads64, lora_linear_ref, swiglu_ref
 
 from leantune import ops
 from leantune.ops import _runtime, dequantize_nf4, quantize_nf4
@@ -15,17 +20,24 @@ from leantune.ops.lora import api as lora_api
 H, INTER, R, ROWS = 192, 320, 4, 13
 
 
+@pytest.fixture(autouse=True)
+def _fp32_products():
+    with fp32_products():
+        yield
+
+
 def nf4_proj(n_in, n_out, dtype=torch.float32):
-    w = quantize_nf4(torch.randn(n_out, n_in) * n_in**-0.5)
+    """(LoraWeights with an NF4 weight [n_out, n_in], its dequantised weight in ``dtype``), all on DEVICE."""
+    w = quantize_nf4(torch.randn(n_out, n_in, device=DEVICE) * n_in**-0.5)
     dense = dequantize_nf4(w, dtype=torch.float32).to(dtype)  # what the op must compute with
-    a = (torch.randn(R, n_in) * n_in**-0.5).requires_grad_()
-    b = (torch.randn(n_out, R) * R**-0.5).requires_grad_()
+    a = (torch.randn(R, n_in, device=DEVICE) * n_in**-0.5).requires_grad_()
+    b = (torch.randn(n_out, R, device=DEVICE) * R**-0.5).requires_grad_()
     return ops.LoraWeights(w, a, b, 2.0), dense
 
 
 def test_lora_linear_with_nf4_weight_matches_dequantised_reference(backend):
     proj, dense = nf4_proj(H, INTER)
-    x = torch.randn(2, ROWS, H, requires_grad=True)
+    x = torch.randn(2, ROWS, H, device=DEVICE, requires_grad=True)
     y = ops.lora_linear(x, *proj)
     dy = torch.randn_like(y)
     gx, ga, gb = torch.autograd.grad(y, [x, proj.lora_A, proj.lora_B], dy)
@@ -37,7 +49,7 @@ def test_lora_linear_with_nf4_weight_matches_dequantised_reference(backend):
 
 
 def test_lora_qkv_and_mlp_with_nf4_weights_match_dequantised_reference(backend):
-    x = torch.randn(ROWS, H, requires_grad=True)
+    x = torch.randn(ROWS, H, device=DEVICE, requires_grad=True)
     (q, qd), (k, kd), (v, vd) = nf4_proj(H, 256), nf4_proj(H, 64), nf4_proj(H, 64)
     outs = ops.lora_qkv(x, q, k, v)
     dys = [torch.randn_like(o) for o in outs]
@@ -75,7 +87,7 @@ def test_lora_qkv_and_mlp_with_nf4_weights_match_dequantised_reference(backend):
 def test_nf4_node_saves_codes_not_a_dequantised_weight_and_reuses_its_workspaces(monkeypatch):
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     (gate, _), (up, _), (down, _) = nf4_proj(H, INTER), nf4_proj(H, INTER), nf4_proj(INTER, H)
-    x = torch.randn(ROWS, H, requires_grad=True)
+    x = torch.randn(ROWS, H, device=DEVICE, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = ops.lora_mlp(x, gate, up, down)
@@ -101,4 +113,4 @@ def test_nf4_node_saves_codes_not_a_dequantised_weight_and_reuses_its_workspaces
 def test_nf4_weight_of_the_wrong_shape_is_named():
     proj, _ = nf4_proj(H, INTER)
     with pytest.raises(ValueError, match="weight must have shape"):
-        ops.lora_linear(torch.randn(3, H + 64), *proj)
+        ops.lora_linear(torch.randn(3, H + 64, device=DEVICE), *proj)

@@ -1,12 +1,16 @@
 """Liger's options on ops.cross_entropy / ops.linear_cross_entropy (per-class weights, token scaling, token accuracy)
 against float64 references written from the formulas of leantune.ops._loss_options, both backends (the Triton one
-through the interpreter on tiny shapes), NaN-poisoned buffers (conftest), and no host sync under deferred checks."""
+through the interpreter on tiny shapes), NaN-poisoned buffers (conftest), and no host sync under deferred checks.
+
+Tensors live on ``conftest.DEVICE`` (the CPU here; the card on CUDA, where TF32 is off for cuBLAS in every test: the
+torch backend's fp32 logits must stay fp32 for the 1e-5 bar)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from reference import F64, assert_close
+from conftest import DEVICE
+from reference import F64, assert_close, fp32_products
 from test_no_sync import SyncCalls
 
 from leantune import ops
@@ -14,13 +18,21 @@ from leantune import ops
 N, H, V, IGNORE = 13, 8, 37, -100
 
 
+@pytest.fixture(autouse=True)
+def _fp32_products():
+    with fp32_products():
+        yield
+
+
 def _draw(softcap=None):
-    hidden = torch.randn(N, H, requires_grad=True)
-    weight = (torch.randn(V, H) / H**0.5).requires_grad_()
-    bias = (0.1 * torch.randn(V)).requires_grad_()
-    labels = torch.randint(0, V, (N,))
-    labels[torch.randperm(N)[:3]] = IGNORE
-    class_weight = torch.rand(V) + 0.2
+    """hidden [N, H], weight [V, H], bias [V] (fp32, requiring grad), labels [N] (3 ignored), class weights [V]; all
+    on DEVICE."""
+    hidden = torch.randn(N, H, device=DEVICE, requires_grad=True)
+    weight = (torch.randn(V, H, device=DEVICE) / H**0.5).requires_grad_()
+    bias = (0.1 * torch.randn(V, device=DEVICE)).requires_grad_()
+    labels = torch.randint(0, V, (N,), device=DEVICE)
+    labels[torch.randperm(N, device=DEVICE)[:3]] = IGNORE
+    class_weight = torch.rand(V, device=DEVICE) + 0.2
     return hidden, weight, bias, labels, class_weight
 
 
@@ -60,7 +72,7 @@ def test_options_match_reference(backend, case):
     ref_leaves = [t.detach().to(F64).requires_grad_() for t in (hidden, weight, bias)]
     ref = _reference(ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2], labels, cw, scaling, reduction, softcap,
                      num_items)
-    probe = torch.randn(ref.shape, dtype=F64)
+    probe = torch.randn(ref.shape, dtype=F64, device=DEVICE)
     ref_grads = torch.autograd.grad((ref * probe).sum(), ref_leaves)
 
     out, accuracy = ops.linear_cross_entropy(hidden, weight, labels, bias, softcap=softcap, reduction=reduction,
@@ -95,8 +107,8 @@ def test_token_accuracy_beside_statistics_and_all_ignored(backend):
     logits = hidden.detach() @ weight.detach().T + bias.detach()
     _, from_logits = ops.cross_entropy(logits, labels, return_token_accuracy=True)
     assert torch.equal(accuracy, from_logits)
-    none = torch.full((N,), IGNORE)  # nothing valid: loss 0.0 with zero gradients, accuracy 0
-    loss, accuracy = ops.linear_cross_entropy(hidden, weight, none, bias, ce_weight=torch.rand(V),
+    none = torch.full((N,), IGNORE, device=DEVICE)  # nothing valid: loss 0.0 with zero gradients, accuracy 0
+    loss, accuracy = ops.linear_cross_entropy(hidden, weight, none, bias, ce_weight=torch.rand(V, device=DEVICE),
                                               return_token_accuracy=True)
     (grad,) = torch.autograd.grad(loss, (hidden,))
     assert loss.item() == 0.0 and accuracy.item() == 0.0 and not grad.any()
@@ -105,7 +117,7 @@ def test_token_accuracy_beside_statistics_and_all_ignored(backend):
 def test_options_are_checked():
     hidden, weight, bias, labels, class_weight = _draw()
     with pytest.raises(ValueError, match=r"ce_weight must have shape \(37,\)"):
-        ops.linear_cross_entropy(hidden, weight, labels, ce_weight=torch.rand(V + 1))
+        ops.linear_cross_entropy(hidden, weight, labels, ce_weight=torch.rand(V + 1, device=DEVICE))
     with pytest.raises(ValueError, match="ce_weight is not supported with label_smoothing"):
         ops.linear_cross_entropy(hidden, weight, labels, ce_weight=class_weight, label_smoothing=0.1)
     with pytest.raises(ValueError, match="use_token_scaling is not supported with label_smoothing or z_loss"):
@@ -121,10 +133,11 @@ def test_options_are_checked():
 def test_options_add_no_host_sync_when_deferred(monkeypatch, backend):
     hidden, weight, bias, labels, class_weight = _draw()
     watch = SyncCalls(monkeypatch)
+    num_items = torch.tensor(7, device=DEVICE)  # made here: creating a CUDA tensor from a host value copies
     with watch:
         loss, accuracy = ops.linear_cross_entropy(hidden, weight, labels, bias, ce_weight=class_weight,
                                                   use_token_scaling=True, return_token_accuracy=True,
-                                                  num_items=torch.tensor(7), checks="deferred")
+                                                  num_items=num_items, checks="deferred")
         loss.backward()
         rows = ops.cross_entropy(hidden.detach() @ weight.detach().T, labels, weight=class_weight,
                                  reduction="none", return_token_accuracy=True, checks="deferred")[0]
@@ -180,9 +193,9 @@ def test_accum_dtype(monkeypatch):
     chunks: over 40 draws the fp32 sum's error was at most 0.68 of the bf16 sum's)."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")  # the sum is torch's mm; the kernels are unchanged
     n = 1600
-    hidden = torch.randn(n, H, dtype=torch.bfloat16)
-    weight = (torch.randn(V, H) / H**0.5).to(torch.bfloat16).requires_grad_()
-    labels = torch.randint(0, V, (n,))
+    hidden = torch.randn(n, H, dtype=torch.bfloat16, device=DEVICE)
+    weight = (torch.randn(V, H, device=DEVICE) / H**0.5).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, V, (n,), device=DEVICE)
     small = 256 * V * 2  # 256-row chunks
     grads = {}
     for accum in (None, torch.float32, torch.bfloat16):

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from conftest import DEVICE
 from reference import rel_err
 from test_patch_families import assert_grads_close, batch, lora_config, loss_and_grads, tiny_peft_model
 
@@ -456,11 +457,14 @@ def test_num_items_zero_without_targets_gives_zero_loss(backend_name, monkeypatc
     """A window without targets: HF Trainer passes num_items_in_batch = 0 (a tensor); the patched model's loss is 0.0
     and every gradient exactly 0 (HF's 0 / 0 is NaN), on both backends, as an int, a 0-dim or a [1, 1] tensor."""
     monkeypatch.setenv("LEANTUNE_BACKEND", backend_name)
-    model = leantune.patch(tiny_peft_model("llama").train())
-    input_ids, labels = batch(rows=1, seq=5, pad_last=0)
+    model = leantune.patch(tiny_peft_model("llama", device=DEVICE).train())  # the card on CUDA
+    input_ids, labels = batch(rows=1, seq=5, pad_last=0, device=DEVICE)
     labels[:] = -100
     params = [p for p in model.parameters() if p.requires_grad]
-    for num_items in (torch.tensor(0), 0, torch.tensor([[0]])):
+    counts = (torch.tensor(0, device=DEVICE), 0, torch.tensor([[0]], device=DEVICE))
+    if DEVICE != "cpu":
+        counts += (torch.tensor(0),)  # a CPU 0-dim beside CUDA logits (HF Trainer's num_items_in_batch may be one)
+    for num_items in counts:
         loss = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
         assert loss.item() == 0.0
         for g in torch.autograd.grad(loss.sum(), params):

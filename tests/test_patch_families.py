@@ -3,6 +3,9 @@
 Each family is a tiny random model (2 layers, hidden 96, 6/2 heads, head_dim 16, vocab 1000) with its norms perturbed
 away from their init and PEFT LoRA on all 7 projections with non-zero B, so every fused path and every LoRA gradient
 is non-trivial. The unpatched model is the reference: loss rel <= 1e-5, LoRA gradients rel <= 1e-4 (fp32).
+
+The models and batches live on ``conftest.DEVICE`` (the CPU here, the Triton backend through the interpreter; the card
+on CUDA), where every test of this module runs with TF32 off for cuBLAS (the fp32 reference keeps full fp32 products).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import gc
 
 import pytest
 import torch
+from conftest import DEVICE
 from peft import LoraConfig, get_peft_model
-from reference import rel_err
+from reference import fp32_products, rel_err
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import leantune
@@ -48,14 +52,15 @@ def tiny_config(family: str, layers: int = 2):
     return config
 
 
-def tiny_model(family: str, layers: int = 2):
-    """A random tiny causal LM of ``family`` with every RMSNorm weight perturbed (Llama init 1, Gemma init 0)."""
+def tiny_model(family: str, layers: int = 2, device: str | None = None):
+    """A random tiny causal LM of ``family`` with every RMSNorm weight perturbed (Llama init 1, Gemma init 0), fp32, on
+    ``device`` (None: the CPU, where from_config builds it)."""
     model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.2)
-    return model.float()
+    return model.float().to(device or "cpu")
 
 
 def lora_config(**kwargs):
@@ -64,13 +69,15 @@ def lora_config(**kwargs):
     return LoraConfig(**options)
 
 
-def tiny_peft_model(family: str, **lora_kwargs):
-    return get_peft_model(tiny_model(family), lora_config(**lora_kwargs))
+def tiny_peft_model(family: str, device: str | None = None, **lora_kwargs):
+    """:func:`tiny_model` on ``device`` with PEFT LoRA (:func:`lora_config`) on every projection."""
+    return get_peft_model(tiny_model(family, device=device), lora_config(**lora_kwargs))
 
 
-def batch(rows: int = 2, seq: int = 11, pad_last: int = 3):
-    """input_ids [rows, seq] and labels with the last ``pad_last`` positions of row 0 ignored."""
-    input_ids = torch.randint(3, VOCAB, (rows, seq))
+def batch(rows: int = 2, seq: int = 11, pad_last: int = 3, device: str | None = None):
+    """input_ids [rows, seq] (int64, on ``device``; None: the CPU) and labels with the last ``pad_last`` positions of
+    row 0 ignored."""
+    input_ids = torch.randint(3, VOCAB, (rows, seq), device=device)
     labels = input_ids.clone()
     if pad_last:
         labels[0, -pad_last:] = -100
@@ -93,6 +100,13 @@ def assert_grads_close(grads, ref_grads, tol=1e-4):
         assert ref.norm() > 0, f"{name}: reference gradient is zero (LoRA B must be non-zero)"
         err = rel_err(grads[name], ref)
         assert err <= tol, f"{name}: gradient relative error {err:.3g} > {tol}"
+
+
+@pytest.fixture(autouse=True)
+def _fp32_products():
+    """TF32 off for cuBLAS on CUDA in every test of this module (see the module docstring)."""
+    with fp32_products():
+        yield
 
 
 @pytest.fixture
@@ -150,8 +164,8 @@ def check_parity(model, input_ids, labels, op_calls, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_matches_hf(family, op_calls, monkeypatch):
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_peft_model(family)
-    input_ids, labels = batch()
+    model = tiny_peft_model(family, device=DEVICE)
+    input_ids, labels = batch(device=DEVICE)
     check_parity(model, input_ids, labels, op_calls, family)
 
     # generate (no labels: HF's forward with the patched modules; greedy tokens as HF's). min_new_tokens keeps a
@@ -169,10 +183,11 @@ def test_patched_matches_hf(family, op_calls, monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_patched_matches_hf_triton(family, op_calls, monkeypatch):
-    """The same parity through the real Triton kernels (interpreter on CPU): tiny sequence."""
+    """The same parity through the real Triton kernels (interpreter on the CPU, the card on CUDA): tiny sequence."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
-    model = tiny_peft_model(family)
-    input_ids, labels = batch(rows=1, seq=6, pad_last=1)
+    model = tiny_peft_model(family, device=DEVICE)
+    assert all(p.device.type == DEVICE for p in model.parameters())
+    input_ids, labels = batch(rows=1, seq=6, pad_last=1, device=DEVICE)
     check_parity(model, input_ids, labels, op_calls, family)
 
 
@@ -181,8 +196,8 @@ def test_loss_only_keeps_logits_bit_exact(family, monkeypatch):
     """With only the loss kind on, logits are HF's bit for bit in eval mode, with labels too (the loss then comes
     from the fused op); in training with labels they are None (never formed)."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_peft_model(family).eval()
-    input_ids, labels = batch()
+    model = tiny_peft_model(family, device=DEVICE).eval()
+    input_ids, labels = batch(device=DEVICE)
     with torch.no_grad():
         ref = model(input_ids=input_ids)
         ref_loss = model(input_ids=input_ids, labels=labels).loss
@@ -202,8 +217,8 @@ def test_loss_only_keeps_logits_bit_exact(family, monkeypatch):
 def test_gradient_checkpointing_same_gradients(family, monkeypatch):
     """Non-reentrant checkpointing recomputes the patched forwards (RoPE context included): same gradients."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_peft_model(family).train()
-    input_ids, labels = batch()
+    model = tiny_peft_model(family, device=DEVICE).train()
+    input_ids, labels = batch(device=DEVICE)
     ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
     leantune.patch(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -218,11 +233,11 @@ def test_gradient_checkpointing_same_gradients(family, monkeypatch):
 def test_patch_before_get_peft_model(family, op_calls, monkeypatch):
     """patch(hf_model) then get_peft_model: the LoRA layers PEFT inserts later are fused at forward time."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    base = tiny_model(family)
+    base = tiny_model(family, device=DEVICE)
     reference = get_peft_model(copy.deepcopy(base), lora_config())
     patched = get_peft_model(leantune.patch(base), lora_config())
     patched.load_state_dict(reference.state_dict())
-    input_ids, labels = batch()
+    input_ids, labels = batch(device=DEVICE)
     ref_loss, _, ref_grads = loss_and_grads(reference, input_ids, labels)
     op_calls.clear()
     loss, _, grads = loss_and_grads(patched, input_ids, labels)
@@ -237,8 +252,8 @@ def test_dropout_in_eval_and_train(monkeypatch):
     """LoRA dropout: off in eval (patched == HF exactly as without dropout); in train the fused ops drop (their
     own masks), so the loss differs from the no-dropout loss but gradients exist for every adapter."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_peft_model("llama", lora_dropout=0.3).eval()
-    input_ids, labels = batch()
+    model = tiny_peft_model("llama", device=DEVICE, lora_dropout=0.3).eval()
+    input_ids, labels = batch(device=DEVICE)
     ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
     leantune.patch(model)
     loss, _, grads = loss_and_grads(model, input_ids, labels)

@@ -17,7 +17,6 @@ torch's fallback there for fp32, one cuBLAS GEMM per expert).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import pickle
 
@@ -25,7 +24,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from peft import LoraConfig, get_peft_model
-from reference import rel_err
+from reference import fp32_products, rel_err
 from test_patch_families import assert_grads_close
 from test_patch_structures import model_from_config
 
@@ -91,21 +90,6 @@ def float64_grads(model, input_ids, labels):
         if getattr(module, "config", None) is not None:
             module.config._experts_implementation = "eager"
     return loss_and_grads(copy64, input_ids, labels)[2]
-
-
-@contextlib.contextmanager
-def fp32_products():
-    """Inside the block, fp32 GEMMs on CUDA run in full fp32 (no TF32), whatever another test of the process set;
-    restored after. On the CPU there is no TF32: nothing to do."""
-    if DEVICE != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def check_moe_parity(model_type, monkeypatch, rows=2, seq=9, nf4=None):

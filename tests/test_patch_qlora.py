@@ -4,11 +4,16 @@ the dequantised weights (fp32 tolerance), on both backends; a 4-bit layer the fu
 forward and the summary says why.
 
 PEFT + bitsandbytes itself is no fp32 reference on the CPU: bitsandbytes' CPU 4-bit matmul of this version is off
-from the dequantised weight by about 2e-3 (a bf16-level rounding), so it is compared within a loose bound only."""
+from the dequantised weight by about 2e-3 (a bf16-level rounding), so it is compared within a loose bound only.
+
+The models (the float64 twins too) and inputs live on ``conftest.DEVICE``: the CPU here (the Triton backend through
+the interpreter), the card on CUDA (bitsandbytes' CUDA 4-bit layout; TF32 off for cuBLAS there, the fp32 products
+must stay fp32 for the 1e-5 bar)."""
 
 import pytest
 import torch
-from reference import assert_close, loss_and_grads
+from conftest import DEVICE
+from reference import assert_close, fp32_products, loss_and_grads
 
 import leantune
 
@@ -17,6 +22,12 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 VOCAB = 160
+
+
+@pytest.fixture(autouse=True)
+def _fp32_products():
+    with fp32_products():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +43,7 @@ def saved_model(tmp_path_factory):
 def qlora(folder, compute_dtype=torch.float32):
     quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, device_map="cpu",
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, device_map=DEVICE,
                                                               dtype=torch.float32)
     torch.manual_seed(1)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
@@ -40,8 +51,9 @@ def qlora(folder, compute_dtype=torch.float32):
 
 
 def dequantised_twin(folder, quantised):
-    """The same model in float64 with every 4-bit weight replaced by its dequantised value and the same adapters."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    """The same model in float64 on DEVICE with every 4-bit weight replaced by its dequantised value and the same
+    adapters."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).to(DEVICE)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     model = peft.get_peft_model(model, lora)
     dense = dict(model.named_modules())
@@ -57,7 +69,7 @@ def dequantised_twin(folder, quantised):
 
 
 def test_patched_qlora_model_matches_the_dequantised_model_in_float64(saved_model, backend):
-    ids = torch.randint(0, VOCAB, (2, 24))
+    ids = torch.randint(0, VOCAB, (2, 24), device=DEVICE)
     model = qlora(saved_model)
     twin = dequantised_twin(saved_model, model)  # before anything runs: bitsandbytes' CPU path may repack weights
     ref_loss, ref_grads = loss_and_grads(twin, ids)
@@ -70,7 +82,7 @@ def test_patched_qlora_model_matches_the_dequantised_model_in_float64(saved_mode
     assert grads.keys() == ref_grads.keys() and grads
     for name, ref in ref_grads.items():
         assert_close(name, grads[name], ref, torch.float32)
-    assert abs(loss - peft_loss) < 1e-2 * abs(peft_loss)  # PEFT + bitsandbytes on the CPU: bf16-level
+    assert abs(loss - peft_loss) < 1e-2 * abs(peft_loss)  # PEFT + bitsandbytes (on the CPU: bf16-level)
 
 
 def test_a_4bit_layer_computing_in_another_dtype_keeps_pefts_forward(saved_model, monkeypatch):
@@ -80,7 +92,7 @@ def test_a_4bit_layer_computing_in_another_dtype_keeps_pefts_forward(saved_model
     summary = model.base_model.model.leantune_summary
     assert summary["counts"]["lora"] == 0
     assert any("compute dtype torch.bfloat16 differs" in why for why in summary["unpatched"].values()), summary
-    ids = torch.randint(0, VOCAB, (1, 16))
+    ids = torch.randint(0, VOCAB, (1, 16), device=DEVICE)
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
 
 
@@ -90,7 +102,7 @@ def test_leantune_quantize_after_peft_patches_and_matches_the_dequantised_model(
     from leantune.quantize import NF4Linear
 
     torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32).to(DEVICE)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                        init_lora_weights=False))
     done = leantune.quantize(model, "nf4")
@@ -98,7 +110,7 @@ def test_leantune_quantize_after_peft_patches_and_matches_the_dequantised_model(
     layer = model.base_model.model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj.base_layer, NF4Linear)
     assert type(layer.self_attn.q_proj.lora_A.default) is torch.nn.Linear  # adapters untouched
-    twin = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float64)
+    twin = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float64).to(DEVICE)
     twin = peft.get_peft_model(twin, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                      init_lora_weights=False))
     dense = dict(twin.named_modules())
@@ -110,7 +122,7 @@ def test_leantune_quantize_after_peft_patches_and_matches_the_dequantised_model(
         for name, p in model.named_parameters():
             if p.requires_grad:
                 params[name].copy_(p.double())
-    ids = torch.randint(0, VOCAB, (2, 24))
+    ids = torch.randint(0, VOCAB, (2, 24), device=DEVICE)
     ref_loss, ref_grads = loss_and_grads(twin, ids)
     peft_loss, _ = loss_and_grads(model, ids)  # PEFT's forward over NF4Linear: the same model, unfused
     leantune.patch(model)
@@ -130,11 +142,11 @@ def test_leantune_quantize_before_peft_is_the_documented_order(saved_model, dtyp
     bf16 in both orders), and leantune.patch fuses every layer."""
     from leantune.quantize import NF4Linear
 
-    ids = torch.randint(0, VOCAB, (2, 24))
+    ids = torch.randint(0, VOCAB, (2, 24), device=DEVICE)
     for targets in (["q_proj", "down_proj"], None, "all-linear"):  # all-linear last: the models patched below
         results = []
         for order in ("after", "before"):
-            model = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=dtype)
+            model = transformers.AutoModelForCausalLM.from_pretrained(saved_model, dtype=dtype).to(DEVICE)
             if order == "before":
                 assert leantune.quantize(model, "nf4")["layers"] == 2 * 7
             torch.manual_seed(1)

@@ -8,6 +8,10 @@ without RoPE (SmolLM3, EXAONE 4), sliding windows shorter than the sequence, Gra
 residual dropout on (the RNG reseeded before each forward, so both sides draw the same masks). Norms are perturbed
 away from their init and LoRA sits on every projection with non-zero B. The unpatched model is the reference (fp32):
 loss rel <= 1e-5, LoRA gradients rel <= 1e-4.
+
+The parity checks build on ``conftest.DEVICE`` (the CPU here, the Triton backend through the interpreter; the card on
+CUDA) and run with TF32 off for cuBLAS on CUDA (the fp32 reference keeps full fp32 products). The warning-path tests
+stay on the CPU: nothing of leantune's runs there.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import DEVICE
 from peft import LoraConfig, get_peft_model
-from reference import rel_err
+from reference import fp32_products, rel_err
 from test_patch_families import OPS, assert_grads_close, op_calls  # noqa: F401  (op_calls: a fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -54,16 +59,18 @@ GENERATE = ["phi3", "olmo2", "smollm3", "exaone4", "hunyuan_v1_dense"]  # fused 
 TRITON = ["phi3", "olmo2", "granite", "smollm3"]  # fused qkv/gate_up + partial rotary, width QK-norm, divisor, no-RoPE
 
 
-def tiny_model(model_type: str):
+def tiny_model(model_type: str, device: str | None = None):
+    """The tiny fp32 model of ``model_type`` (module docstring) on ``device`` (None: the CPU)."""
     return model_from_config(
         model_type, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         vocab_size=VOCAB, intermediate_size=96, max_position_embeddings=64, initializer_range=0.2,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, **EXTRA[model_type],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, device=device, **EXTRA[model_type],
     )
 
 
-def model_from_config(model_type: str, **config_fields):
-    """A random fp32 model of ``model_type`` with eager attention and its norms perturbed away from their init."""
+def model_from_config(model_type: str, *, device: str | None = None, **config_fields):
+    """A random fp32 model of ``model_type`` with eager attention and its norms perturbed away from their init, on
+    ``device`` (None: the CPU, where from_config builds it)."""
     config = AutoConfig.for_model(model_type, **config_fields)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
@@ -71,18 +78,18 @@ def model_from_config(model_type: str, **config_fields):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.2)
-    return model.float()
+    return model.float().to(device or "cpu")
 
 
-def tiny_peft_model(model_type: str):
+def tiny_peft_model(model_type: str, device: str | None = None):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(FAMILIES[model_type].projections), lora_dropout=0.0,
                       init_lora_weights=False)
-    return get_peft_model(tiny_model(model_type), lora)
+    return get_peft_model(tiny_model(model_type, device), lora)
 
 
 def loss_and_grads(model, input_ids, labels):
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)  # residual dropout: the same masks on both sides
+    torch.manual_seed(1234)  # residual dropout: the same masks on both sides (seeds CUDA's generator too)
     out = model(input_ids=input_ids, labels=labels)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -91,9 +98,15 @@ def loss_and_grads(model, input_ids, labels):
 
 
 def check_structure_parity(model_type, op_calls, rows=2, seq=9, generate=False):  # noqa: F811
+    with fp32_products():
+        _check_structure_parity(model_type, op_calls, rows, seq, generate)
+
+
+def _check_structure_parity(model_type, op_calls, rows, seq, generate):  # noqa: F811
     family = FAMILIES[model_type]
-    model = tiny_peft_model(model_type).train()
-    input_ids = torch.randint(3, VOCAB, (rows, seq))
+    model = tiny_peft_model(model_type, DEVICE).train()
+    assert all(p.device.type == DEVICE for p in model.parameters())
+    input_ids = torch.randint(3, VOCAB, (rows, seq), device=DEVICE)
     labels = input_ids.clone()
     labels[0, -2:] = -100
     ref_loss, ref_grads = loss_and_grads(model, input_ids, labels)
@@ -154,7 +167,8 @@ def test_structure_matches_hf(model_type, op_calls, monkeypatch):  # noqa: F811
 
 @pytest.mark.parametrize("model_type", TRITON)
 def test_structure_matches_hf_triton(model_type, op_calls, monkeypatch):  # noqa: F811
-    """The same parity through the real Triton kernels (interpreter on CPU): one row of 5 tokens."""
+    """The same parity through the real Triton kernels (interpreter on the CPU, the card on CUDA): one row of 5
+    tokens."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
     check_structure_parity(model_type, op_calls, rows=1, seq=5)
 
@@ -166,11 +180,12 @@ def test_gate_up_with_dropout_in_training_stays_exact(monkeypatch):
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["gate_up_proj", "down_proj"], lora_dropout=0.3,
                       init_lora_weights=False)
-    model = get_peft_model(tiny_model("phi3"), lora).eval()
-    input_ids = torch.randint(3, VOCAB, (2, 7))
-    ref_loss, ref_grads = loss_and_grads(model, input_ids, input_ids)
-    leantune.patch(model)
-    loss, grads = loss_and_grads(model, input_ids, input_ids)
+    model = get_peft_model(tiny_model("phi3", DEVICE), lora).eval()
+    input_ids = torch.randint(3, VOCAB, (2, 7), device=DEVICE)
+    with fp32_products():
+        ref_loss, ref_grads = loss_and_grads(model, input_ids, input_ids)
+        leantune.patch(model)
+        loss, grads = loss_and_grads(model, input_ids, input_ids)
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
     model.train()
@@ -216,11 +231,12 @@ def test_fused_gate_up_without_lora_runs_the_glu_op(op_calls, monkeypatch):  # n
     (strided views); loss and LoRA gradients as HF's."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj"], init_lora_weights=False)
-    model = get_peft_model(tiny_model("phi3"), lora).train()
-    input_ids = torch.randint(3, VOCAB, (2, 7))
-    ref_loss, ref_grads = loss_and_grads(model, input_ids, input_ids)
-    leantune.patch(model)
-    loss, grads = loss_and_grads(model, input_ids, input_ids)
+    model = get_peft_model(tiny_model("phi3", DEVICE), lora).train()
+    input_ids = torch.randint(3, VOCAB, (2, 7), device=DEVICE)
+    with fp32_products():
+        ref_loss, ref_grads = loss_and_grads(model, input_ids, input_ids)
+        leantune.patch(model)
+        loss, grads = loss_and_grads(model, input_ids, input_ids)
     assert op_calls["swiglu"] == 2 and op_calls["lora_mlp"] == 0 and model.leantune_summary["counts"]["mlp"] == 2
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)

@@ -1,13 +1,20 @@
 """Tiled MLP: float64 references on both backends (the fused LoRA MLP per tile), the whole model tiled vs untiled
 (bit-identical where per-row results do not depend on the tile; parameter gradients are summed over tiles),
-dropout masks reproduced in the recompute, and composition with checkpointing and offloaded checkpoints."""
+dropout masks reproduced in the recompute, and composition with checkpointing and offloaded checkpoints.
+
+The float64 references, the dropout recompute and the functional case run on ``conftest.DEVICE`` (the CPU here, the
+Triton backend through the interpreter; the card on CUDA, TF32 off for cuBLAS there). The tiled-vs-untiled cases stay
+on the CPU on purpose: their bit-identity across tile sizes is a property of the CPU's GEMMs (cuBLAS may pick another
+kernel, another summation order, for another row count).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import assert_close, grads64, lora_linear_ref, rel_err, swiglu_ref
+from conftest import DEVICE
+from reference import assert_close, fp32_products, grads64, lora_linear_ref, rel_err, swiglu_ref
 from test_offload import NON_REENTRANT, VOCAB, step, tiny_llama_lora
 from torch.utils.checkpoint import checkpoint
 
@@ -43,8 +50,14 @@ def mlp_ref(x, *tensors, scalings):
 
 @pytest.mark.parametrize("shape", [(2, 7), (1, 13)])
 def test_tiled_lora_mlp_matches_float64(backend, shape, monkeypatch):
-    """Each tile runs ops.lora_mlp (Triton through the interpreter, or torch); tile 5 divides neither 14 nor 13."""
-    model = tiny_llama_lora()
+    """Each tile runs ops.lora_mlp (Triton through the interpreter or on the card, or torch); tile 5 divides neither 14
+    nor 13."""
+    with fp32_products():
+        _check_tiled_lora_mlp(shape, monkeypatch)
+
+
+def _check_tiled_lora_mlp(shape, monkeypatch):
+    model = tiny_llama_lora().to(DEVICE)
     leantune.patch(model)
     enable_tiled_mlp(model, tile_tokens=5)
     mlp = first_mlp(model)
@@ -55,8 +68,9 @@ def test_tiled_lora_mlp_matches_float64(backend, shape, monkeypatch):
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(ops, "lora_mlp", counting)
-    x = torch.randn(*shape, 64, requires_grad=True)
+    x = torch.randn(*shape, 64, device=DEVICE, requires_grad=True)
     params = lora_params(mlp)
+    assert all(t.device.type == DEVICE for w, a, b, _ in params for t in (w, a, b))
     leaves = [x] + [t for w, a, b, _ in params for t in (w, a, b)]
     y = mlp(x)
     grad_y = torch.randn_like(y)
@@ -76,7 +90,8 @@ def test_tiled_lora_mlp_matches_float64(backend, shape, monkeypatch):
 @pytest.mark.parametrize("patched", [False, True], ids=["hf", "leantune"])
 def test_model_tiled_equals_untiled(patched, monkeypatch):
     """Tile 48 over 2 x 61 tokens (does not divide): loss and every gradient outside the MLP bit-identical (dX rows
-    do not depend on the tile here); MLP LoRA gradients are summed over tiles: equal within fp32 rounding."""
+    do not depend on the tile here); MLP LoRA gradients are summed over tiles: equal within fp32 rounding. On the CPU
+    on purpose (module docstring)."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     model = tiny_llama_lora()
     if patched:
@@ -106,14 +121,14 @@ def test_dropout_masks_reproduced_in_recompute(patched, checkpointed, monkeypatc
     """With LoRA dropout, each tile's recompute draws its forward masks again: gradients equal those of the same
     tiles run with autograd from the same seed (without the RNG restore they would not)."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_llama_lora(lora_dropout=0.3)
+    model = tiny_llama_lora(lora_dropout=0.3).to(DEVICE)  # on CUDA: the recompute restores CUDA's RNG state
     if patched:
         leantune.patch(model)
     mlp = first_mlp(model)
     inner = mlp.forward
     enable_tiled_mlp(model, tile_tokens=4)
-    x = torch.randn(2, 5, 64, requires_grad=True)
-    grad_y = torch.randn(2, 5, 64)
+    x = torch.randn(2, 5, 64, device=DEVICE, requires_grad=True)
+    grad_y = torch.randn(2, 5, 64, device=DEVICE)
     wanted = [x] + [p for p in mlp.parameters() if p.requires_grad]
 
     torch.manual_seed(1234)
@@ -131,6 +146,7 @@ def test_dropout_masks_reproduced_in_recompute(patched, checkpointed, monkeypatc
 
 
 def test_tiled_with_checkpointing_and_offload(monkeypatch):
+    """On the CPU on purpose: the loss is bit-identical across tile sizes there (module docstring)."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     model = tiny_llama_lora()
     leantune.patch(model)
@@ -147,16 +163,17 @@ def test_tiled_with_checkpointing_and_offload(monkeypatch):
 
 def test_functional_matches_float64_without_input_grad():
     """A plain callable with parameters; x needs no gradient (the first layer of a frozen stack)."""
-    w1 = torch.randn(40, 24, requires_grad=True)
-    w2 = torch.randn(24, 40, requires_grad=True)
-    x = torch.randn(3, 11, 24)
+    w1 = torch.randn(40, 24, device=DEVICE, requires_grad=True)
+    w2 = torch.randn(24, 40, device=DEVICE, requires_grad=True)
+    x = torch.randn(3, 11, 24, device=DEVICE)
 
     def forward(h):
         return F.silu(h @ w1.T) @ w2.T
 
-    y = tiled_mlp(forward, x, [w1, w2], tile_tokens=6)
-    grad_y = torch.randn_like(y)
-    d1, d2 = torch.autograd.grad(y, [w1, w2], grad_y)
+    with fp32_products():
+        y = tiled_mlp(forward, x, [w1, w2], tile_tokens=6)
+        grad_y = torch.randn_like(y)
+        d1, d2 = torch.autograd.grad(y, [w1, w2], grad_y)
     ref_y, (_, r1, r2) = grads64(lambda h, a, b: F.silu(h @ a.T) @ b.T, [x, w1, w2], grad_y)
     assert_close("y", y, ref_y, torch.float32)
     assert_close("dw1", d1, r1, torch.float32)
