@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.testing
 from conftest import ON_GPU
 from reference import rel_err
 from test_patch_families import batch, tiny_peft_model

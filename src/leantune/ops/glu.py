@@ -328,7 +328,7 @@ class GLUFunction(torch.autograd.Function):
         h = _forward(gate, up, activation, impl)
         ctx.save_for_backward(gate, up)
         ctx.activation, ctx.impl = activation, impl
-        return h
+        return _runtime.distinct_output(h)  # the torch path's h is an in-place product: see distinct_output
 
     @staticmethod
     @_runtime.first_derivative_only
