@@ -178,9 +178,10 @@ def _backward_triton(dh, gate, up, activation, inplace, *, block=None, num_warps
         dh2d.stride(0), g2d.stride(0), u2d.stride(0), d_gate.stride(0), d_up.stride(0), n_cols, blocks_per_row,
         ACTIVATION=activation, BLOCK=block, num_warps=num_warps or _runtime.num_warps_for(block),
     )
-    if inplace:  # the kernel wrote behind autograd's back: let saved-tensor checks see the change
-        torch.autograd.graph.increment_version(gate)
-        torch.autograd.graph.increment_version(up)
+    if inplace:
+        if not torch.compiler.is_compiling():  # the kernel wrote behind autograd's back: let saved-tensor checks
+            torch.autograd.graph.increment_version(gate)  # see the change (traced, the writes are functionalised)
+            torch.autograd.graph.increment_version(up)
         return gate, up
     return d_gate.view(gate.shape), d_up.view(up.shape)
 
