@@ -11,9 +11,10 @@ exactly; the others keep PEFT's forward).
 RoPE has no per-instance seam in transformers 5 (the attention forward calls the module-level
 ``apply_rotary_pos_emb``), so the family's modeling module gets a dispatcher while any patched attention module
 uses it (:func:`acquire_rope` / :func:`release_rope`, counted per module by :func:`bind` / :func:`unbind`); it
-runs ``ops.rope`` only inside the forward of a patched attention module (a context variable set there, holding the
-family's rope kind: "half_freqs" cos/sin are widened to one column per rotated dim first), so an
-unpatched model keeps HF's exact function.
+runs ``ops.rope`` only inside HF's forward of a patched attention module (a context variable set there in eager
+mode, holding the family's rope kind: "half_freqs" cos/sin are widened to one column per rotated dim first), so an
+unpatched model keeps HF's exact function. leantune's own copy of the attention passes the kind to
+:func:`._common.rotate` directly (and under torch.compile serves every patched attention whose kind is on).
 """
 
 from __future__ import annotations
