@@ -115,19 +115,20 @@ def test_each_op_compiles_fullgraph_like_eager(index, monkeypatch):
     _compiled_matches_eager(fn, leaves)
 
 
-@pytest.mark.parametrize("targets", ["all", "mlp"])
-def test_patched_model_training_step_compiles_fullgraph_like_eager(targets, monkeypatch):
+@pytest.mark.parametrize("targets, rope", [("all", True), ("mlp", True), ("mlp", False)],
+                         ids=["lora-all", "lora-mlp", "lora-mlp-rope-off"])
+def test_patched_model_training_step_compiles_fullgraph_like_eager(targets, rope, monkeypatch):
     """A patched Llama + PEFT LoRA model with (non-reentrant) gradient checkpointing: forward, fused loss and
     backward in one graph (no RoPE-flag, import, input-embedding hook or deferred-flag breaks), the loss and every
-    LoRA gradient as the eager step's, no recompile for a new batch, and ``ops.rope`` in the graph. ``"mlp"``: LoRA
-    on the MLP only, so eager runs HF's attention forward (the rope kind in a flag its dispatcher reads) while the
-    compiled step runs leantune's copy (the kind passed as an argument: no flag to mutate in the checkpointed
-    layer, which torch 2.11 cannot trace)."""
+    LoRA gradient as the eager step's, no recompile for a new batch, and ``ops.rope`` in the graph exactly when the
+    rope kind is on. LoRA on the MLP only: eager runs HF's attention forward (the rope kind in a flag its dispatcher
+    reads) while the compiled step runs leantune's copy (the kind passed as an argument: no flag to mutate in the
+    checkpointed layer, which torch 2.11 cannot trace), or HF's forward with no flag when the kind is off."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     mlp = ["gate_proj", "up_proj", "down_proj"]
     model = tiny_peft_model("llama", **({"target_modules": mlp} if targets == "mlp" else {}))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    leantune.patch(model)
+    leantune.patch(model, rope=rope)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
@@ -151,7 +152,7 @@ def test_patched_model_training_step_compiles_fullgraph_like_eager(targets, monk
         assert rel_err(grads[name], ref) <= 1e-5, f"{name}: {rel_err(grads[name], ref):.3g}"
     assert counter.frame_count == 1
     graph_code = "".join(g.print_readable(print_output=False) for g in counter.graphs)
-    assert "in _rope_torch" in graph_code, "ops.rope was not traced: HF's rotation ran instead"
+    assert ("in _rope_torch" in graph_code) == rope, f"ops.rope {'not ' if rope else ''}traced with rope={rope}"
     input_ids, labels = batch()
     loss_and_grads(compiled, input_ids, labels)
     assert counter.frame_count == 1, "a new batch of the same shape recompiled"

@@ -103,10 +103,14 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     projections = [getattr(self, name) for name in state.family.attention_projections]
     # each projection's PEFT state read once per forward; None: LoRA fusion off
     statuses = [lora_status(m) for m in projections] if state.lora else [None] * len(projections)
-    if any(s is not None and fusable(s) for s in statuses) or (kind and torch.compiler.is_compiling()):
+    compiling = torch.compiler.is_compiling()
+    if any(s is not None and fusable(s) for s in statuses) or (kind and compiling):
         return _fused_attention(self, state.family, kind, statuses, hidden_states, position_embeddings,
                                 attention_mask, past_key_values, **kwargs)
-    token = set_rope_active(kind)  # eager only (traced, kind is False here and the dispatcher reads no flag)
+    if compiling:  # kind is False here, and the dispatcher reads no flag while tracing: HF's function
+        return call_original(self, hidden_states, position_embeddings=position_embeddings,
+                             attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+    token = set_rope_active(kind)
     try:
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
