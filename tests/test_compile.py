@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.testing
 from conftest import ON_GPU
 from reference import rel_err
 from test_patch_families import batch, tiny_peft_model
@@ -114,14 +115,20 @@ def test_each_op_compiles_fullgraph_like_eager(index, monkeypatch):
     _compiled_matches_eager(fn, leaves)
 
 
-def test_patched_model_training_step_compiles_fullgraph_like_eager(monkeypatch):
+@pytest.mark.parametrize("targets, rope", [("all", True), ("mlp", True), ("mlp", False)],
+                         ids=["lora-all", "lora-mlp", "lora-mlp-rope-off"])
+def test_patched_model_training_step_compiles_fullgraph_like_eager(targets, rope, monkeypatch):
     """A patched Llama + PEFT LoRA model with (non-reentrant) gradient checkpointing: forward, fused loss and
     backward in one graph (no RoPE-flag, import, input-embedding hook or deferred-flag breaks), the loss and every
-    LoRA gradient as the eager step's, no recompile for a new batch."""
+    LoRA gradient as the eager step's, no recompile for a new batch, and ``ops.rope`` in the graph exactly when the
+    rope kind is on. LoRA on the MLP only: eager runs HF's attention forward (the rope kind in a flag its dispatcher
+    reads) while the compiled step runs leantune's copy (the kind passed as an argument: no flag to mutate in the
+    checkpointed layer, which torch 2.11 cannot trace), or HF's forward with no flag when the kind is off."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_peft_model("llama")
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    model = tiny_peft_model("llama", **({"target_modules": mlp} if targets == "mlp" else {}))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    leantune.patch(model)
+    leantune.patch(model, rope=rope)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
@@ -144,6 +151,8 @@ def test_patched_model_training_step_compiles_fullgraph_like_eager(monkeypatch):
         assert ref.norm() > 0, name
         assert rel_err(grads[name], ref) <= 1e-5, f"{name}: {rel_err(grads[name], ref):.3g}"
     assert counter.frame_count == 1
+    graph_code = "".join(g.print_readable(print_output=False) for g in counter.graphs)
+    assert ("in _rope_torch" in graph_code) == rope, f"ops.rope {'not ' if rope else ''}traced with rope={rope}"
     input_ids, labels = batch()
     loss_and_grads(compiled, input_ids, labels)
     assert counter.frame_count == 1, "a new batch of the same shape recompiled"
@@ -170,10 +179,25 @@ def test_inductor_compiles_rms_norm_and_swiglu(monkeypatch):
                             _leaves((5, 12), (12,), (5, 12)), backend="inductor")
 
 
+# Seen on the card (torch 2.11.0+cu130, triton 3.6, 2026-12-02): inductor's recompile of the fused loss's forward
+# kernel with HAS_SOFTCAP and WRITE_GRAD on failed ("Triton compilation failed: _cross_entropy_forward_kernel_0",
+# no more detail kept); aot_eager runs the same launch. Strict: a pass there fails this test, so docs/design.md
+# ("torch.compile") is corrected when it changes.
+_INDUCTOR_XFAIL = {"linear_cross_entropy fast": "inductor could not compile the fused loss's softcap forward kernel "
+                                               "(torch 2.11, triton 3.6; cause unknown)"}
+
+
+def _triton_params():
+    for backend in ("aot_eager", "inductor"):
+        for index, (name, _, _) in enumerate(_cases()):
+            reason = _INDUCTOR_XFAIL.get(name) if backend == "inductor" else None
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            yield pytest.param(index, backend, id=f"{name}-{backend}", marks=marks)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Triton kernels under dynamo)")
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("index", range(len(_cases())), ids=[name for name, _, _ in _cases()])
+@pytest.mark.parametrize("index, backend", _triton_params())
 def test_triton_path_compiles(index, backend, monkeypatch):
     """The Triton launches inside the ops' nodes, traced by dynamo as user-defined Triton kernels."""
     import torch._inductor.config

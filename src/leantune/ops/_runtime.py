@@ -180,6 +180,21 @@ def first_derivative_only(backward: Callable) -> Callable:
     return wrapper
 
 
+def distinct_output(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a new view (``t.view_as(t)``) while torch.compile traces; ``t`` itself in eager mode. Every op's
+    ``autograd.Function.forward`` returns each differentiable output through this.
+
+    Why: torch 2.11's dynamo makes every tensor a traced forward created an extra output of its subgraph. The
+    result of an in-place op (``act.mul_(up)``), or of a ``.to()``/``.float()`` that changes nothing, is the same
+    tensor as its operand; returned, it appears twice among the outputs, autograd wires its gradient edge to the
+    last copy (an unused extra output) and backward receives zeros for the real one: silent zero gradients
+    (pytorch/pytorch#180642; fixed for 2.12 by pytorch/pytorch#180921). A view is a tensor of its own, so no extra
+    output can be it. Outputs marked non-differentiable are returned as they are (the mark is on that tensor).
+    Costs one ``torch.compiler.is_compiling()`` read per eager call (0.11 us).
+    """
+    return t.view_as(t) if torch.compiler.is_compiling() else t
+
+
 # ---------------------------------------------------------------------------------------------------- input checks
 def check_tensor(name: str, t, *, float_only: bool = True) -> None:
     """Raise ValueError unless ``t`` is a tensor of a supported float dtype (fp32, fp16, bf16)."""

@@ -406,10 +406,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(logits, labels, lse, divisor)
         ctx.impl, ctx.opts, ctx.reduction = impl, opts, reduction
         if not with_lse:
-            return reduce(loss, reduction, divisor)
+            return _runtime.distinct_output(reduce(loss, reduction, divisor))
         out_lse = lse.clone()  # return_z_loss reads it; the saved one stays unshared
         ctx.mark_non_differentiable(out_lse)
-        return reduce(loss, reduction, divisor), out_lse
+        return _runtime.distinct_output(reduce(loss, reduction, divisor)), out_lse
 
     @staticmethod
     @_runtime.first_derivative_only

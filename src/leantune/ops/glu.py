@@ -178,9 +178,10 @@ def _backward_triton(dh, gate, up, activation, inplace, *, block=None, num_warps
         dh2d.stride(0), g2d.stride(0), u2d.stride(0), d_gate.stride(0), d_up.stride(0), n_cols, blocks_per_row,
         ACTIVATION=activation, BLOCK=block, num_warps=num_warps or _runtime.num_warps_for(block),
     )
-    if inplace:  # the kernel wrote behind autograd's back: let saved-tensor checks see the change
-        torch.autograd.graph.increment_version(gate)
-        torch.autograd.graph.increment_version(up)
+    if inplace:
+        if not torch.compiler.is_compiling():  # the kernel wrote behind autograd's back: let saved-tensor checks
+            torch.autograd.graph.increment_version(gate)  # see the change (traced, the writes are functionalised)
+            torch.autograd.graph.increment_version(up)
         return gate, up
     return d_gate.view(gate.shape), d_up.view(up.shape)
 
@@ -328,7 +329,7 @@ class GLUFunction(torch.autograd.Function):
         h = _forward(gate, up, activation, impl)
         ctx.save_for_backward(gate, up)
         ctx.activation, ctx.impl = activation, impl
-        return h
+        return _runtime.distinct_output(h)  # the torch path's h is an in-place product: see distinct_output
 
     @staticmethod
     @_runtime.first_derivative_only

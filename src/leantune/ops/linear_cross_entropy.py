@@ -227,7 +227,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 ctx.save_for_backward(h, w, b, labels, lse, divisor)
         picked = [lse.clone() if name == "lse" else stats[name] for name in statistics] if statistics else []
         ctx.mark_non_differentiable(*picked)
-        return (reduce(loss, reduction, divisor), *picked)
+        return (_runtime.distinct_output(reduce(loss, reduction, divisor)), *picked)
 
     @staticmethod
     @_runtime.first_derivative_only

@@ -148,7 +148,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
         if any(wants):
             ctx.save_for_backward(h, w, b, tokens, lse, entropy)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no entropy pass without one
-        return log_probs if entropy is None else (log_probs, entropy)
+        log_probs = _runtime.distinct_output(log_probs)
+        return log_probs if entropy is None else (log_probs, _runtime.distinct_output(entropy))
 
     @staticmethod
     @_runtime.first_derivative_only

@@ -190,7 +190,7 @@ class RMSNormFunction(torch.autograd.Function):
         y, rstd = forward(x2d, weight, eps, offset, gemma, out_dtype)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.impl, ctx.offset, ctx.gemma, ctx.x_shape = impl, offset, gemma, x.shape
-        return y.view(x.shape)
+        return _runtime.distinct_output(y.view(x.shape))
 
     @staticmethod
     @_runtime.first_derivative_only

@@ -249,7 +249,7 @@ class RoPEFunction(torch.autograd.Function):
         ctx.save_for_backward(cos, sin)
         ctx.impl = impl
         ctx.meta = (q_meta, k_meta)
-        return q_out, k_out
+        return _runtime.distinct_output(q_out), _runtime.distinct_output(k_out)
 
     @staticmethod
     @_runtime.first_derivative_only

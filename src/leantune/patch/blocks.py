@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ._common import call_original, reset_rope_active, served, set_rope_active
+from ._common import call_original, hf_rope, reset_rope_active, rotate, served, set_rope_active
 from .families import Family
 from .lora_status import fusable, fused_group, lora_status, project
 
@@ -88,21 +88,30 @@ def _gated(self, state, family: Family, x, modules, statuses):
 # ------------------------------------------------------------------------------------------------------ attention
 def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                       **kwargs):
-    """The family's attention with ``ops.rope`` (through the dispatcher, when the rope kind is on and the family
-    rotates split halves). When any projection carries fusable LoRA, leantune's copy of the attention runs
-    (``ops.lora_qkv`` for separate q/k/v when all three can be served in one call, ``ops.lora_linear`` per
-    projection otherwise, a fused ``qkv_proj`` included); else HF's own forward runs."""
-    if not served(hidden_states):  # before the RoPE flag: HF's own function then serves the rotation too
+    """The family's attention with ``ops.rope`` (when the rope kind is on and the family rotates split halves).
+    When any projection carries fusable LoRA, leantune's copy of the attention runs (``ops.lora_qkv`` for separate
+    q/k/v when all three can be served in one call, ``ops.lora_linear`` per projection otherwise, a fused
+    ``qkv_proj`` included), handing the rope kind to the rotation; else HF's own forward runs, with the rope kind in
+    the flag its ``apply_rotary_pos_emb`` (leantune's dispatcher) reads. Under torch.compile the copy also serves an
+    attention without fusable LoRA whose rope kind is on (projections then through their own modules): the flag is
+    a mutation, which torch 2.11 cannot trace inside a checkpointed layer (see :mod:`._common`)."""
+    if not served(hidden_states):  # HF's own function then serves the rotation too
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     state = self._leantune
-    token = set_rope_active(state.family.rope if state.rope else False)  # the dispatcher reads the rope kind
+    kind = state.family.rope if state.rope else False  # "half" / "half_freqs" (ops.rope) or False (HF's function)
+    projections = [getattr(self, name) for name in state.family.attention_projections]
+    # each projection's PEFT state read once per forward; None: LoRA fusion off
+    statuses = [lora_status(m) for m in projections] if state.lora else [None] * len(projections)
+    compiling = torch.compiler.is_compiling()
+    if any(s is not None and fusable(s) for s in statuses) or (kind and compiling):
+        return _fused_attention(self, state.family, kind, statuses, hidden_states, position_embeddings,
+                                attention_mask, past_key_values, **kwargs)
+    if compiling:  # kind is False here, and the dispatcher reads no flag while tracing: HF's function
+        return call_original(self, hidden_states, position_embeddings=position_embeddings,
+                             attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+    token = set_rope_active(kind)
     try:
-        projections = [getattr(self, name) for name in state.family.attention_projections]
-        statuses = [lora_status(m) for m in projections] if state.lora else []  # read once per forward
-        if any(fusable(s) for s in statuses):
-            return _fused_attention(self, state.family, statuses, hidden_states, position_embeddings,
-                                    attention_mask, past_key_values, **kwargs)
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     finally:
@@ -115,7 +124,7 @@ def _qkv(self, family: Family, statuses, hidden_states):
         q_size = self.config.num_attention_heads * self.head_dim
         kv_size = self.config.num_key_value_heads * self.head_dim
         return qkv.split([q_size, kv_size, kv_size], dim=-1)
-    group = fused_group(statuses[:3], dora=True)
+    group = fused_group(statuses[:3], dora=True) if all(s is not None for s in statuses[:3]) else None
     if group is not None:
         (q_w, k_w, v_w), p, training = group
         return ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training)
@@ -124,7 +133,7 @@ def _qkv(self, family: Family, statuses, hidden_states):
                  for m, status in zip((self.q_proj, self.k_proj, self.v_proj), statuses))
 
 
-def _fused_attention(self, family: Family, statuses, hidden_states, position_embeddings, attention_mask,
+def _fused_attention(self, family: Family, kind, statuses, hidden_states, position_embeddings, attention_mask,
                      past_key_values, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -141,7 +150,7 @@ def _fused_attention(self, family: Family, statuses, hidden_states, position_emb
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if family.rope_if is None or family.rope_if(self):
         cos, sin = position_embeddings
-        query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
+        query, key = rotate(kind, hf_rope(modeling.apply_rotary_pos_emb), query, key, cos, sin)
     if family.qk_norm == "head_after_rope":
         query, key = q_norm(query), k_norm(key)
     if past_key_values is not None:

@@ -11,9 +11,10 @@ exactly; the others keep PEFT's forward).
 RoPE has no per-instance seam in transformers 5 (the attention forward calls the module-level
 ``apply_rotary_pos_emb``), so the family's modeling module gets a dispatcher while any patched attention module
 uses it (:func:`acquire_rope` / :func:`release_rope`, counted per module by :func:`bind` / :func:`unbind`); it
-runs ``ops.rope`` only inside the forward of a patched attention module (a context variable set there, holding the
-family's rope kind: "half_freqs" cos/sin are widened to one column per rotated dim first), so an
-unpatched model keeps HF's exact function.
+runs ``ops.rope`` only inside HF's forward of a patched attention module (a context variable set there in eager
+mode, holding the family's rope kind: "half_freqs" cos/sin are widened to one column per rotated dim first), so an
+unpatched model keeps HF's exact function. leantune's own copy of the attention passes the kind to
+:func:`._common.rotate` directly (and under torch.compile serves every patched attention whose kind is on).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from .. import ops
 from ._common import call_original as _call_original
 from ._common import rope_active as _rope_active
+from ._common import rotate as _rotate
 from ._common import served as _served
 from .blocks import attention_forward, mlp_forward
 from .document_attention import remember_single_sequences
@@ -61,33 +63,10 @@ _rope_users: dict[str, weakref.WeakSet] = {}
 _rope_originals: dict[str, object] = {}
 
 
-def _rope_fits(q, k, cos, sin) -> bool:
-    if not _served(q, k, cos, sin):
-        return False
-    if q.dim() != 4 or k.dim() != 4 or cos.shape != sin.shape or cos.dim() not in (2, 3):
-        return False
-    rotary_dim = cos.shape[-1]
-    if rotary_dim % 2 or rotary_dim > q.shape[-1] or q.shape[-1] != k.shape[-1]:
-        return False
-    if cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0]):
-        return False
-    return cos.shape[-2] == q.shape[-2] == k.shape[-2]
-
-
 def _make_rope_dispatch(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        kind = _rope_active()  # the family's rope kind inside a patched attention forward, else False
-        if kind and unsqueeze_dim == 1 and torch.is_tensor(q) and torch.is_tensor(cos) and torch.is_tensor(sin):
-            wide_cos, wide_sin = cos, sin
-            if kind == "half_freqs":  # one column per frequency (gpt-oss): ops.rope wants one per rotated dim
-                if cos.shape[-1] * 2 != q.shape[-1]:
-                    return original(q, k, cos, sin, unsqueeze_dim)
-                wide_cos, wide_sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-            if _rope_fits(q, k, wide_cos, wide_sin):
-                if wide_cos.dim() == 3 and wide_cos.shape[0] == 1 and q.shape[0] != 1:
-                    wide_cos, wide_sin = wide_cos[0], wide_sin[0]  # one position row for the whole batch: [S, R]
-                return ops.rope(q, k, wide_cos, wide_sin)
-        return original(q, k, cos, sin, unsqueeze_dim)
+        # the family's rope kind inside a patched attention forward (eager mode), else False
+        return _rotate(_rope_active(), original, q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.__doc__ = f"leantune dispatcher: ops.rope inside patched attention, else {original!r}."
     apply_rotary_pos_emb._leantune_original = original

@@ -8,6 +8,7 @@ A projection is fused only when ``ops.lora_linear`` computes exactly what PEFT's
 from __future__ import annotations
 
 import functools
+import sys
 
 from torch import nn
 
@@ -24,14 +25,11 @@ def _peft_lora_linear():
     return Linear
 
 
-@functools.lru_cache(maxsize=1)
 def _peft_lora_linear4bit():
-    """PEFT's LoRA layer over a bitsandbytes ``Linear4bit`` (QLoRA), or None without bitsandbytes."""
-    try:
-        from peft.tuners.lora.bnb import Linear4bit
-    except ImportError:
-        return None
-    return Linear4bit
+    """PEFT's LoRA layer over a bitsandbytes ``Linear4bit`` (QLoRA), or None while its module is not imported (then
+    no module is one). Read from ``sys.modules``, never imported here: without bitsandbytes the import fails, and
+    dynamo cannot trace a failing import (it traces through ``lru_cache``, so a cached None would not help)."""
+    return getattr(sys.modules.get("peft.tuners.lora.bnb"), "Linear4bit", None)
 
 
 _NF4_CACHE = "_leantune_nf4"  # on a bitsandbytes Linear4bit: (its packed codes' storage, the NF4Weight read from it)

@@ -102,7 +102,7 @@ class TiledMLPFunction(torch.autograd.Function):
         ctx.forward, ctx.bounds, ctx.lead, ctx.rng_states = forward, bounds, lead, rng_states
         ctx.params = params  # parameters themselves (leaves), not activations: the grads are taken against them
         ctx.autocast_states = _autocast_states(x.device.type)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return _runtime.distinct_output(out.view(*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -154,7 +154,7 @@ class LoraGroupFunction(torch.autograd.Function):
         plain = [None if isinstance(t, _QUANTIZED) else t for t in tensors]
         ctx.save_for_backward(x2d, seeds, *plain, *xas, *nf4_tensors)
         ctx.meta, ctx.count, ctx.x_shape = meta, count, x.shape
-        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+        return tuple(_runtime.distinct_output(y.view(*x.shape[:-1], y.shape[-1])) for y in ys)
 
     @staticmethod
     @_runtime.first_derivative_only
@@ -204,7 +204,7 @@ class LoraMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x2d, gate, up, seeds, *plain, xa_g, xa_u, xa_d, *nf4_tensors)
         ctx.metas, ctx.activation, ctx.x_shape, ctx.n_gu_lora = (meta_gu, meta_down), activation, x.shape, n_gu_lora
         ctx.used = False
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return _runtime.distinct_output(y.view(*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     @_runtime.first_derivative_only

@@ -145,7 +145,7 @@ class DoraGroupFunction(torch.autograd.Function):
                 saved += [u, scale, norm]
         ctx.save_for_backward(x2d, *tensors, *xas, *saved)
         ctx.meta, ctx.x_shape, ctx.count = meta, x.shape, len(entries)
-        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+        return tuple(_runtime.distinct_output(y.view(*x.shape[:-1], y.shape[-1])) for y in ys)
 
     @staticmethod
     @_runtime.first_derivative_only

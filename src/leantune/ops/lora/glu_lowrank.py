@@ -88,8 +88,9 @@ def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation
         BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=_runtime.rank_block(xa_g.shape[1]),
         BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), num_warps=num_warps,
     )
-    torch.autograd.graph.increment_version(gate)  # written behind autograd's back
-    torch.autograd.graph.increment_version(up)
+    if not torch.compiler.is_compiling():  # traced, the kernel's writes are functionalised: no version to bump
+        torch.autograd.graph.increment_version(gate)  # written behind autograd's back
+        torch.autograd.graph.increment_version(up)
     return h
 
 
@@ -101,8 +102,12 @@ def _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation)
 
 def _overlap_rows(a, b):
     """Whether the byte ranges spanned by two [N, I] tensors (any row stride) intersect; conservative for interleaved
-    row-strided halves of one buffer (e.g. a fused gate_up output), which the caller then must not pass."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+    row-strided halves of one buffer (e.g. a fused gate_up output), which the caller then must not pass. Under
+    torch.compile: False, unchecked (dynamo has no data pointers). The kernel's in-place writes are then traced as a
+    user-defined Triton kernel that mutates gate and up, which functionalisation serves with buffers of their own,
+    so nothing saved is overwritten there; :func:`leantune.ops.lora_mlp`, the one caller, passes two fresh
+    projection outputs either way."""
+    if torch.compiler.is_compiling() or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
     def span(t):
         start = t.data_ptr()
