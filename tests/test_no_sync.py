@@ -275,14 +275,17 @@ def test_document_attention_step_reads_nothing_back(watch, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_patched_moe_step_has_no_sync_on_gpu(model_type):
     """An MoE step (router, experts through ops.moe_experts with LoRA on the stacks, the aux loss, AdamW) under
-    set_sync_debug_mode("error"): HF's own no-mask aux loss (torch.bincount) would raise here."""
+    set_sync_debug_mode("error"): HF's own no-mask aux loss (torch.bincount) would raise here. On SDPA: HF's eager
+    attention builds its float mask from a CPU scalar (a sync of HF's, seen on the card), and gpt-oss, whose sinks
+    keep HF's eager attention, is left out for that reason."""
     from test_patch_moe import VOCAB, tiny_moe_peft
 
     torch.manual_seed(0)
     model = tiny_moe_peft(model_type, device="cuda").to(torch.bfloat16).train()
+    model.set_attn_implementation("sdpa")
     leantune.patch(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
     input_ids = torch.randint(3, VOCAB, (2, 32), device="cuda")
