@@ -39,7 +39,7 @@ def random_rows(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (7, 100), (33, 4099), (3, fp8.MAX_ONE_BLOCK + 9), (2, 0), (0, 5)])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 100), (9, 4099), (3, fp8.MAX_ONE_BLOCK + 9), (2, 0), (0, 5)])
 def test_quantize_rows_kernel_is_the_torch_quantisation_bit_for_bit(dtype, shape):
     t = random_rows(shape, dtype)
     assert_same_quantisation(fp8.quantize_rows(t), fp8._quantize_rows_torch(t), f"{dtype} {shape}")
@@ -108,7 +108,8 @@ def test_strided_inputs(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_grad_output_quantisation_is_the_fp32_product_quantised(dtype):
     """g = dY diag(s_w) formed inside the kernel: the codes of quantize_rows(dy.float() * scale), bit for bit."""
-    w = ops.quantize_fp8(torch.randn(4099, 6).to(DEVICE))  # out = 4099: dY rows of 4099 columns
+    scale = torch.rand(4099, device=DEVICE) * 1e-2 + 1e-4  # a weight of out = 4099 (its codes are not read)
+    w = ops.FP8Weight(torch.zeros(4099, 2, dtype=fp8.E4M3, device=DEVICE), scale, torch.bfloat16)
     dy = random_rows((6, 4099), dtype)
     dy[1, 7] = float("nan")
     got = fp8.quantize_grad_output(dy, w)
@@ -144,7 +145,7 @@ def test_each_backend_takes_its_own_path(monkeypatch):
     fp8.quantize_rows(t), fp8.quantize_grad_output(t, w), fp8._transposed(w)
 
 
-@pytest.mark.parametrize("shape", [(200, 130), (16, 48), (1, 1)])
+@pytest.mark.parametrize("shape", [(150, 130), (16, 48), (1, 1)])
 def test_transpose_kernel_writes_every_byte_of_the_workspace(shape):
     w = ops.quantize_fp8(torch.randn(shape).to(DEVICE))
     fp8._transposed_workspaces.pop((w.shape, w.device), None)  # a fresh, NaN-poisoned workspace

@@ -37,6 +37,26 @@ and the GEMM at bf16 rate. The row-wise kernel writes bf16; fp16/fp32 compute dt
 torch backend): the same quantisation, and the GEMM as fp32 matmuls of the e4m3 values (exact products), scaled
 after: what CI proves.
 
+Kernels (Triton backend: CUDA, or the interpreter on the CPU). The pieces around the GEMMs are two Triton kernels;
+the torch backend keeps the torch chains, which are the reference the kernels equal bit for bit
+(tests/test_fp8_kernels.py):
+- ``_quantize_rows_kernel``: s and q above in one pass over t (any strides; rows up to 16384 wide stay in registers,
+  wider ones loop twice over 4096-column blocks). With a column multiplier m it quantises t diag(m) formed in
+  registers: :func:`quantize_grad_output`, g = dY diag(s_w) without an fp32 copy of dY. The fp32 division is
+  ``tl.math.div_rn`` (Triton's ``/`` is approximate on the card); the absmax reduction and the clamp propagate NaN
+  explicitly; the rounding to e4m3 is integer arithmetic on the quotient's bits (Triton 3.6's interpreter casts
+  fp32 to float8e4nv wrongly: half away from zero, mantissa carries into the wrong exponent bit, subnormals
+  truncated), and bf16 inputs are read as their bits (a 16-bit shift is the exact fp32 value). One caveat on the
+  card: if Triton compiles fp32 arithmetic with flush-to-zero (its ``div_rn`` has been seen as ``div.rn.ftz.f32``;
+  the launch passes ``enable_reflect_ftz=False``), fp32 subnormals (< 2^-126) read as zero. That changes a code only
+  in rows whose absmax is below ~448 * 2^-117 ~ 2.7e-33 (the scale floor keeps every other row's subnormals below
+  half the smallest e4m3 step); tests/test_fp8_kernels.py::test_fp32_subnormal_inputs checks it on the card.
+- ``_transpose_kernel``: Wq^T into the reused workspace in 128 x 128 byte tiles.
+Bytes (predicted times at 4 TB/s, not yet measured on the card; the torch chains measured 0.242 ms for quant x at
+4096 x 4096 and 0.347 ms for the W^T copy of 14336 x 4096): quantising a bf16 [M, C] moves 3 B per element (2 read,
+1 written) + 4 B per row, 0.013 ms at 4096 x 4096 and 0.044 ms at 4096 x 14336; the fused dY quantisation the same
++ 4 B per column; the transpose 2 B per weight, 0.008 ms for 4096 x 4096 and 0.029 ms for 14336 x 4096.
+
 The activation quantisation runs here as a separate pass (the "naive FP8"); :func:`fp8_linear` takes an already
 quantised activation (``x_quantized=(x_fp8, x_scale)``) for kernels that emit one.
 """
@@ -126,7 +146,8 @@ def _e4m3_codes(v):
     a = bits & 0x7FFFFFFF
     # |v| >= 2^-6 (bits 0x3C800000), e4m3 normals: drop 20 of fp32's 23 mantissa bits to nearest even (a carry into
     # the exponent is the right result), rebias the exponent from 127 to 7 (120 << 3 in code units)
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    an = tl.minimum(a, 0x43E00000)  # 448: keeps NaN bits (discarded below) from overflowing int32 here
+    normal = ((an + 0x7FFFF + ((an >> 20) & 1)) >> 20) - (120 << 3)
     # |v| < 2^-6, e4m3 subnormals (spacing 2^-9): the code is round(|v| 2^9) = round(m 2^(e - 141)) with m the 24-bit
     # significand and e the biased fp32 exponent (e >= 1 here or 0 for fp32 subnormals, where the shift caps at 31
     # and the code is 0); a code of 8 is 2^-6, the smallest normal, encoded right by the same integer
