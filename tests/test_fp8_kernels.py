@@ -121,8 +121,10 @@ def test_fused_grad_output_quantisation_is_the_fp32_product_quantised(dtype):
 
 
 def test_grad_input_on_the_triton_backend_equals_the_torch_backend(monkeypatch):
-    w = ops.quantize_fp8(torch.randn(48, 32).to(DEVICE))
-    dy = torch.randn(5, 48, device=DEVICE, dtype=torch.bfloat16)
+    """dX through the fused dY quantisation equals the torch chain's. Dims not multiples of 16: both backends take
+    the emulated GEMM (on the card too), so the results compare exactly."""
+    w = ops.quantize_fp8(torch.randn(40, 36).to(DEVICE))
+    dy = torch.randn(5, 40, device=DEVICE, dtype=torch.bfloat16)
     got = fp8.fp8_grad_input(dy, w, out_dtype=torch.float32)
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     ref = fp8.fp8_grad_input(dy, w, out_dtype=torch.float32)
