@@ -3,6 +3,10 @@ against the torch path (``_quantize_rows_torch``, the reference, itself checked 
 tests/test_fp8.py) on the same device. Triton backend: the interpreter here, the card unchanged (conftest.DEVICE).
 Outputs come from the NaN-poisoning allocator (conftest), so an element a kernel forgot to write shows up."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import DEVICE, ON_GPU
@@ -190,3 +194,57 @@ def test_fp32_subnormal_inputs(dtype):
     dy = torch.linspace(-1, 1, 80).reshape(2, 40).to(DEVICE) * 2.0 ** -120
     assert_same_quantisation(fp8.quantize_grad_output(dy, w), fp8._quantize_rows_torch(dy * w.scale[None, :]),
                              "subnormal products")
+
+
+SM90_CHECK = r"""
+import json, os, re, subprocess, tempfile, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from leantune.ops import fp8
+
+def compile_sm90(kernel, signature, constexprs, aligned, num_warps):
+    src = ASTSource(fn=getattr(kernel, "fn", kernel), signature=signature, constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})  # what a launch at 4096 specialises
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    info = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                          text=True).stderr
+    os.unlink(f.name)
+    return sorted(set(re.findall(r"\b(?:div|mul|abs|max|min|ld\.global|st\.global)\.[A-Za-z0-9.]+", ptx))), info
+
+quant = {"T": "*i16", "M": "*fp32", "Q": "*u8", "S": "*fp32", "stride_row": "i32", "stride_col": "constexpr",
+         "n_rows": "i32", "n_cols": "i32", "BF16_BITS": "constexpr", "HAS_MULTIPLIER": "constexpr",
+         "BLOCK": "constexpr", "ROWS": "constexpr", "ONE_BLOCK": "constexpr"}
+out = {}
+for name, fp32, one in (("bf16 dY one block", False, True), ("fp32 loop", True, False)):
+    sig = dict(quant, T="*fp32") if fp32 else quant
+    out[name] = compile_sm90(fp8._quantize_rows_kernel, sig, {"stride_col": 1, "BF16_BITS": not fp32,
+                             "HAS_MULTIPLIER": not fp32, "BLOCK": 4096, "ROWS": 1, "ONE_BLOCK": one},
+                             (0, 1, 2, 3, 4, 6, 7), 8)
+out["transpose"] = compile_sm90(fp8._transpose_kernel, {"W": "*u8", "WT": "*u8", "n_rows": "i32", "n_cols": "i32",
+                                "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}, {"BLOCK_R": 128, "BLOCK_C": 128},
+                                (0, 1, 2, 3), 8)
+print(json.dumps(out))
+"""
+
+
+def test_sm90_code_is_ieee_and_vectorised():
+    """The kernels compiled for sm_90 (Triton's compiler and ptxas, no GPU needed; a fresh process, since this one
+    interprets): IEEE fp32 division, product and abs (no flush-to-zero, no approximate divide), NaN-propagating
+    max, 128-bit global loads and stores, no spills. What the interpreter cannot show about the card's code."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done = subprocess.run([sys.executable, "-c", SM90_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, (ops_, info) in found.items():
+        assert "ld.global.v4.b32" in ops_ and "st.global.v4.b32" in ops_, (name, ops_)
+        assert "0 bytes spill stores" in info, (name, info)
+        if name != "transpose":
+            assert "div.rn.f32" in ops_ and "max.NaN.f32" in ops_, (name, ops_)
+            assert not [op for op in ops_ if ".ftz" in op or "approx" in op or "div.full" in op], (name, ops_)
+    assert "mul.f32" in found["bf16 dY one block"][0]  # the multiplier's product, IEEE

@@ -45,12 +45,9 @@ the torch backend keeps the torch chains, which are the reference the kernels eq
   registers: :func:`quantize_grad_output`, g = dY diag(s_w) without an fp32 copy of dY. The fp32 division is
   ``tl.math.div_rn`` (Triton's ``/`` is approximate on the card); the absmax reduction and the clamp propagate NaN
   explicitly; the rounding to e4m3 is integer arithmetic on the quotient's bits (Triton 3.6's interpreter casts
-  fp32 to float8e4nv wrongly: half away from zero, mantissa carries into the wrong exponent bit, subnormals
-  truncated), and bf16 inputs are read as their bits (a 16-bit shift is the exact fp32 value). One caveat on the
-  card: if Triton compiles fp32 arithmetic with flush-to-zero (its ``div_rn`` has been seen as ``div.rn.ftz.f32``;
-  the launch passes ``enable_reflect_ftz=False``), fp32 subnormals (< 2^-126) read as zero. That changes a code only
-  in rows whose absmax is below ~448 * 2^-117 ~ 2.7e-33 (the scale floor keeps every other row's subnormals below
-  half the smallest e4m3 step); tests/test_fp8_kernels.py::test_fp32_subnormal_inputs checks it on the card.
+  fp32 to float8e4nv wrongly: ties away from zero, lost mantissa carries, truncated subnormals), and bf16 inputs are read as their bits (a 16-bit shift is the exact fp32 value). The sm_90 PTX
+  (compiled on the CPU by tests/test_fp8_kernels.py) has ``div.rn.f32``, ``mul.f32`` and ``abs.f32`` without
+  ``.ftz`` (fp32 subnormals kept, as torch keeps them), ``max.NaN.f32`` and 128-bit loads and stores.
 - ``_transpose_kernel``: Wq^T into the reused workspace in 128 x 128 byte tiles.
 Bytes (predicted times at 4 TB/s, not yet measured on the card; the torch chains measured 0.242 ms for quant x at
 4096 x 4096 and 0.347 ms for the W^T copy of 14336 x 4096): quantising a bf16 [M, C] moves 3 B per element (2 read,
@@ -138,8 +135,8 @@ def _max_propagating_nan(a, b):
 @triton.jit
 def _e4m3_codes(v):
     """The e4m3fn codes (int32 in [0, 255]) of fp32 ``v`` in [-448, 448] or NaN, rounded to nearest even, in integer
-    arithmetic on v's bits: the same on the card and in the interpreter, whose fp32 -> float8e4nv cast rounds half
-    away from zero, lets a mantissa carry corrupt the exponent and truncates subnormals (triton 3.6
+    arithmetic on v's bits: the same on the card and in the interpreter, whose fp32 -> float8e4nv cast rounds ties
+    away from zero (1.0625 -> 1.125), loses mantissa carries (1.9375 -> 1) and truncates subnormals (triton 3.6
     ``interpreter._convert_float``)."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
@@ -227,9 +224,9 @@ def _transpose_kernel(W, WT, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.
     # WT[c, r] = W[r, c] for one [BLOCK_R, BLOCK_C] tile (bytes: the e4m3 codes as uint8)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    tile = tl.load(W + rows[:, None] * n_cols + cols[None, :], mask=mask)
-    tl.store(WT + cols[:, None] * n_rows + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+    tile = tl.load(W + rows[:, None] * n_cols + cols[None, :], mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
+    tl.store(WT + cols[:, None] * n_rows + rows[None, :], tl.trans(tile),
+             mask=(cols < n_cols)[:, None] & (rows < n_rows)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------- quantisation
@@ -262,7 +259,6 @@ def _quantize_rows_triton(t: torch.Tensor, multiplier: torch.Tensor | None = Non
         scale, t.stride(0), t.stride(1), n_rows, n_cols,
         BF16_BITS=bf16, HAS_MULTIPLIER=multiplier is not None, BLOCK=block, ROWS=rows, ONE_BLOCK=one_block,
         num_warps=num_warps or _runtime.num_warps_for(block * rows),
-        enable_reflect_ftz=False,  # IEEE subnormals where Triton's option reaches (the interpreter drops it)
     )
     return q, scale
 
