@@ -163,7 +163,7 @@ def _load_fp32(T, M, rows, cols, mask, stride_row, stride_col, n_cols,
                BF16_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr):
     """t[rows, cols] as fp32 (times m[cols] with a multiplier): exactly ``t.float()`` (and ``* m``)."""
     ptrs = T + rows[:, None] * stride_row + cols[None, :] * stride_col
-    if BF16_BITS:  # bf16 read as int16 bits: bf16 -> fp32 is a 16-bit shift (the interpreter's cast mangles subnormals)
+    if BF16_BITS:  # bf16 read as int16 bits: bf16 -> fp32 is a 16-bit shift (the interpreter's cast loses subnormals)
         x = (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
