@@ -10,6 +10,14 @@ For each projection shape (out x in) and 4096 tokens it times, median of CUDA-ev
   transposition alone; ``bf16 dX`` ``dY @ W`` in bf16;
 - ``quant x``: the unfused per-row activation quantisation (``ops.fp8.quantize_rows``), the pass stage 2 fuses away;
 and prints TFLOP/s and the naive step ratio (bf16 y + dX) / (quant x + fp8 y + fp8 dX).
+
+``fp8 dX``, ``quant x`` and ``W^T copy`` are the Triton backend's paths (the kernels of ops/fp8.py). Beside them, the
+torch chains they replaced (sixth session: quant x 0.242 ms at 4096 x 4096, W^T copy 0.347 ms at 14336 x 4096):
+``quant x torch`` (``_quantize_rows_torch``), ``dY quant`` (the fused kernel, ``quantize_grad_output``) against
+``dY quant torch`` (``dy.float() * s_w`` then the torch quantisation), ``W^T torch`` (``copy_`` of the transposed
+view) and ``dX torch`` (``fp8 dX`` built from those torch pieces), with the memory floors (bytes moved / 4 TB/s)
+and a bit-for-bit check of each kernel against its torch chain on the card. ``--sweep`` also times launch variants
+of the two kernels (block, rows, warps).
 """
 
 from __future__ import annotations
@@ -38,15 +46,74 @@ def timed(fn, iters: int = 50, warmup: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+BANDWIDTH = 4.0e12  # bytes/s, the H200's HBM3e at ~83% of its 4.8 TB/s peak: what the floors use
+
+
+def floor_ms(n_bytes: float) -> float:
+    return n_bytes / BANDWIDTH * 1e3
+
+
+def same(got, ref) -> bool:
+    """Codes (NaN aside) and scales equal bit for bit."""
+    (q, s), (q_ref, s_ref) = got, ref
+    return torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+def kernels(m: int, dev: torch.device, sweep: bool) -> None:
+    """The Triton kernels beside the torch chains they replaced, per shape, with floors and a bit-exact check."""
+    print(f"\nkernels (ms; floor = bytes / {BANDWIDTH / 1e12:.0f} TB/s in brackets)")
+    print(f"{'shape':>18} " + " ".join(f"{c:>17}" for c in KERNEL_COLUMNS) + "  bit-exact")
+    for label, n_out, n_in in SHAPES:
+        kernel_row(label, n_out, n_in, m, dev, sweep)
+
+
+KERNEL_COLUMNS = ("quant x", "quant x torch", "dY quant", "dY quant torch", "W^T copy", "W^T torch")
+
+
+def kernel_row(label: str, n_out: int, n_in: int, m: int, dev: torch.device, sweep: bool) -> None:
+    w = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16) / n_in ** 0.5
+    x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16)
+    wq = fp8.quantize_fp8(w)
+    workspace = torch.empty((n_in, n_out), dtype=fp8.E4M3, device=dev)
+    ms = {
+        "quant x": timed(lambda: fp8.quantize_rows(x)),
+        "quant x torch": timed(lambda: fp8._quantize_rows_torch(x)),
+        "dY quant": timed(lambda: fp8.quantize_grad_output(dy, wq)),
+        "dY quant torch": timed(lambda: fp8._quantize_rows_torch(dy.float() * wq.scale[None, :])),
+        "W^T copy": timed(lambda: fp8._transposed(wq)),
+        "W^T torch": timed(lambda: workspace.copy_(wq.qweight.t())),
+    }
+    # bytes: bf16 read + e4m3 written per element and 4 per row scale (+ 4 per column multiplier); 1 + 1 per weight
+    quant_x, quant_dy = floor_ms(m * n_in * 3 + 4 * m), floor_ms(m * n_out * 3 + 4 * (m + n_out))
+    floors = dict(zip(KERNEL_COLUMNS, (quant_x, quant_x, quant_dy, quant_dy, floor_ms(2 * n_out * n_in),
+                                       floor_ms(2 * n_out * n_in))))
+    exact = (same(fp8.quantize_rows(x), fp8._quantize_rows_torch(x))
+             and same(fp8.quantize_grad_output(dy, wq), fp8._quantize_rows_torch(dy.float() * wq.scale[None, :]))
+             and torch.equal(fp8._transposed(wq).view(torch.uint8), wq.qweight.view(torch.uint8).t()))
+    cells = [f"{ms[c]:7.3f} ({floors[c]:6.3f})" for c in KERNEL_COLUMNS]
+    print(f"{label:>7} {n_out:>5}x{n_in:<5} " + " ".join(f"{c:>17}" for c in cells) + f"  {exact}")
+    if sweep:
+        variants = [(f"quant x warps={warps} rows={rows}",
+                     lambda warps=warps, rows=rows: fp8._quantize_rows_triton(x, rows=rows, num_warps=warps))
+                    for warps in (4, 8, 16) for rows in (1, 2)]
+        variants.append(("quant x loop 4096", lambda: fp8._quantize_rows_triton(x, block=4096)))
+        variants += [(f"W^T block={block} warps={warps}",
+                      lambda block=block, warps=warps: fp8._transposed(wq, block=block, num_warps=warps))
+                     for block, warps in ((32, 4), (64, 4), (64, 8), (128, 8), (128, 16))]
+        print("          " + ", ".join(f"{name} {timed(fn):.3f}" for name, fn in variants))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--sweep", action="store_true", help="also time launch variants of the kernels")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev, m = torch.device("cuda"), args.tokens
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {m} tokens; times in ms (TFLOP/s)")
-    cols = ("bf16 y", "fp8 y", "quant x", "bf16 dX", "fp8 dX", "dX GEMM", "W^T copy")
-    print(f"{'shape':>18} " + " ".join(f"{c:>15}" for c in cols) + f" {'naive/bf16':>11}")
+    cols = ("bf16 y", "fp8 y", "quant x", "bf16 dX", "fp8 dX", "dX torch", "dX GEMM", "W^T copy")
+    print(f"{'shape':>18} " + " ".join(f"{c:>15}" for c in cols) + f" {'naive/bf16':>11} {'(torch)':>8}")
     for label, n_out, n_in in SHAPES:
         w = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16) / n_in ** 0.5
         x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16)
@@ -56,12 +123,20 @@ def main() -> None:
         gq, gs = fp8.quantize_rows(dy.float() * wq.scale[None, :])
         wt = fp8._transposed(wq)
         ones = fp8._ones_row(n_in, dev)
+        workspace = torch.empty((n_in, n_out), dtype=fp8.E4M3, device=dev)
+
+        def dx_torch():  # the pre-kernel fp8_grad_input: fp32 dY product, torch quantisation, torch transpose copy
+            g = fp8._quantize_rows_torch(dy.float() * wq.scale[None, :])
+            return fp8._scaled_mm(*g, workspace.copy_(wq.qweight.t()).t(), ones, torch.bfloat16)
+
         ms = {
             "bf16 y": timed(lambda: x @ w.T),
             "fp8 y": timed(lambda: fp8.fp8_linear(x, wq, out_dtype=torch.bfloat16, x_quantized=xq)),
             "quant x": timed(lambda: fp8.quantize_rows(x)),
             "bf16 dX": timed(lambda: dy @ w),
             "fp8 dX": timed(lambda: fp8.fp8_grad_input(dy, wq, out_dtype=torch.bfloat16)),
+            "dX torch": timed(dx_torch),
+            "quant x torch": timed(lambda: fp8._quantize_rows_torch(x)),
             "dX GEMM": timed(lambda: torch._scaled_mm(gq, wt.t(), scale_a=gs[:, None], scale_b=ones,
                                                       out_dtype=torch.bfloat16)),
             "W^T copy": timed(lambda: fp8._transposed(wq)),
@@ -69,13 +144,15 @@ def main() -> None:
         flops = 2.0 * m * n_out * n_in
         cells = []
         for c in cols:
-            gemm = c in ("bf16 y", "fp8 y", "bf16 dX", "fp8 dX", "dX GEMM")
+            gemm = c in ("bf16 y", "fp8 y", "bf16 dX", "fp8 dX", "dX torch", "dX GEMM")
             cells.append(f"{ms[c]:7.3f}" + (f" ({flops / ms[c] / 1e9:5.0f})" if gemm else " " * 8))
         naive = (ms["bf16 y"] + ms["bf16 dX"]) / (ms["quant x"] + ms["fp8 y"] + ms["fp8 dX"])
+        naive_torch = (ms["bf16 y"] + ms["bf16 dX"]) / (ms["quant x torch"] + ms["fp8 y"] + ms["dX torch"])
         err = ((fp8.fp8_linear(x, wq, out_dtype=torch.float32).double() - (x.double() @ w.double().T)).norm()
                / (x.double() @ w.double().T).norm()).item()
         print(f"{label:>7} {n_out:>5}x{n_in:<5} " + " ".join(f"{c:>15}" for c in cells)
-              + f" {naive:10.2f}x  (y rel err {err:.3f})")
+              + f" {naive:10.2f}x {naive_torch:7.2f}x  (y rel err {err:.3f})")
+    kernels(m, dev, args.sweep)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ part_trl_sft() {  # TRL SFT only, 8B 4096 x 1: leantune with and without the hea
 part_tests_round3() {  # round 3's kernels and paths on the card: launch path, graphs, no-sync, MoE, FP8, compile, RL heads
   timeout $(bound 270) python3 -m pytest -q -n 8 -p no:cacheprovider -rs tests/test_launch.py tests/test_graphs.py \
     tests/test_no_sync.py tests/test_moe_kernels.py tests/test_moe.py tests/test_patch_moe.py tests/test_fp8.py \
-    tests/test_fp8_train.py tests/test_compile.py tests/test_log_probs.py tests/test_preference.py \
+    tests/test_fp8_kernels.py tests/test_fp8_train.py tests/test_compile.py tests/test_log_probs.py tests/test_preference.py \
     tests/test_distillation.py tests/test_patch_families.py tests/test_patch_structures.py tests/test_patch_qlora.py \
     tests/test_lora_nf4.py tests/test_loss_options.py tests/test_tiled_mlp.py tests/test_dora.py tests/test_nf4.py \
     tests/test_patch_api.py > "$OUT/pytest-r3.log" 2>&1

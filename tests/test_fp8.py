@@ -1,7 +1,7 @@
 """FP8 frozen weights (ops/fp8.py, quantize "fp8"): quantisation against the e4m3 rounding rule in float64, the
 emulated GEMMs within the error bound of docs/design.md ("FP8 frozen weights"), the LoRA ops over an FP8 base
 against float64 of the same quantised arithmetic, and leantune.quantize(model, "fp8") with PEFT in both orders.
-All on the torch backend (no Triton kernel of ours is involved: the card's path is torch._scaled_mm)."""
+All on the torch backend (the reference; the Triton kernels of ops/fp8.py equal it bit for bit: test_fp8_kernels.py)."""
 
 import math
 

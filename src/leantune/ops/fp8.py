@@ -37,6 +37,24 @@ and the GEMM at bf16 rate. The row-wise kernel writes bf16; fp16/fp32 compute dt
 torch backend): the same quantisation, and the GEMM as fp32 matmuls of the e4m3 values (exact products), scaled
 after: what CI proves.
 
+Kernels (Triton backend: CUDA, or the interpreter on the CPU). The pieces around the GEMMs are two Triton kernels;
+the torch backend keeps the torch chains, which are the reference the kernels equal bit for bit
+(tests/test_fp8_kernels.py):
+- ``_quantize_rows_kernel``: s and q above in one pass over t (any strides; rows up to 16384 wide stay in registers,
+  wider ones loop twice over 4096-column blocks). With a column multiplier m it quantises t diag(m) formed in
+  registers: :func:`quantize_grad_output`, g = dY diag(s_w) without an fp32 copy of dY. The fp32 division is
+  ``tl.math.div_rn`` (Triton's ``/`` is approximate on the card); the absmax reduction and the clamp propagate NaN
+  explicitly; the rounding to e4m3 is integer arithmetic on the quotient's bits (Triton 3.6's interpreter casts
+  fp32 to float8e4nv wrongly: ties away from zero, lost mantissa carries, truncated subnormals), and bf16 inputs
+  are read as their bits (a 16-bit shift is the exact fp32 value). The sm_90 PTX (compiled on the CPU by
+  tests/test_fp8_kernels.py) has ``div.rn.f32``, ``mul.f32`` and ``abs.f32`` without
+  ``.ftz`` (fp32 subnormals kept, as torch keeps them), ``max.NaN.f32`` and 128-bit loads and stores.
+- ``_transpose_kernel``: Wq^T into the reused workspace in 128 x 128 byte tiles.
+Bytes (predicted times at 4 TB/s, not yet measured on the card; the torch chains measured 0.242 ms for quant x at
+4096 x 4096 and 0.347 ms for the W^T copy of 14336 x 4096): quantising a bf16 [M, C] moves 3 B per element (2 read,
+1 written) + 4 B per row, 0.013 ms at 4096 x 4096 and 0.044 ms at 4096 x 14336; the fused dY quantisation the same
++ 4 B per column; the transpose 2 B per weight, 0.008 ms for 4096 x 4096 and 0.029 ms for 14336 x 4096.
+
 The activation quantisation runs here as a separate pass (the "naive FP8"); :func:`fp8_linear` takes an already
 quantised activation (``x_quantized=(x_fp8, x_scale)``) for kernels that emit one.
 """
@@ -46,8 +64,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import triton
+import triton.language as tl
 
-from . import _runtime
+from . import _launch, _runtime
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -106,23 +126,166 @@ class FP8Weight:
         return dataclasses.replace(self, qweight=self.qweight.to(device), scale=self.scale.to(device))
 
 
-# ---------------------------------------------------------------------------------------------------- quantisation
-def quantize_rows(t: torch.Tensor, *, name: str = "x") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q float8_e4m3fn [R, C], s fp32 [R])`` with t ~= diag(s) q: s = max(absmax / 448, 2^-126) per row,
-    q = e4m3(clamp(t / s, -448, 448)) (fp32 division, round to nearest even). One pass of torch ops (the unfused
-    quantisation). NaN/inf in t are not checked (no host sync): they propagate to q and s.
+# ------------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _max_propagating_nan(a, b):
+    # tl.max's default combine may drop a NaN on the card (max.f32 returns the other operand): torch's amax keeps it
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
-    Raises:
-        ValueError: t not a 2-D float32/float16/bfloat16 tensor (the message names ``name``).
-    """
+
+@triton.jit
+def _e4m3_codes(v):
+    """The e4m3fn codes (int32 in [0, 255]) of fp32 ``v`` in [-448, 448] or NaN, rounded to nearest even, in integer
+    arithmetic on v's bits: the same on the card and in the interpreter, whose fp32 -> float8e4nv cast rounds ties
+    away from zero (1.0625 -> 1.125), loses mantissa carries (1.9375 -> 1) and truncates subnormals (triton 3.6
+    ``interpreter._convert_float``)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # |v| >= 2^-6 (bits 0x3C800000), e4m3 normals: drop 20 of fp32's 23 mantissa bits to nearest even (a carry into
+    # the exponent is the right result), rebias the exponent from 127 to 7 (120 << 3 in code units)
+    an = tl.minimum(a, 0x43E00000)  # 448: keeps NaN bits (discarded below) from overflowing int32 here
+    normal = ((an + 0x7FFFF + ((an >> 20) & 1)) >> 20) - (120 << 3)
+    # |v| < 2^-6, e4m3 subnormals (spacing 2^-9): the code is round(|v| 2^9) = round(m 2^(e - 141)) with m the 24-bit
+    # significand and e the biased fp32 exponent (e >= 1 here or 0 for fp32 subnormals, where the shift caps at 31
+    # and the code is 0); a code of 8 is 2^-6, the smallest normal, encoded right by the same integer
+    e = a >> 23
+    m = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
+    shift = tl.minimum(141 - tl.maximum(e, 1), 31)
+    sub = (m + ((1 << (shift - 1)) - 1) + ((m >> shift) & 1)) >> shift
+    codes = tl.where(a >= 0x3C800000, normal, sub)
+    codes = tl.where(a > 0x7F800000, 0x7F, codes)  # NaN (no infinities reach here: the quotient is clamped)
+    return codes | sign
+
+
+@triton.jit
+def _load_fp32(T, M, rows, cols, mask, stride_row, stride_col, n_cols,
+               BF16_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr):
+    """t[rows, cols] as fp32 (times m[cols] with a multiplier): exactly ``t.float()`` (and ``* m``)."""
+    ptrs = T + rows[:, None] * stride_row + cols[None, :] * stride_col
+    if BF16_BITS:  # bf16 read as int16 bits: bf16 -> fp32 is a 16-bit shift (the interpreter's cast loses subnormals)
+        x = (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MULTIPLIER:
+        x = x * tl.load(M + cols, mask=cols < n_cols, other=0.0)[None, :]
+    return x
+
+
+@triton.jit
+def _store_codes(Q, x, scale, rows, cols, mask, n_cols):
+    """q = e4m3(clamp(x / s, -448, 448)) with IEEE fp32 division (``/`` is approximate on the card)."""
+    quotient = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    quotient = tl.clamp(quotient, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(Q + rows[:, None] * n_cols + cols[None, :], _e4m3_codes(quotient).to(tl.uint8), mask=mask)
+
+
+@_launch.bound
+@triton.jit
+def _quantize_rows_kernel(
+    T, M, Q, S,
+    stride_row, stride_col, n_rows, n_cols,
+    BF16_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
+):
+    # s_r = max(absmax_r / 448, 2^-126), q_rc = e4m3(clamp(t_rc / s_r, -448, 448)) for a [ROWS, n_cols] slab; with
+    # a multiplier t = x diag(m). One block: the row stays in registers (one read); wider rows loop over column
+    # blocks twice (absmax, then quantise: the second read mostly hits L2).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK)
+    if ONE_BLOCK:
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = _load_fp32(T, M, rows, cols, mask, stride_row, stride_col, n_cols, BF16_BITS, HAS_MULTIPLIER)
+        absmax = tl.reduce(tl.abs(x), 1, _max_propagating_nan)
+    else:
+        absmax = tl.zeros([ROWS], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            block_cols = start + cols
+            mask = row_mask[:, None] & (block_cols < n_cols)[None, :]
+            x = _load_fp32(T, M, rows, block_cols, mask, stride_row, stride_col, n_cols, BF16_BITS, HAS_MULTIPLIER)
+            absmax = tl.maximum(absmax, tl.reduce(tl.abs(x), 1, _max_propagating_nan),
+                                propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.math.div_rn(absmax, tl.full([ROWS], 448.0, tl.float32))
+    scale = tl.maximum(scale, 1.1754943508222875e-38, propagate_nan=tl.PropagateNan.ALL)  # 2^-126
+    tl.store(S + rows, scale, mask=row_mask)
+    if ONE_BLOCK:
+        _store_codes(Q, x, scale, rows, cols, mask, n_cols)
+    else:
+        for start in range(0, n_cols, BLOCK):
+            block_cols = start + cols
+            mask = row_mask[:, None] & (block_cols < n_cols)[None, :]
+            x = _load_fp32(T, M, rows, block_cols, mask, stride_row, stride_col, n_cols, BF16_BITS, HAS_MULTIPLIER)
+            _store_codes(Q, x, scale, rows, block_cols, mask, n_cols)
+
+
+@_launch.bound
+@triton.jit
+def _transpose_kernel(W, WT, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # WT[c, r] = W[r, c] for one [BLOCK_R, BLOCK_C] tile (bytes: the e4m3 codes as uint8)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tile = tl.load(W + rows[:, None] * n_cols + cols[None, :], mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
+    tl.store(WT + cols[:, None] * n_rows + rows[None, :], tl.trans(tile),
+             mask=(cols < n_cols)[:, None] & (rows < n_rows)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------- quantisation
+MAX_ONE_BLOCK = 16384  # widest row a program holds in registers (14336, the MLP width, fits); wider: LOOP_BLOCK blocks
+LOOP_BLOCK = 4096
+
+
+def _check_rows(t, name: str) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype not in _runtime.FLOAT_DTYPES or t.dim() != 2:
         got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a 2-D float32, float16 or bfloat16 tensor to quantise to FP8, got {got}")
+
+
+def _quantize_rows_triton(t: torch.Tensor, multiplier: torch.Tensor | None = None, *, block: int | None = None,
+                          rows: int | None = None, num_warps: int | None = None):
+    """:func:`quantize_rows` of ``t`` (or of ``t.float() * multiplier[None, :]``) in one kernel; any strides. Checked
+    arguments (the callers check). ``block``/``rows``/``num_warps``: launch overrides for benchmarks."""
+    n_rows, n_cols = t.shape
+    q = _runtime.empty((n_rows, n_cols), dtype=E4M3, device=t.device)
+    scale = _runtime.empty((n_rows,), dtype=torch.float32, device=t.device)
+    if n_rows == 0:
+        return q, scale
+    one_block = block is None and n_cols <= MAX_ONE_BLOCK
+    block = block or (_runtime.next_power_of_2(n_cols) if one_block else LOOP_BLOCK)
+    one_block = n_cols <= block
+    rows = rows or max(1, min(16, 4096 // block))  # ~4K elements a program, as ops.rms_norm
+    bf16 = t.dtype == torch.bfloat16
+    _quantize_rows_kernel[(_runtime.cdiv(n_rows, rows),)](
+        t.view(torch.int16) if bf16 else t, multiplier if multiplier is not None else scale, q.view(torch.uint8),
+        scale, t.stride(0), t.stride(1), n_rows, n_cols,
+        BF16_BITS=bf16, HAS_MULTIPLIER=multiplier is not None, BLOCK=block, ROWS=rows, ONE_BLOCK=one_block,
+        num_warps=num_warps or _runtime.num_warps_for(block * rows),
+    )
+    return q, scale
+
+
+def _quantize_rows_torch(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t32 = t.float()
     scale = (t32.abs().amax(dim=1) / E4M3_MAX).clamp_(min=SCALE_FLOOR) if t.shape[1] else \
         torch.full((t.shape[0],), SCALE_FLOOR, device=t.device)
     q = (t32 / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
+
+
+def quantize_rows(t: torch.Tensor, *, name: str = "x") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [R, C], s fp32 [R])`` with t ~= diag(s) q: s = max(absmax / 448, 2^-126) per row,
+    q = e4m3(clamp(t / s, -448, 448)) (fp32 division, round to nearest even). ``t [R, C]`` float32/float16/bfloat16,
+    any strides. Triton backend: one kernel (``_quantize_rows_kernel``); torch backend: a chain of torch ops, the
+    reference (the two agree bit for bit: tests/test_fp8_kernels.py). NaN/inf in t are not checked (no host sync):
+    they propagate to q and s (a row holding NaN or inf gets a NaN or inf scale and NaN codes where t / s is NaN).
+
+    Raises:
+        ValueError: t not a 2-D float32/float16/bfloat16 tensor (the message names ``name``).
+    """
+    _check_rows(t, name)
+    if _runtime.backend(t.device) == "triton":
+        return _quantize_rows_triton(t)
+    return _quantize_rows_torch(t)
 
 
 def quantize_fp8(weight: torch.Tensor, *, name: str = "weight", dtype: torch.dtype | None = None) -> FP8Weight:
@@ -230,18 +393,55 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None, 
     return y if bias is None else y.add_(bias.to(out_dtype))
 
 
-def _transposed(w: FP8Weight) -> torch.Tensor:
-    """Wq^T ``[in, out]`` row-major in a workspace reused per (shape, device): ``_scaled_mm``'s mat2 for dX."""
+def _transposed(w: FP8Weight, *, block: int = 128, num_warps: int = 8) -> torch.Tensor:
+    """Wq^T ``[in, out]`` row-major in a workspace reused per (shape, device): ``_scaled_mm``'s mat2 for dX. Triton
+    backend: ``_transpose_kernel`` (``block`` x ``block`` byte tiles; the arguments are benchmark overrides); torch
+    backend: ``copy_`` of the transposed view."""
     key = (w.shape, w.device)
     if key not in _transposed_workspaces:
-        _transposed_workspaces[key] = torch.empty((w.shape[1], w.shape[0]), dtype=E4M3, device=w.device)
-    return _transposed_workspaces[key].copy_(w.qweight.t())
+        _transposed_workspaces[key] = _runtime.empty((w.shape[1], w.shape[0]), dtype=E4M3, device=w.device)
+    out = _transposed_workspaces[key]
+    if _runtime.backend(w.device) != "triton":
+        return out.copy_(w.qweight.t())
+    n_rows, n_cols = w.shape
+    _transpose_kernel[(_runtime.cdiv(n_rows, block), _runtime.cdiv(n_cols, block))](
+        w.qweight.view(torch.uint8), out.view(torch.uint8), n_rows, n_cols, BLOCK_R=block, BLOCK_C=block,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def _check_grad_output(dy, w: FP8Weight) -> None:
+    _check_rows(dy, "dY")
+    if dy.shape[1] != w.shape[0]:
+        raise ValueError(f"dY must have {w.shape[0]} columns (the weight's out features), got shape {tuple(dy.shape)}")
+    if dy.device != w.device:
+        raise ValueError(f"dY is on {dy.device} but {w.name} on {w.device}")
+
+
+def quantize_grad_output(dy: torch.Tensor, w: FP8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(dy.float() * w.scale[None, :])``: g = dY diag(s_w) quantised per row (``dy [M, out]``
+    fp32/fp16/bf16, any strides). Triton backend: the product formed inside the quantisation kernel (no fp32 copy
+    of dY); torch backend: the product as an fp32 tensor, then :func:`quantize_rows`.
+
+    Raises:
+        ValueError: dy not 2-D float, not ``out`` columns wide, or on another device than w.
+    """
+    _check_grad_output(dy, w)
+    if _runtime.backend(dy.device) == "triton":
+        return _quantize_rows_triton(dy, w.scale)
+    return _quantize_rows_torch(dy.float() * w.scale[None, :])
 
 
 def fp8_grad_input(dy: torch.Tensor, w: FP8Weight, *, out_dtype: torch.dtype) -> torch.Tensor:
-    """dX = dY W ``[M, in]`` in ``out_dtype``: g = dY diag(w.scale) (fp32), quantised per row, times w.qweight
-    (module docstring: the weight's scales fold into dY, so the forward's FP8 copy serves)."""
-    gq, gs = quantize_rows(dy.float() * w.scale[None, :], name="dY")
+    """dX = dY W ``[M, in]`` in ``out_dtype``: g = dY diag(w.scale) (fp32), quantised per row
+    (:func:`quantize_grad_output`), times w.qweight (module docstring: the weight's scales fold into dY, so the
+    forward's FP8 copy serves).
+
+    Raises:
+        ValueError: as :func:`quantize_grad_output`.
+    """
+    gq, gs = quantize_grad_output(dy, w)
     if _native(w):
         return _scaled_mm(gq, gs, _transposed(w).t(), _ones_row(w.shape[1], gq.device), out_dtype)
     return ((gq.float() @ w.qweight.float()) * gs[:, None]).to(out_dtype)
