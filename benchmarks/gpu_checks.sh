@@ -152,8 +152,8 @@ part_profile_1b() {  # the patched 1B step's kernels at 8192 x 2 (4 layers): whe
 }
 
 part_moe_block() {  # the MoE training step, HF+PEFT (grouped_mm experts) vs leantune, Qwen3-30B-A3B layer shape
-  timeout $(bound 200) python3 benchmarks/moe_block_bench.py > "$OUT/moe_block.md" 2>&1; echo "moe_block exit $?"
-  tail -14 "$OUT/moe_block.md"
+  timeout $(bound 200) python3 benchmarks/moe_block_bench.py --profile > "$OUT/moe_block.md" 2>&1; echo "moe_block exit $?"
+  grep -v -i warn "$OUT/moe_block.md" | tail -44
 }
 
 # Issue #25's step figures: 20 timed steps per run, three runs (REPEAT) per implementation (IMPLS, default

@@ -99,12 +99,30 @@ def first_sync_site(model, input_ids):
     return None
 
 
+def top_kernels(side, model, input_ids, device, n=15):
+    """One step under torch.profiler: the kernels by total device time (where the step's GPU time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(model, input_ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / 1e3
+    print(f"== {side}: {total:.1f} ms of kernels in one step")
+    for e in events[:n]:
+        print(f"   {e.device_time_total / 1e3:7.2f} ms  x{e.count:<5} {e.key[:100]}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--experts", default="grouped_mm", choices=["grouped_mm", "eager", "batched_mm"])
+    parser.add_argument("--profile", action="store_true", help="also print each side's top kernels (one step)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     tokens = 64 if args.tiny else args.tokens
@@ -112,9 +130,13 @@ def main():
     model = build(args, device)
     input_ids = torch.randint(0, 4096, (1, tokens), device=device)
     hf_ms, hf_peak, hf_first = measure(model, input_ids, device, reps)
+    if args.profile:
+        top_kernels("HF+PEFT " + args.experts, model, input_ids, device)
     leantune.patch(model)
     print("leantune_summary counts:", model.leantune_summary["counts"])
     lt_ms, lt_peak, lt_first = measure(model, input_ids, device, reps)
+    if args.profile:
+        top_kernels("leantune", model, input_ids, device)
     print(f"{'side':<22}{'step ms':>10}{'tokens/s':>12}{'peak GiB':>10}{'loss':>10}{'grad norm':>12}")
     for name, ms, peak, (loss, norm) in (("HF+PEFT " + args.experts, hf_ms, hf_peak, hf_first),
                                          ("leantune", lt_ms, lt_peak, lt_first)):
