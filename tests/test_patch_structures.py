@@ -173,6 +173,14 @@ def test_structure_matches_hf_triton(model_type, op_calls, monkeypatch):  # noqa
     check_structure_parity(model_type, op_calls, rows=1, seq=5)
 
 
+def _hf_then_patched(model, input_ids):
+    """(loss, grads) of ``model`` as HF runs it, then after ``leantune.patch`` (full fp32 products on CUDA)."""
+    with fp32_products():
+        ref = loss_and_grads(model, input_ids, input_ids)
+        leantune.patch(model)
+        return ref, loss_and_grads(model, input_ids, input_ids)
+
+
 def test_gate_up_with_dropout_in_training_stays_exact(monkeypatch):
     """PEFT drops a fused gate_up_proj's input once; ops.lora_mlp would draw a mask per projection, so with LoRA
     dropout in training the MLP runs per projection (one ops.lora_linear on gate_up_proj): in eval the result is
@@ -182,10 +190,7 @@ def test_gate_up_with_dropout_in_training_stays_exact(monkeypatch):
                       init_lora_weights=False)
     model = get_peft_model(tiny_model("phi3", DEVICE), lora).eval()
     input_ids = torch.randint(3, VOCAB, (2, 7), device=DEVICE)
-    with fp32_products():
-        ref_loss, ref_grads = loss_and_grads(model, input_ids, input_ids)
-        leantune.patch(model)
-        loss, grads = loss_and_grads(model, input_ids, input_ids)
+    (ref_loss, ref_grads), (loss, grads) = _hf_then_patched(model, input_ids)
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
     model.train()
@@ -233,10 +238,7 @@ def test_fused_gate_up_without_lora_runs_the_glu_op(op_calls, monkeypatch):  # n
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj"], init_lora_weights=False)
     model = get_peft_model(tiny_model("phi3", DEVICE), lora).train()
     input_ids = torch.randint(3, VOCAB, (2, 7), device=DEVICE)
-    with fp32_products():
-        ref_loss, ref_grads = loss_and_grads(model, input_ids, input_ids)
-        leantune.patch(model)
-        loss, grads = loss_and_grads(model, input_ids, input_ids)
+    (ref_loss, ref_grads), (loss, grads) = _hf_then_patched(model, input_ids)
     assert op_calls["swiglu"] == 2 and op_calls["lora_mlp"] == 0 and model.leantune_summary["counts"]["mlp"] == 2
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
