@@ -166,6 +166,7 @@ host_e2e() {  # $1: subfolder of $OUT, then the e2e options
     --matmul-tflops 700 --budget-s $(( $(bound 560) - 10 )) --compare --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   echo "$name exit $?"; grep -E "tokens/s of 3 runs|x[0-9.]+, peak|not run" "$OUT/$name.log"
   sed -n '/^Step times/,$p' "$OUT/$name/results.md" 2>/dev/null  # the step table (no max-context or ops here)
+  python3 benchmarks/top_kernels.py "$OUT/$name"  # each implementation's profiled pass: where its GPU time goes
 }
 
 part_host() { host_e2e host-8b-gcon --configs .gpu/llama3-8b --gc on --seq 4096 --batch 1; }

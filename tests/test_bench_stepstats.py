@@ -125,6 +125,18 @@ def test_device_intervals_without_activity_type():
     assert intervals == [(10, 30), (40, 45), (50, 51), (60, 64)] and kernels == 2
 
 
+def test_top_kernels_rank_device_time_by_name_per_step():
+    events = [_Event211("aten::mm", "DeviceType.CPU", 0, 1000), _Event211("gemm", "DeviceType.CUDA", 10, 20),
+              _Event211("flash_bwd", "DeviceType.CUDA", 40, 50), _Event211("gemm", "DeviceType.CUDA", 100, 40),
+              _Event211("Memcpy HtoD (Pinned -> Device)", "DeviceType.CUDA", 200, 500)]
+    top = stepstats.top_kernels(events, "cuda", steps=2, n=5)
+    assert top == [{"name": "gemm", "ms_per_step": 30e-6, "calls_per_step": 1.0},
+                   {"name": "flash_bwd", "ms_per_step": 25e-6, "calls_per_step": 0.5}]  # copies are not kernels
+    assert stepstats.top_kernels(events, "cuda", steps=1, n=1)[0]["name"] == "gemm"
+    assert stepstats.top_kernels(events, "cpu", steps=1) == [{"name": "aten::mm", "ms_per_step": 1e-3,
+                                                             "calls_per_step": 1.0}]
+
+
 def test_profile_pass_on_the_cpu(monkeypatch):
     import torch
 
@@ -141,6 +153,7 @@ def test_profile_pass_on_the_cpu(monkeypatch):
     assert stepstats.profile_pass(step, 1, "cpu", lambda: None)["kernels_per_step"] == r["kernels_per_step"]
     assert 0 < r["busy_fraction"] <= 1 and 0 < r["busy_ms_per_step"] <= r["profiled_step_ms"]
     assert "profile_error" not in r
+    assert r["top_kernels"] and {t["name"] for t in r["top_kernels"]} & {"aten::mm", "aten::tanh"}
     # a profiler that saw no device activity (CUPTI unavailable) gives no fraction, not 0 %
     monkeypatch.setattr(stepstats, "device_intervals", lambda events, device: ([], 0))
     r = stepstats.profile_pass(step, 1, "cpu", lambda: None)

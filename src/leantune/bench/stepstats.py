@@ -101,6 +101,22 @@ def device_intervals(events, device: str) -> tuple[list[tuple[int, int]], int]:
     return intervals, kernels
 
 
+def top_kernels(events, device: str, steps: int, n: int = 12) -> list[dict]:
+    """The ``n`` kernels (on the CPU: operators) with the most device time in the recorded ``steps``, by name:
+    ``{"name", "ms_per_step", "calls_per_step"}``, largest first (what a step's GPU time is spent on)."""
+    totals: dict[str, list] = {}
+    for ev in events:
+        kind = _activity(ev)
+        on_device = device.startswith("cuda") and "CUDA" in str(ev.device_type()) and kind == "kernel"
+        if on_device or (not device.startswith("cuda") and kind == "cpu_op"):
+            entry = totals.setdefault(ev.name(), [0, 0])
+            entry[0] += ev.duration_ns()
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:n]
+    return [{"name": name[:160], "ms_per_step": ns / 1e6 / steps, "calls_per_step": calls / steps}
+            for name, (ns, calls) in ranked]
+
+
 def _activity(ev) -> str:
     """The event's kind: ``activity_type()`` where torch has it (2.13); torch 2.11's events lack it, and there a
     device event is a kernel unless its name says copy or fill, a host event an operator."""
@@ -115,7 +131,8 @@ def _activity(ev) -> str:
 def profile_pass(step, steps: int, device: str, sync) -> dict:
     """Run ``step()`` once in the profiler's warm-up, then ``steps`` times recorded, under torch.profiler (apart from
     the timed steps: the profiler slows the host); return the busy fraction (union of device intervals / wall time
-    of the recorded steps), busy ms per step, kernels per step and the profiled wall ms per step. On the CPU the
+    of the recorded steps), busy ms per step, kernels per step, the profiled wall ms per step and the kernels that
+    take the most device time (:func:`top_kernels`). On the CPU the
     profiler records operators (device_intervals). When it records nothing the numbers are None and
     ``profile_error`` says so."""
     import time
@@ -134,14 +151,16 @@ def profile_pass(step, steps: int, device: str, sync) -> dict:
             step()
         sync()
         wall_s = time.perf_counter() - t0
-    intervals, kernels = device_intervals(prof.profiler.kineto_results.events(), device)
+    events = prof.profiler.kineto_results.events()
+    intervals, kernels = device_intervals(events, device)
     if not intervals:  # e.g. CUPTI unavailable to this process: no fraction rather than a false 0%
         return {"busy_fraction": None, "busy_ms_per_step": None, "kernels_per_step": None,
                 "profiled_step_ms": 1e3 * wall_s / steps, "profiled_steps": steps,
                 "profile_error": "the profiler recorded no device activity"}
     busy_ns = union_length(intervals)
     return {"busy_fraction": busy_fraction(intervals, wall_s * 1e9), "busy_ms_per_step": busy_ns / 1e6 / steps,
-            "kernels_per_step": kernels / steps, "profiled_step_ms": 1e3 * wall_s / steps, "profiled_steps": steps}
+            "kernels_per_step": kernels / steps, "profiled_step_ms": 1e3 * wall_s / steps, "profiled_steps": steps,
+            "top_kernels": top_kernels(events, device, steps)}
 
 
 def combine_runs(runs: list[dict]) -> dict:
