@@ -2,9 +2,10 @@
 the 3-D expert stacks (``target_parameters``), loss with the router aux loss and every LoRA gradient.
 
 Each family is a tiny random model from its transformers config class (2 layers, hidden 32, E=4 experts, top-2,
-router aux loss on), norms perturbed, non-zero B everywhere. gpt-oss keeps HF's attention function (its sinks):
-a spy attention function checks that the patched forward hands it the sinks and the layer's window. The unpatched
-HF+PEFT model (fp32) is the reference: loss rel <= 1e-5, LoRA gradients rel <= 1e-4 plus three times HF's own
+router aux loss on), norms perturbed, non-zero B everywhere. gpt-oss (sinks) on eager, its default: the patched
+attention runs ops.sink_attention with HF's mask of each layer type and HF's eager function must not run; under
+another implementation a spy attention function checks that the patched forward hands HF's function the sinks and
+the layer's window. The unpatched HF+PEFT model (fp32) is the reference: loss rel <= 1e-5, LoRA gradients rel <= 1e-4 plus three times HF's own
 fp32 error against a float64 copy (some draws make a layer's q/k gradients ill-conditioned: at seed 20261202,
 Mixtral 1 x 5 tokens, HF's fp32 layer-1 k_proj gradient is 1.7e-4 off float64 and leantune's 5.3e-4, through the
 experts' rounding, so a fixed 1e-4 against HF fails a correct draw). The experts must run
@@ -116,6 +117,20 @@ def _check_moe_parity(model_type, monkeypatch, rows, seq, nf4):
     calls = []
     original = ops.moe_experts
     monkeypatch.setattr(ops, "moe_experts", lambda *a, **k: calls.append(1) or original(*a, **k))
+    sink_calls = []
+    if FAMILIES[model_type].attention_sinks_attr:  # gpt-oss on eager (its default): the sinks through SDPA
+        assert model.config._attn_implementation == "eager"
+        assert any("ops.sink_attention" in part for part in summary["fused"])
+        assert "attention kernel" not in summary["kept"]
+        sink_attention = ops.sink_attention
+        monkeypatch.setattr(ops, "sink_attention", lambda *a, **k: sink_calls.append(
+            (k["sliding_window"], tuple(k["attention_mask"].shape))) or sink_attention(*a, **k))
+        from transformers.models.gpt_oss import modeling_gpt_oss
+
+        def refuse_eager(*args, **kwargs):
+            raise AssertionError("HF's eager attention ran for gpt-oss")
+
+        monkeypatch.setattr(modeling_gpt_oss, "eager_attention_forward", refuse_eager)
     from peft.tuners.lora import layer
 
     def refuse(*args, **kwargs):
@@ -124,6 +139,8 @@ def _check_moe_parity(model_type, monkeypatch, rows, seq, nf4):
     monkeypatch.setattr(layer.ParamWrapper, "_activate_lora", refuse)
     loss, aux, grads = loss_and_grads(model, input_ids, labels)
     assert len(calls) == 2
+    if FAMILIES[model_type].attention_sinks_attr:  # sliding layer (window 4) then full, each with HF's eager mask
+        assert sink_calls == [(4, (rows, 1, seq, seq)), (None, (rows, 1, seq, seq))], sink_calls
     assert rel_err(aux, ref_aux) <= 1e-5, f"{model_type}: aux loss {aux.item()} vs HF {ref_aux.item()}"
     err = rel_err(loss, ref_loss)
     assert err <= 1e-5, f"{model_type}: loss {loss.item()} vs HF {ref_loss.item()}: rel {err:.3g}"
