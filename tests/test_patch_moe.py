@@ -124,7 +124,7 @@ def _check_moe_parity(model_type, monkeypatch, rows, seq, nf4):
         assert "attention kernel" not in summary["kept"]
         sink_attention = ops.sink_attention
         monkeypatch.setattr(ops, "sink_attention", lambda *a, **k: sink_calls.append(
-            (k["sliding_window"], tuple(k["attention_mask"].shape))) or sink_attention(*a, **k))
+            (k["sliding_window"], k["attention_mask"])) or sink_attention(*a, **k))
         from transformers.models.gpt_oss import modeling_gpt_oss
 
         def refuse_eager(*args, **kwargs):
@@ -139,8 +139,10 @@ def _check_moe_parity(model_type, monkeypatch, rows, seq, nf4):
     monkeypatch.setattr(layer.ParamWrapper, "_activate_lora", refuse)
     loss, aux, grads = loss_and_grads(model, input_ids, labels)
     assert len(calls) == 2
-    if FAMILIES[model_type].attention_sinks_attr:  # sliding layer (window 4) then full, each with HF's eager mask
-        assert sink_calls == [(4, (rows, 1, seq, seq)), (None, (rows, 1, seq, seq))], sink_calls
+    if FAMILIES[model_type].attention_sinks_attr:
+        # sliding layer (window 4) then full; no padding mask: the causal-LM forward hands no masks, the op applies
+        # causality and the window itself (transformers' eager masks are not built)
+        assert sink_calls == [(4, None), (None, None)], sink_calls
     assert rel_err(aux, ref_aux) <= 1e-5, f"{model_type}: aux loss {aux.item()} vs HF {ref_aux.item()}"
     err = rel_err(loss, ref_loss)
     assert err <= 1e-5, f"{model_type}: loss {loss.item()} vs HF {ref_loss.item()}: rel {err:.3g}"
@@ -303,6 +305,42 @@ def test_gpt_oss_attention_gets_sinks_and_windows(monkeypatch):
     loss, _, grads = loss_and_grads(model, input_ids, input_ids)
     assert seen == expected, seen
     assert rel_err(loss, ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("labels", [True, False])
+def test_gpt_oss_sink_attention_with_padding_mask(labels, monkeypatch):
+    """gpt-oss on eager with a padding mask (left padding on row 0, right on row 1), with labels (leantune's
+    causal-LM forward) and without (HF's, logits): transformers builds its eager masks (padding, causality, the
+    window) and ops.sink_attention takes them in place of HF's eager function; loss / logits and every LoRA
+    gradient as unpatched HF's."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_moe_peft("gpt_oss").train()
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, -2:] = 0
+    given = {"labels": input_ids.masked_fill(mask == 0, -100)} if labels else {}
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=input_ids, attention_mask=mask, **given)
+        value = out.loss if labels else (out.logits * mask[..., None]).square().mean()
+        value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref, ref_grads = run()
+    leantune.patch(model)
+    seen = []
+    sink_attention = ops.sink_attention
+    monkeypatch.setattr(ops, "sink_attention", lambda *a, **k: seen.append(
+        (k["sliding_window"], tuple(k["attention_mask"].shape))) or sink_attention(*a, **k))
+    monkeypatch.setattr(modeling_gpt_oss, "eager_attention_forward", None)  # HF's eager must not run
+    got, grads = run()
+    assert seen == [(4, (2, 1, 9, 9)), (None, (2, 1, 9, 9))], seen
+    assert rel_err(got, ref) <= 1e-5
     assert_grads_close(grads, ref_grads)
 
 
