@@ -3,13 +3,14 @@ the 3-D expert stacks (``target_parameters``), loss with the router aux loss and
 
 Each family is a tiny random model from its transformers config class (2 layers, hidden 32, E=4 experts, top-2,
 router aux loss on), norms perturbed, non-zero B everywhere. gpt-oss (sinks) on eager, its default: the patched
-attention runs ops.sink_attention with HF's mask of each layer type and HF's eager function must not run; under
-another implementation a spy attention function checks that the patched forward hands HF's function the sinks and
-the layer's window. The unpatched HF+PEFT model (fp32) is the reference: loss rel <= 1e-5, LoRA gradients rel <= 1e-4 plus three times HF's own
-fp32 error against a float64 copy (some draws make a layer's q/k gradients ill-conditioned: at seed 20261202,
-Mixtral 1 x 5 tokens, HF's fp32 layer-1 k_proj gradient is 1.7e-4 off float64 and leantune's 5.3e-4, through the
-experts' rounding, so a fixed 1e-4 against HF fails a correct draw). The experts must run
-``ops.moe_experts`` and PEFT's parametrization (which forms W + BA for the stack) must never run.
+attention runs ops.sink_attention (without a padding mask the causal-LM forward hands it none; with one, HF's mask
+of each layer type) and HF's eager function must not run; under another implementation a spy attention function
+checks that the patched forward hands HF's function the sinks and the layer's window. The unpatched HF+PEFT model
+(fp32) is the reference: loss rel <= 1e-5, LoRA gradients rel <= 1e-4 plus three times HF's own fp32 error against
+a float64 copy (some draws make a layer's q/k gradients ill-conditioned: at seed 20261202, Mixtral 1 x 5 tokens,
+HF's fp32 layer-1 k_proj gradient is 1.7e-4 off float64 and leantune's 5.3e-4, through the experts' rounding, so
+a fixed 1e-4 against HF fails a correct draw). The experts must run ``ops.moe_experts`` and PEFT's
+parametrization (which forms W + BA for the stack) must never run.
 
 The parity runs on ``conftest.DEVICE`` (the interpreter on the CPU, the card on CUDA). On CUDA the fp32 reference
 keeps full fp32 products: TF32 is off for cuBLAS within the check (HF's default experts path, "grouped_mm", takes
@@ -266,7 +267,8 @@ def test_disabled_adapters_keep_peft(monkeypatch):
 
 
 def test_gpt_oss_attention_gets_sinks_and_windows(monkeypatch):
-    """gpt-oss: HF's attention function runs (it applies the sinks); the patched forward (fused q/k/v/o LoRA) must
+    """gpt-oss under an attention implementation other than eager/sdpa (here a spy's; flex, flash and hub kernels
+    alike): HF's attention function runs (it applies the sinks); the patched forward (fused q/k/v/o LoRA) must
     pass it ``s_aux`` = the module's sinks and the layer's sliding window, as HF's forward does. The spy computes
     the attention with the sinks it is given (not ``module.sinks``), so a forward that dropped them would miss
     the parity; the sinks are made large so that they matter."""
@@ -301,6 +303,7 @@ def test_gpt_oss_attention_gets_sinks_and_windows(monkeypatch):
     seen.clear()
     leantune.patch(model)
     assert "attention sinks" in model.leantune_summary["kept"]["attention kernel"]
+    assert not any("ops.sink_attention" in part for part in model.leantune_summary["fused"])
     assert model.leantune_summary["counts"]["lora_qkv"] == 2  # the projections around HF's kernel are fused
     loss, _, grads = loss_and_grads(model, input_ids, input_ids)
     assert seen == expected, seen

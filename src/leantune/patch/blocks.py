@@ -94,7 +94,9 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     ``qkv_proj`` included), handing the rope kind to the rotation; else HF's own forward runs, with the rope kind in
     the flag its ``apply_rotary_pos_emb`` (leantune's dispatcher) reads. Under torch.compile the copy also serves an
     attention without fusable LoRA whose rope kind is on (projections then through their own modules): the flag is
-    a mutation, which torch 2.11 cannot trace inside a checkpointed layer (see :mod:`._common`)."""
+    a mutation, which torch 2.11 cannot trace inside a checkpointed layer (see :mod:`._common`). A family with
+    attention sinks under the eager or sdpa implementation always runs the copy, whose kernel is then
+    ``ops.sink_attention`` (SDPA with the sinks) instead of HF's attention function (:func:`sinks_served`)."""
     if not served(hidden_states):  # HF's own function then serves the rotation too
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)

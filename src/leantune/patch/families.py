@@ -32,8 +32,10 @@ Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
 - Attention sinks (``attention_sinks_attr``, gpt-oss ``sinks``: one learned logit per head in the softmax
   denominator): under the eager or sdpa attention implementation (``SINK_IMPLEMENTATIONS``; gpt-oss defaults to
   eager) ``ops.sink_attention`` replaces HF's attention function (SDPA with the sink as an extra key, no
-  ``[B, H, S, S]`` scores), with HF's mask for the layer; under flex / flash / hub kernels the sinks are passed as
-  ``s_aux`` to HF's attention function, which applies them. The projections around it are fused either way.
+  ``[B, H, S, S]`` scores), with HF's mask for the layer (none for rows without padding or cache: the causal-LM
+  forward then skips transformers' masks, the op applies causality and the window); under flex / flash / hub
+  kernels the sinks are passed as ``s_aux`` to HF's attention function, which applies them. The projections
+  around it are fused either way.
 - Attention-logit softcap: Gemma2 only. Final-logit softcap: Gemma2/3 ``final_logit_softcapping``.
 - Scalars: the attention scale is always ``module.scaling`` (Granite's ``attention_multiplier``, Gemma's
   ``query_pre_attn_scalar``); Granite's ``embedding_multiplier`` is applied by the base model HF runs;
