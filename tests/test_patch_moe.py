@@ -312,24 +312,30 @@ def test_gpt_oss_attention_gets_sinks_and_windows(monkeypatch):
 
 
 @pytest.mark.parametrize("labels", [True, False])
-def test_gpt_oss_sink_attention_with_padding_mask(labels, monkeypatch):
-    """gpt-oss on eager with a padding mask (left padding on row 0, right on row 1), with labels (leantune's
-    causal-LM forward) and without (HF's, logits): transformers builds its eager masks (padding, causality, the
-    window) and ops.sink_attention takes them in place of HF's eager function; loss / logits and every LoRA
-    gradient as unpatched HF's."""
+@pytest.mark.parametrize("given", ["padding", "packed"])
+def test_gpt_oss_sink_attention_with_hf_masks(given, labels, monkeypatch):
+    """gpt-oss on eager with a padding mask (left padding on row 0, right on row 1) or packed documents (positions
+    restarting mid-row, no mask: transformers' block-diagonal mask), with labels (leantune's causal-LM forward) and
+    without (HF's, logits): transformers builds its eager masks (padding or documents, causality, the window) and
+    ops.sink_attention takes them in place of HF's eager function; loss / logits and every LoRA gradient as
+    unpatched HF's."""
     from transformers.models.gpt_oss import modeling_gpt_oss
 
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     model = tiny_moe_peft("gpt_oss").train()
     input_ids = torch.randint(3, VOCAB, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.long)
-    mask[0, :3] = 0
-    mask[1, -2:] = 0
-    given = {"labels": input_ids.masked_fill(mask == 0, -100)} if labels else {}
+    if given == "padding":
+        mask[0, :3] = 0
+        mask[1, -2:] = 0
+        inputs = {"attention_mask": mask}
+    else:
+        inputs = {"position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2]])}
+    inputs |= {"labels": input_ids.masked_fill(mask == 0, -100)} if labels else {}
 
     def run():
         model.zero_grad(set_to_none=True)
-        out = model(input_ids=input_ids, attention_mask=mask, **given)
+        out = model(input_ids=input_ids, **inputs)
         value = out.loss if labels else (out.logits * mask[..., None]).square().mean()
         value.backward()
         return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
