@@ -132,16 +132,16 @@ part_trl_sft() {  # TRL SFT only, 8B 4096 x 1: leantune with and without the hea
 
 part_tests_round3() {  # round 3's kernels and paths on the card: launch path, graphs, no-sync, MoE, FP8, compile, RL heads
   timeout $(bound 270) python3 -m pytest -q -n 8 -p no:cacheprovider -rs tests/test_launch.py tests/test_graphs.py \
-    tests/test_no_sync.py tests/test_moe_kernels.py tests/test_moe.py tests/test_patch_moe.py tests/test_fp8.py \
-    tests/test_fp8_kernels.py tests/test_fp8_train.py tests/test_compile.py tests/test_log_probs.py tests/test_preference.py \
+    tests/test_no_sync.py tests/test_moe_kernels.py tests/test_moe.py tests/test_patch_moe.py tests/test_sink_attention.py \
+    tests/test_fp8.py tests/test_fp8_kernels.py tests/test_fp8_train.py tests/test_compile.py tests/test_log_probs.py tests/test_preference.py \
     tests/test_distillation.py tests/test_patch_families.py tests/test_patch_structures.py tests/test_patch_qlora.py \
     tests/test_lora_nf4.py tests/test_loss_options.py tests/test_tiled_mlp.py tests/test_dora.py tests/test_nf4.py \
     tests/test_patch_api.py > "$OUT/pytest-r3.log" 2>&1
   echo "pytest (round 3) exit $?"; tail -2 "$OUT/pytest-r3.log"; grep -E "^_{3,} test.* _{3,}$" "$OUT/pytest-r3.log" | head -30
 }
 
-part_probes() {  # the bound launch path, the grouped expert GEMMs, the FP8 GEMM pieces (each < 2 min)
-  local p; for p in launch_probe moe_probe fp8_probe; do
+part_probes() {  # the bound launch path, the grouped expert GEMMs, the FP8 GEMM pieces, gpt-oss sinks (each < 2 min)
+  local p; for p in launch_probe moe_probe fp8_probe sink_attention_probe; do
     timeout $(bound 110) python3 benchmarks/$p.py > "$OUT/$p.md" 2>&1; echo "$p exit $?"; tail -25 "$OUT/$p.md"
   done
 }

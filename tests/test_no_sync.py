@@ -196,7 +196,7 @@ def test_patched_step_reads_nothing_back(case, watch, monkeypatch):
 def test_patched_moe_step_reads_nothing_back(model_type, nf4, watch, monkeypatch):
     """MoE experts through ops.moe_experts (LoRA on the expert stacks, deferred index checks, aux loss on); gpt-oss:
     biased router, clamped SwiGLU experts, RoPE widened from per-frequency cos/sin, sinks and a sliding layer in
-    HF's attention function; with ``nf4`` the linears and expert stacks in NF4, dequantised inside the op (the
+    ops.sink_attention (no masks built by transformers); with ``nf4`` the linears and expert stacks in NF4, dequantised inside the op (the
     offset a Python float)."""
     from test_patch_moe import VOCAB, tiny_moe_peft
 
@@ -275,19 +275,23 @@ def test_document_attention_step_reads_nothing_back(watch, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_patched_moe_step_has_no_sync_on_gpu(model_type):
     """An MoE step (router, experts through ops.moe_experts with LoRA on the stacks, the aux loss, AdamW) under
     set_sync_debug_mode("error"): HF's own no-mask aux loss (torch.bincount) would raise here. On SDPA: HF's eager
-    attention builds its float mask from a CPU scalar (a sync of HF's, seen on the card), and gpt-oss, whose sinks
-    keep HF's eager attention, is left out for that reason; no KV cache (the update of HF's sliding-window layer
-    syncs: Mixtral failed with it on the card)."""
+    attention builds its float mask from a CPU scalar (a sync of HF's, seen on the card). gpt-oss stays on eager
+    (it refuses sdpa): its attention runs ops.sink_attention and, with no padding mask, leantune's causal-LM
+    forward hands the base model no masks, so transformers' eager masks (that sync) are never built. No KV cache
+    (the update of HF's sliding-window layer syncs: Mixtral failed with it on the card)."""
     from test_patch_moe import VOCAB, tiny_moe_peft
 
     torch.manual_seed(0)
     model = tiny_moe_peft(model_type, device="cuda").to(torch.bfloat16).train()
-    model.set_attn_implementation("sdpa")
+    if model_type != "gpt_oss":
+        model.set_attn_implementation("sdpa")
     leantune.patch(model)
+    if model_type == "gpt_oss":
+        assert any("ops.sink_attention" in part for part in model.leantune_summary["fused"])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
     input_ids = torch.randint(3, VOCAB, (2, 32), device="cuda")
     for checked in (False, True):

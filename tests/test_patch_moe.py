@@ -2,13 +2,15 @@
 the 3-D expert stacks (``target_parameters``), loss with the router aux loss and every LoRA gradient.
 
 Each family is a tiny random model from its transformers config class (2 layers, hidden 32, E=4 experts, top-2,
-router aux loss on), norms perturbed, non-zero B everywhere. gpt-oss keeps HF's attention function (its sinks):
-a spy attention function checks that the patched forward hands it the sinks and the layer's window. The unpatched
-HF+PEFT model (fp32) is the reference: loss rel <= 1e-5, LoRA gradients rel <= 1e-4 plus three times HF's own
-fp32 error against a float64 copy (some draws make a layer's q/k gradients ill-conditioned: at seed 20261202,
-Mixtral 1 x 5 tokens, HF's fp32 layer-1 k_proj gradient is 1.7e-4 off float64 and leantune's 5.3e-4, through the
-experts' rounding, so a fixed 1e-4 against HF fails a correct draw). The experts must run
-``ops.moe_experts`` and PEFT's parametrization (which forms W + BA for the stack) must never run.
+router aux loss on), norms perturbed, non-zero B everywhere. gpt-oss (sinks) on eager, its default: the patched
+attention runs ops.sink_attention (without a padding mask the causal-LM forward hands it none; with one, HF's mask
+of each layer type) and HF's eager function must not run; under another implementation a spy attention function
+checks that the patched forward hands HF's function the sinks and the layer's window. The unpatched HF+PEFT model
+(fp32) is the reference: loss rel <= 1e-5, LoRA gradients rel <= 1e-4 plus three times HF's own fp32 error against
+a float64 copy (some draws make a layer's q/k gradients ill-conditioned: at seed 20261202, Mixtral 1 x 5 tokens,
+HF's fp32 layer-1 k_proj gradient is 1.7e-4 off float64 and leantune's 5.3e-4, through the experts' rounding, so
+a fixed 1e-4 against HF fails a correct draw). The experts must run ``ops.moe_experts`` and PEFT's
+parametrization (which forms W + BA for the stack) must never run.
 
 The parity runs on ``conftest.DEVICE`` (the interpreter on the CPU, the card on CUDA). On CUDA the fp32 reference
 keeps full fp32 products: TF32 is off for cuBLAS within the check (HF's default experts path, "grouped_mm", takes
@@ -116,6 +118,20 @@ def _check_moe_parity(model_type, monkeypatch, rows, seq, nf4):
     calls = []
     original = ops.moe_experts
     monkeypatch.setattr(ops, "moe_experts", lambda *a, **k: calls.append(1) or original(*a, **k))
+    sink_calls = []
+    if FAMILIES[model_type].attention_sinks_attr:  # gpt-oss on eager (its default): the sinks through SDPA
+        assert model.config._attn_implementation == "eager"
+        assert any("ops.sink_attention" in part for part in summary["fused"])
+        assert "attention kernel" not in summary["kept"]
+        sink_attention = ops.sink_attention
+        monkeypatch.setattr(ops, "sink_attention", lambda *a, **k: sink_calls.append(
+            (k["sliding_window"], k["attention_mask"])) or sink_attention(*a, **k))
+        from transformers.models.gpt_oss import modeling_gpt_oss
+
+        def refuse_eager(*args, **kwargs):
+            raise AssertionError("HF's eager attention ran for gpt-oss")
+
+        monkeypatch.setattr(modeling_gpt_oss, "eager_attention_forward", refuse_eager)
     from peft.tuners.lora import layer
 
     def refuse(*args, **kwargs):
@@ -124,6 +140,10 @@ def _check_moe_parity(model_type, monkeypatch, rows, seq, nf4):
     monkeypatch.setattr(layer.ParamWrapper, "_activate_lora", refuse)
     loss, aux, grads = loss_and_grads(model, input_ids, labels)
     assert len(calls) == 2
+    if FAMILIES[model_type].attention_sinks_attr:
+        # sliding layer (window 4) then full; no padding mask: the causal-LM forward hands no masks, the op applies
+        # causality and the window itself (transformers' eager masks are not built)
+        assert sink_calls == [(4, None), (None, None)], sink_calls
     assert rel_err(aux, ref_aux) <= 1e-5, f"{model_type}: aux loss {aux.item()} vs HF {ref_aux.item()}"
     err = rel_err(loss, ref_loss)
     assert err <= 1e-5, f"{model_type}: loss {loss.item()} vs HF {ref_loss.item()}: rel {err:.3g}"
@@ -247,7 +267,8 @@ def test_disabled_adapters_keep_peft(monkeypatch):
 
 
 def test_gpt_oss_attention_gets_sinks_and_windows(monkeypatch):
-    """gpt-oss: HF's attention function runs (it applies the sinks); the patched forward (fused q/k/v/o LoRA) must
+    """gpt-oss under an attention implementation other than eager/sdpa (here a spy's; flex, flash and hub kernels
+    alike): HF's attention function runs (it applies the sinks); the patched forward (fused q/k/v/o LoRA) must
     pass it ``s_aux`` = the module's sinks and the layer's sliding window, as HF's forward does. The spy computes
     the attention with the sinks it is given (not ``module.sinks``), so a forward that dropped them would miss
     the parity; the sinks are made large so that they matter."""
@@ -282,10 +303,53 @@ def test_gpt_oss_attention_gets_sinks_and_windows(monkeypatch):
     seen.clear()
     leantune.patch(model)
     assert "attention sinks" in model.leantune_summary["kept"]["attention kernel"]
+    assert not any("ops.sink_attention" in part for part in model.leantune_summary["fused"])
     assert model.leantune_summary["counts"]["lora_qkv"] == 2  # the projections around HF's kernel are fused
     loss, _, grads = loss_and_grads(model, input_ids, input_ids)
     assert seen == expected, seen
     assert rel_err(loss, ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("labels", [True, False])
+@pytest.mark.parametrize("given", ["padding", "packed"])
+def test_gpt_oss_sink_attention_with_hf_masks(given, labels, monkeypatch):
+    """gpt-oss on eager with a padding mask (left padding on row 0, right on row 1) or packed documents (positions
+    restarting mid-row, no mask: transformers' block-diagonal mask), with labels (leantune's causal-LM forward) and
+    without (HF's, logits): transformers builds its eager masks (padding or documents, causality, the window) and
+    ops.sink_attention takes them in place of HF's eager function; loss / logits and every LoRA gradient as
+    unpatched HF's."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_moe_peft("gpt_oss").train()
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    if given == "padding":
+        mask[0, :3] = 0
+        mask[1, -2:] = 0
+        inputs = {"attention_mask": mask}
+    else:
+        inputs = {"position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2]])}
+    inputs |= {"labels": input_ids.masked_fill(mask == 0, -100)} if labels else {}
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=input_ids, **inputs)
+        value = out.loss if labels else (out.logits * mask[..., None]).square().mean()
+        value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref, ref_grads = run()
+    leantune.patch(model)
+    seen = []
+    sink_attention = ops.sink_attention
+    monkeypatch.setattr(ops, "sink_attention", lambda *a, **k: seen.append(
+        (k["sliding_window"], tuple(k["attention_mask"].shape))) or sink_attention(*a, **k))
+    monkeypatch.setattr(modeling_gpt_oss, "eager_attention_forward", None)  # HF's eager must not run
+    got, grads = run()
+    assert seen == [(4, (2, 1, 9, 9)), (None, (2, 1, 9, 9))], seen
+    assert rel_err(got, ref) <= 1e-5
     assert_grads_close(grads, ref_grads)
 
 

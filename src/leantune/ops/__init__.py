@@ -21,6 +21,7 @@ from .lora import DoraWeights, LoraWeights, dora_linear, lora_linear, lora_mlp, 
 from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from .rms_norm import rms_norm
 from .rope import rope
+from .sink_attention import sink_attention
 
 __all__ = [
     "DoraWeights",
@@ -50,5 +51,6 @@ __all__ = [
     "raise_deferred_errors",
     "rms_norm",
     "rope",
+    "sink_attention",
     "swiglu",
 ]

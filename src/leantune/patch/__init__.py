@@ -41,7 +41,7 @@ import weakref
 from torch import nn
 
 from ._model import hf_model as _hf_model
-from .families import ACTIVATIONS, FAMILIES, NOT_COVERED, Family, family_for
+from .families import ACTIVATIONS, FAMILIES, NOT_COVERED, SINK_IMPLEMENTATIONS, Family, family_for
 from .forwards import (
     LOSS_CALLS_ATTR,
     LOSS_HEAD_ATTR,
@@ -247,12 +247,15 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         enable_tiled_mlp(model, tile_tokens=tile_mlp)
     if offload_checkpoints:
         enable_offloaded_checkpoints(model)
+    # as of this call: the sinks' kernel follows the implementation at each forward (set_attn_implementation later
+    # changes what runs, not this summary)
+    attn_implementation = getattr(hf.config, "_attn_implementation", None)
     summary = {
         "family": family.name,
         "counts": {k: counts[k] for k in _COUNTS},
         "off": [k for k, on in zip(KINDS, (rms_norm, rope, mlp, loss, lora)) if not on],
-        "fused": _fused_parts(family, activation) + ([_DORA_NOTE] if counts["dora"] else []),
-        "kept": family.kept(),
+        "fused": _fused_parts(family, activation, attn_implementation) + ([_DORA_NOTE] if counts["dora"] else []),
+        "kept": family.kept(attn_implementation),
         "offload_checkpoints": offload_checkpoints,
         "tile_mlp": tile_mlp,
         "loss_runs": loss_runs,
@@ -315,7 +318,7 @@ _DORA_NOTE = ("DoRA fused: q/k/v through ops.lora_qkv, the gated MLP through ops
               "and ||W + sBA|| rows formed once per call; DoRA with lora_dropout in training keeps PEFT's forward")
 
 
-def _fused_parts(family: Family, activation: str | None) -> list[str]:
+def _fused_parts(family: Family, activation: str | None, attn_implementation: str | None) -> list[str]:
     """What of the family's layers runs leantune's ops when every kind is on (``kept`` lists the rest)."""
     parts = []
     if family.norm:
@@ -328,6 +331,9 @@ def _fused_parts(family: Family, activation: str | None) -> list[str]:
                      + (", skipped on layers without RoPE" if family.rope_if else ""))
     qkv = "qkv_proj LoRA: ops.lora_linear" if family.qkv == "fused" else "q/k/v LoRA: ops.lora_qkv"
     parts.append(qkv + "; o_proj LoRA: ops.lora_linear")
+    if family.attention_sinks_attr and attn_implementation in SINK_IMPLEMENTATIONS:
+        parts.append(f"attention with sinks ({family.attention_sinks_attr}): ops.sink_attention (SDPA, the sink as "
+                     f"an extra key; HF's mask for each layer type) instead of HF's {attn_implementation} function")
     if family.mlp == "plain":
         parts.append(f"MLP {'/'.join(family.mlp_projections)} LoRA: ops.lora_linear")
     elif activation is not None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ._common import call_original, hf_rope, reset_rope_active, rotate, served, set_rope_active
-from .families import Family
+from .families import SINK_IMPLEMENTATIONS, Family
 from .lora_status import fusable, fused_group, lora_status, project
 
 
@@ -94,7 +94,9 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     ``qkv_proj`` included), handing the rope kind to the rotation; else HF's own forward runs, with the rope kind in
     the flag its ``apply_rotary_pos_emb`` (leantune's dispatcher) reads. Under torch.compile the copy also serves an
     attention without fusable LoRA whose rope kind is on (projections then through their own modules): the flag is
-    a mutation, which torch 2.11 cannot trace inside a checkpointed layer (see :mod:`._common`)."""
+    a mutation, which torch 2.11 cannot trace inside a checkpointed layer (see :mod:`._common`). A family with
+    attention sinks under the eager or sdpa implementation always runs the copy, whose kernel is then
+    ``ops.sink_attention`` (SDPA with the sinks) instead of HF's attention function (:func:`sinks_served`)."""
     if not served(hidden_states):  # HF's own function then serves the rotation too
         return call_original(self, hidden_states, position_embeddings=position_embeddings,
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
@@ -104,7 +106,9 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     # each projection's PEFT state read once per forward; None: LoRA fusion off
     statuses = [lora_status(m) for m in projections] if state.lora else [None] * len(projections)
     compiling = torch.compiler.is_compiling()
-    if any(s is not None and fusable(s) for s in statuses) or (kind and compiling):
+    # a family with sinks under eager/sdpa always takes the copy: it runs ops.sink_attention, not HF's function
+    if (any(s is not None and fusable(s) for s in statuses) or (kind and compiling)
+            or sinks_served(self, state.family)):
         return _fused_attention(self, state.family, kind, statuses, hidden_states, position_embeddings,
                                 attention_mask, past_key_values, **kwargs)
     if compiling:  # kind is False here, and the dispatcher reads no flag while tracing: HF's function
@@ -116,6 +120,13 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
     finally:
         reset_rope_active(token)
+
+
+def sinks_served(module, family: Family) -> bool:
+    """Whether a patched attention of ``family`` runs ``ops.sink_attention`` (sinks through SDPA) instead of HF's
+    attention function: the family has sinks and the model's attention implementation is eager or sdpa."""
+    return (family.attention_sinks_attr is not None
+            and getattr(module.config, "_attn_implementation", None) in SINK_IMPLEMENTATIONS)
 
 
 def _qkv(self, family: Family, statuses, hidden_states):
@@ -166,12 +177,18 @@ def _fused_attention(self, family: Family, kind, statuses, hidden_states, positi
         extra["sliding_window"] = self.sliding_window if self.is_sliding else None
     if family.attn_softcap:
         extra["softcap"] = self.attn_logit_softcapping
-    if family.attention_sinks_attr is not None:  # HF's kwarg name; its attention function applies them
-        extra["s_aux"] = getattr(self, family.attention_sinks_attr)
-    attn_output, attn_weights = interface(
-        self, query, key, value, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
-    )
+    dropout = 0.0 if not self.training else self.attention_dropout
+    if sinks_served(self, family):
+        # HF's eager function would form [B, H, S, S] scores (and probabilities) in the attention dtype; the mask is
+        # the one HF built for this layer's type (window included), so the window is passed only for a None mask
+        attn_output, attn_weights = ops.sink_attention(
+            query, key, value, getattr(self, family.attention_sinks_attr), scaling=self.scaling,
+            attention_mask=attention_mask, sliding_window=extra.get("sliding_window"), dropout_p=dropout), None
+    else:
+        if family.attention_sinks_attr is not None:  # HF's kwarg name; its attention function applies them
+            extra["s_aux"] = getattr(self, family.attention_sinks_attr)
+        attn_output, attn_weights = interface(self, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=self.scaling, **extra, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     out = project(self.o_proj, attn_output, statuses[-1])
     if family.residual_dropout_attr is not None:

@@ -30,8 +30,12 @@ Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
 - Sliding window passed to the attention kernel: "config" (``config.sliding_window``: Mistral, Phi-3, Starcoder2),
   "module" (``module.sliding_window``), "module_if_sliding" (EXAONE 4: the window only where ``is_sliding``).
 - Attention sinks (``attention_sinks_attr``, gpt-oss ``sinks``: one learned logit per head in the softmax
-  denominator): passed as ``s_aux`` to HF's attention function, which applies them (eager, flex and flash kernels
-  as HF dispatches; no leantune attention kernel takes sinks). The projections around it are still fused.
+  denominator): under the eager or sdpa attention implementation (``SINK_IMPLEMENTATIONS``; gpt-oss defaults to
+  eager) ``ops.sink_attention`` replaces HF's attention function (SDPA with the sink as an extra key, no
+  ``[B, H, S, S]`` scores), with HF's mask for the layer (none for rows without padding or cache: the causal-LM
+  forward then skips transformers' masks, the op applies causality and the window); under flex / flash / hub
+  kernels the sinks are passed as ``s_aux`` to HF's attention function, which applies them. The projections
+  around it are fused either way.
 - Attention-logit softcap: Gemma2 only. Final-logit softcap: Gemma2/3 ``final_logit_softcapping``.
 - Scalars: the attention scale is always ``module.scaling`` (Granite's ``attention_multiplier``, Gemma's
   ``query_pre_attn_scalar``); Granite's ``embedding_multiplier`` is applied by the base model HF runs;
@@ -51,6 +55,10 @@ Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
 from __future__ import annotations
 
 import dataclasses
+
+# transformers attention implementations under which leantune's sink attention (ops.sink_attention) replaces HF's
+# attention function for a family with sinks; the others (flex, flash, hub kernels) apply the sinks themselves
+SINK_IMPLEMENTATIONS = ("eager", "sdpa")
 
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu_tanh", "gelu": "geglu_erf"}
 
@@ -126,8 +134,9 @@ class Family:
         """Every linear projection of a decoder layer (LoRA targets)."""
         return self.attention_projections + self.mlp_projections
 
-    def kept(self) -> dict[str, str]:
-        """The parts of this family's layers that keep HF's forward, and why (for ``leantune_summary``)."""
+    def kept(self, attn_implementation: str | None = "eager") -> dict[str, str]:
+        """The parts of this family's layers that keep HF's forward, and why (for ``leantune_summary``), under the
+        model's attention implementation ``attn_implementation`` (the sinks' kernel depends on it)."""
         kept = {}
         if not self.norm:
             kept["norm"] = "LayerNorm, not RMSNorm: HF's forward (no fused LayerNorm op)"
@@ -136,10 +145,11 @@ class Family:
         if self.mlp == "plain":
             kept["mlp activation"] = ("non-gated MLP: HF's activation module; its LoRA projections are fused one "
                                       "by one (ops.lora_linear)")
-        if self.attention_sinks_attr:
-            kept["attention kernel"] = (f"attention sinks ({self.attention_sinks_attr}): HF's attention function "
-                                        "(eager/flex/flash as HF dispatches; it applies the sinks and the sliding "
-                                        "window); q/k/v/o LoRA, RoPE and norms around it are fused")
+        if self.attention_sinks_attr and attn_implementation not in SINK_IMPLEMENTATIONS:
+            kept["attention kernel"] = (f"attention sinks ({self.attention_sinks_attr}) under attention "
+                                        f"implementation {attn_implementation!r}: HF's attention function (it "
+                                        "applies the sinks and the sliding window; eager/sdpa would run "
+                                        "ops.sink_attention); q/k/v/o LoRA, RoPE and norms around it are fused")
         return kept
 
 

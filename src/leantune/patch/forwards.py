@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import inspect
 import numbers
+import sys
 import weakref
 
 import torch
@@ -34,7 +35,7 @@ from ._common import call_original as _call_original
 from ._common import rope_active as _rope_active
 from ._common import rotate as _rotate
 from ._common import served as _served
-from .blocks import attention_forward, mlp_forward
+from .blocks import attention_forward, mlp_forward, sinks_served
 from .document_attention import remember_single_sequences
 from .experts import experts_forward
 from .families import Family
@@ -214,13 +215,17 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     if inputs_embeds is None and input_ids is not None:
         hidden_states_out = kwargs.get("output_hidden_states") or getattr(self.config, "output_hidden_states", False)
         input_ids, inputs_embeds = None, input_embeddings(base, input_ids, bool(hidden_states_out))
+    masks = attention_mask
     if (position_ids is None and attention_mask is None and past_key_values is None and inputs_embeds is not None
             and "cache_position" not in kwargs):
         # the positions transformers would make (0..S-1, one sequence a row), made here so that its packed-row check
         # is answered without a host sync (docs/design.md, "No host sync in a step")
         position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
         remember_single_sequences(position_ids)
-    outputs = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        # causal rows, one sequence each: a family with sinks may need no masks at all (given positions may be
+        # packed documents, whose block-diagonal mask transformers builds: not skipped)
+        masks = _sink_layer_masks(base, family, inputs_embeds)
+    outputs = base(input_ids=input_ids, attention_mask=masks, position_ids=position_ids,
                    past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden_states = outputs.last_hidden_state
     if shift_labels is None:
@@ -261,6 +266,33 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     # HF's to_tuple drops None fields; keep the logits slot so that out[1] is never silently another field
     return (loss, logits, *(v for v in (outputs.past_key_values, outputs.hidden_states, outputs.attentions)
                           if v is not None))
+
+
+def _sink_layer_masks(base, family: Family, inputs_embeds) -> dict | None:
+    """For a family with sinks, rows without a padding mask, given positions or a cache: ``{layer type: None}``,
+    the per-layer-type masks handed to the base model in place of the ones transformers would build (its model
+    forward takes such a dict as given), when every attention layer of ``base`` runs ``ops.sink_attention``, which
+    then applies causality (``is_causal``: SDPA's flash kernel on the card) and each layer's window (its own band)
+    itself. That skips transformers' eager masks: two [B, 1, S, S] tensors built from a host scalar (a host sync
+    on CUDA) and the flash kernel lost to an explicit mask. None (transformers builds its masks) when any attention
+    layer would run another function: not leantune's forward (unpatched, a hook), an implementation other than
+    eager/sdpa, inputs the ops do not take (a None mask there would drop causality)."""
+    if family.attention_sinks_attr is None or inputs_embeds is None or not _served(inputs_embeds):
+        return None
+    layer_types = getattr(base.config, "layer_types", None)
+    modeling = sys.modules.get(family.modeling_module)
+    attention_cls = getattr(modeling, family.attention_class, None)
+    if not layer_types or attention_cls is None:
+        return None
+    found = False
+    for module in base.modules():
+        if isinstance(module, attention_cls):
+            forward = module.__dict__.get("forward")
+            if (not is_leantune_forward(forward) or forward.__func__ is not attention_forward
+                    or STATE_ATTR not in module.__dict__ or not sinks_served(module, family)):
+                return None
+            found = True
+    return {layer_type: None for layer_type in layer_types} if found else None
 
 
 def _moe_output(self, family, fields, outputs, attention_mask, router_logits, return_dict):
