@@ -401,3 +401,17 @@ def test_export_rounds_expert_stacks_through_nf4():
         for name in ("gate_up_proj", "down_proj"):
             expected = ops.dequantize_nf4(q_layer.mlp.experts.nf4_stack(name))
             assert torch.equal(getattr(layer.mlp.experts, name), expected)
+
+
+def test_gpt_oss_config_output_attentions_keeps_hf_attention(monkeypatch):
+    """config.output_attentions asks for the weights, which ops.sink_attention does not form: HF's eager runs and
+    returns them, with HF's loss."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_moe_peft("gpt_oss").train()
+    model.config.output_attentions = True
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    ref = model(input_ids=input_ids, labels=input_ids)
+    leantune.patch(model)
+    out = model(input_ids=input_ids, labels=input_ids)
+    assert len(out.attentions) == 2 and all(a.shape == (2, 4, 7, 7) for a in out.attentions)
+    assert rel_err(out.loss, ref.loss) <= 1e-5

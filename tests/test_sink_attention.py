@@ -163,3 +163,12 @@ def test_errors():
         ops.sink_attention(q, k, v, sinks, scaling=1.0, attention_mask=torch.ones(5, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="key = value"):
         ops.sink_attention(q, k, v[..., :4], sinks, scaling=1.0)
+
+
+def test_negative_scaling_and_integer_masks_are_refused():
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    sinks = torch.randn(2)
+    with pytest.raises(ValueError, match="scaling must be > 0"):
+        ops.sink_attention(q, k, v, sinks, scaling=-0.3)
+    with pytest.raises(ValueError, match="attention_mask must be bool"):
+        ops.sink_attention(q, k, v, sinks, scaling=0.3, attention_mask=torch.ones(5, 5, dtype=torch.int64))

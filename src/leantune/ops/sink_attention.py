@@ -70,7 +70,7 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         query: ``[B, H, L, D]``, float (fp32 / fp16 / bf16; float64 runs SDPA's math kernel).
         key, value: ``[B, Hkv, S, D]``, query's dtype and device; ``H % Hkv == 0`` (grouped-query attention).
         sinks: ``[H]``, any float dtype (cast to query's); gets a gradient when it requires one.
-        scaling: the factor on q . k (HF's ``module.scaling``); nonzero.
+        scaling: the factor on q . k (HF's ``module.scaling``); > 0.
         attention_mask: None, or the full pattern, broadcastable to ``[B, H, L, S]``: bool (True = attend) or
             additive float. When given, ``sliding_window`` is not applied again (the mask holds it).
         sliding_window: w >= 1: token i sees tokens i - w + 1 .. i (only when ``attention_mask`` is None).
@@ -81,7 +81,7 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Raises:
         ValueError: shapes or head counts that do not match, a sinks vector that is not ``[H]``, a window < 1, a
-            mask whose last two dims are not ``[L, S]``, or scaling 0.
+            mask whose last two dims are not ``[L, S]`` or whose dtype is neither bool nor float, or scaling <= 0.
     """
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         raise ValueError(f"query [B, H, L, D] and key = value [B, Hkv, S, D] expected, got {tuple(query.shape)}, "
@@ -98,8 +98,11 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (length, keys):
         raise ValueError(f"attention_mask's last dims must be [L, S] = [{length}, {keys}], got "
                          f"{tuple(attention_mask.shape)}")
-    if scaling == 0:
-        raise ValueError("scaling must be nonzero (the sink key holds 1 / scaling)")
+    if not scaling > 0:  # SDPA's causal path gives NaN for a negative scale; 0 has no 1 / scaling
+        raise ValueError(f"scaling must be > 0 (the sink key holds 1 / scaling), got {scaling}")
+    if attention_mask is not None and not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
+        raise ValueError(f"attention_mask must be bool (True: may attend) or float (added to the scores), got "
+                         f"{attention_mask.dtype}")
     dtype = query.dtype
     padded = -(-(dim + 1) // 8) * 8
     sink_column = sinks.to(dtype).view(1, heads, 1, 1).expand(batch, heads, length, 1)

@@ -124,9 +124,12 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
 
 def sinks_served(module, family: Family) -> bool:
     """Whether a patched attention of ``family`` runs ``ops.sink_attention`` (sinks through SDPA) instead of HF's
-    attention function: the family has sinks and the model's attention implementation is eager or sdpa."""
+    attention function: the family has sinks and the model's attention implementation is eager or sdpa, and the
+    config does not ask for attention weights (``output_attentions``: the op forms none; HF's eager returns them).
+    A per-call ``output_attentions=True`` is not seen here: the op then returns no weights."""
     return (family.attention_sinks_attr is not None
-            and getattr(module.config, "_attn_implementation", None) in SINK_IMPLEMENTATIONS)
+            and getattr(module.config, "_attn_implementation", None) in SINK_IMPLEMENTATIONS
+            and not getattr(module.config, "output_attentions", False))
 
 
 def _qkv(self, family: Family, statuses, hidden_states):
