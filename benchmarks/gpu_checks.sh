@@ -146,6 +146,23 @@ part_probes() {  # the bound launch path, the grouped expert GEMMs, the FP8 GEMM
   done
 }
 
+part_compile_xfail() {  # the softcap CE kernel under inductor (a strict xfail on CPU): what the card says
+  timeout $(bound 120) python3 -m pytest -q -p no:cacheprovider -m gpu --runxfail tests/test_compile.py -k "fast-inductor" \
+    > "$OUT/compile-xfail.log" 2>&1; echo "compile xfail exit $?"; tail -15 "$OUT/compile-xfail.log"
+}
+
+part_fp8_sweep() {  # the single-pass quantisation and transpose kernels beside the torch chains and their floors
+  timeout $(bound 150) python3 benchmarks/fp8_probe.py --sweep > "$OUT/fp8_sweep.md" 2>&1; echo "fp8 sweep exit $?"
+  tail -40 "$OUT/fp8_sweep.md"
+}
+
+part_dora() {  # #28: PEFT's DoRA step vs leantune's fused DoRA, 8B 4096 x 1, checkpointing on, 20 timed steps
+  timeout $(bound 330) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --dora \
+    --steps 20 --repeat ${REPEAT:-1} --impls hf+peft,leantune --matmul-tflops 700 --budget-s $(( $(bound 330) - 10 )) \
+    --compare --out "$OUT/dora" > "$OUT/dora.log" 2>&1
+  echo "dora exit $?"; grep -E "tokens/s of|x[0-9.]+, peak|not run" "$OUT/dora.log"; sed -n '/^Step times/,$p' "$OUT/dora/results.md" 2>/dev/null
+}
+
 part_profile_1b() {  # the patched 1B step's kernels at 8192 x 2 (4 layers): where the GPU time goes
   timeout $(bound 120) python3 benchmarks/profile_step.py --config .gpu/llama32-1b --layers 4 --seq 8192 --batch 2 --gc \
     > "$OUT/profile-1b.md" 2>&1; echo "profile-1b exit $?"; cat "$OUT/profile-1b.md" | grep -v Warning | tail -48
