@@ -163,6 +163,22 @@ part_dora() {  # #28: PEFT's DoRA step vs leantune's fused DoRA, 8B 4096 x 1, ch
   echo "dora exit $?"; grep -E "tokens/s of|x[0-9.]+, peak|not run" "$OUT/dora.log"; sed -n '/^Step times/,$p' "$OUT/dora/results.md" 2>/dev/null
 }
 
+part_moe_e2e() {  # #29: Qwen3-30B-A3B shape (48 layers, 128 experts, top-8), LoRA on attention and experts, 4096 x 1
+  timeout $(bound 540) python3 -m leantune bench e2e --configs .gpu/qwen3-30b-a3b --seq 4096 --batch 1 --gc on \
+    --steps ${STEPS:-10} --warmup 1 --impls ${IMPLS:-hf+peft,leantune} --matmul-tflops 700 \
+    --budget-s $(( $(bound 540) - 10 )) --compare --out "$OUT/moe-e2e" > "$OUT/moe-e2e.log" 2>&1
+  echo "moe-e2e exit $?"; grep -E "tokens/s|x[0-9.]+, peak|not run" "$OUT/moe-e2e.log" | tail -6
+  sed -n '/^Step times/,$p' "$OUT/moe-e2e/results.md" 2>/dev/null
+}
+
+part_gpt_oss() {  # #29: gpt-oss-20b shape (sinks, alternating 128-token windows, 32 experts top-4), LoRA, 4096 x 1
+  timeout $(bound 480) python3 -m leantune bench e2e --configs .gpu/gpt-oss-20b --seq 4096 --batch 1 --gc on \
+    --steps ${STEPS:-10} --warmup 1 --impls ${IMPLS:-hf+peft,leantune} --matmul-tflops 700 \
+    --budget-s $(( $(bound 480) - 10 )) --compare --out "$OUT/gpt-oss" > "$OUT/gpt-oss.log" 2>&1
+  echo "gpt-oss exit $?"; grep -E "tokens/s|x[0-9.]+, peak|not run" "$OUT/gpt-oss.log" | tail -6
+  sed -n '/^Step times/,$p' "$OUT/gpt-oss/results.md" 2>/dev/null
+}
+
 part_profile_1b() {  # the patched 1B step's kernels at 8192 x 2 (4 layers): where the GPU time goes
   timeout $(bound 120) python3 benchmarks/profile_step.py --config .gpu/llama32-1b --layers 4 --seq 8192 --batch 2 --gc \
     > "$OUT/profile-1b.md" 2>&1; echo "profile-1b exit $?"; cat "$OUT/profile-1b.md" | grep -v Warning | tail -48

@@ -1,5 +1,5 @@
 """Build .gpu/ (git-ignored, carried to the device machine): Llama-3-8B, Llama-3-70B and Llama-3.2-1B shaped config
-folders (the 8B and 1B ones with SmolLM2's tokenizer beside them), the MoE ones Mixtral-8x7B and Qwen3-30B-A3B
+folders (the 8B and 1B ones with SmolLM2's tokenizer beside them), the MoE ones Mixtral-8x7B, Qwen3-30B-A3B and gpt-oss-20b
 (configs only: the benchmarks draw random weights on the card; shapes from the models' published config.json), and
 a 2,500-conversation chitchat subset. Run
 here (CPU) from the repo root:
@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
+from transformers import GptOssConfig, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from leantune import assets
 
@@ -38,6 +38,15 @@ MOE = {
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
         max_position_embeddings=40960, rms_norm_eps=1e-6, router_aux_loss_coef=0.001, output_router_logits=True,
         tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    # gpt-oss-20b's published config (its MXFP4 experts drawn here as bf16): sinks, alternating 128-token windows
+    "gpt-oss-20b": GptOssConfig(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=4096),
+        max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True, router_aux_loss_coef=0.9,
+        output_router_logits=False, tie_word_embeddings=False, pad_token_id=199999, eos_token_id=200002),
 }
 for name, config in MOE.items():
     config.save_pretrained(OUT / name)
