@@ -266,8 +266,12 @@ def _quantize_rows_triton(t: torch.Tensor, multiplier: torch.Tensor | None = Non
 
 def _quantize_rows_torch(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t32 = t.float()
-    scale = (t32.abs().amax(dim=1) / E4M3_MAX).clamp_(min=SCALE_FLOOR) if t.shape[1] else \
-        torch.full((t.shape[0],), SCALE_FLOOR, device=t.device)
+    if t.shape[1]:  # absmax / 448 by a tensor: CUDA's torch divides by a Python scalar as a multiply by its rounded
+        # reciprocal (1 ulp off IEEE division, seen on the card); the kernel divides exactly (div_rn)
+        amax = t32.abs().amax(dim=1)
+        scale = (amax / torch.full_like(amax, E4M3_MAX)).clamp_(min=SCALE_FLOOR)
+    else:
+        scale = torch.full((t.shape[0],), SCALE_FLOOR, device=t.device)
     q = (t32 / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
 

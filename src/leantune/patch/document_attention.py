@@ -137,8 +137,11 @@ def _known_packing(position_ids):
         return None
     if position_ids is known:
         return packed
-    # transformers expands [1, S] positions to the batch (position_ids.expand(B, -1)): the same single row
-    expanded = (position_ids._base is known and known.shape[0] == 1 and position_ids.dim() == 2
+    # transformers expands [1, S] positions to the batch (position_ids.expand(B, -1)): the same single row. Views
+    # share their root's storage: known may itself be a view (arange(S).unsqueeze(0)), then the expansion's _base is
+    # that root, not known
+    root = known if known._base is None else known._base
+    expanded = (position_ids._base is root and known.shape[0] == 1 and position_ids.dim() == 2
                 and position_ids.stride(0) == 0 and position_ids.shape[1] == known.shape[1]
                 and position_ids.data_ptr() == known.data_ptr())
     return packed if expanded else None
