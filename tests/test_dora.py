@@ -105,6 +105,66 @@ def test_weight_norm_by_expansion_matches_full_norm(backend, weight_dtype):
     assert rel_err(got, want) <= 1e-5
 
 
+def test_frozen_row_norms_are_kept_until_the_weight_changes(backend):
+    """||W||^2 of a frozen W is formed once and reused (the same tensor back, no launch); an in-place change of W
+    (its version counter) or a trainable W recomputes it, so the norm always follows W."""
+    out, inner, rank, scaling = 17, 24, 3, 0.7
+    weight = torch.randn(out, inner, device=DEVICE).bfloat16()
+    lora_A, lora_B = torch.randn(rank, inner, device=DEVICE), torch.randn(out, rank, device=DEVICE)
+
+    def want():
+        return torch.linalg.vector_norm(weight.to(F64) + scaling * lora_B.to(F64) @ lora_A.to(F64), dim=1)
+
+    first = ops.lora.dora._row_sumsq(weight)
+    assert ops.lora.dora._row_sumsq(weight) is first
+    assert rel_err(dora_weight_norm(weight, lora_A, lora_B, scaling), want()) <= 1e-5
+    weight.mul_(-3.0)  # in place: a new version
+    assert ops.lora.dora._row_sumsq(weight) is not first
+    assert rel_err(dora_weight_norm(weight, lora_A, lora_B, scaling), want()) <= 1e-5
+    trainable = weight.float().requires_grad_()
+    assert ops.lora.dora._row_sumsq(trainable) is not ops.lora.dora._row_sumsq(trainable)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_column_dot_matches_float64(dtype, monkeypatch):
+    """The Triton column dot (DoRA's dm = sum_i dY_ij u_ij): fp32 products and sums of 16-bit inputs read as stored,
+    against float64, on shapes off the block sizes, split over rows (partials) and with a column-strided input."""
+    from leantune.ops.lora import kernels
+
+    for rows, cols, per_sm in ((37, 300, 4), (200, 129, 64), (1, 5, 4)):
+        a = torch.randn(rows, cols, device=DEVICE).to(dtype)
+        b = torch.randn(rows, 2 * cols, device=DEVICE).to(dtype)[:, ::2]  # column stride 2
+        got = kernels.column_dot(a, b, per_sm=per_sm)
+        want = (a.to(F64) * b.to(F64)).sum(0)
+        assert got.dtype == torch.float32 and got.shape == (cols,)
+        assert rel_err(got, want) <= 1e-6, (rows, cols)
+    assert torch.equal(kernels.column_dot(a[:0], b[:0]), torch.zeros(a.shape[1], device=DEVICE))
+    with pytest.raises(ValueError, match="column_dot takes two"):
+        kernels.column_dot(a, b[:, :-1])
+
+
+def test_dora_magnitude_gradient_of_a_bf16_step_matches_float64(backend):
+    """dm of a bf16 DoRA projection (the column dot on the Triton path, torch's chunks otherwise) within the bf16 bar
+    of float64 autograd, like x's and the adapters' gradients."""
+    rows, inner, out, rank, scaling = 45, 40, 130, 4, 0.5
+    x = torch.randn(rows, inner, device=DEVICE).bfloat16().requires_grad_()
+    weight = (torch.randn(out, inner, device=DEVICE) / inner ** 0.5).bfloat16()
+    lora_A = torch.randn(rank, inner, device=DEVICE, requires_grad=True)
+    lora_B = torch.randn(out, rank, device=DEVICE, requires_grad=True)
+    magnitude = (torch.rand(out, device=DEVICE) + 0.5).requires_grad_()
+    y = ops.dora_linear(x, weight, lora_A, lora_B, scaling, magnitude)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, lora_A, lora_B, magnitude), dy)
+    leaves = [t.detach().to(F64).requires_grad_() for t in (x, lora_A, lora_B, magnitude)]
+    ref = dora_reference(leaves[0], weight.to(F64), leaves[1], leaves[2], scaling, leaves[3], 0.0)
+    ref_grads = torch.autograd.grad(ref, leaves, dy.to(F64))
+    bf = [t.detach().bfloat16().requires_grad_() for t in (x, lora_A, lora_B, magnitude)]
+    eager = dora_reference(bf[0], weight, bf[1], bf[2], scaling, bf[3], 0.0)
+    eager_grads = torch.autograd.grad(eager, bf, dy)
+    for got, want, base in zip(grads, ref_grads, eager_grads):
+        assert rel_err(got, want) <= tolerance(torch.bfloat16, rel_err(base, want))
+
+
 def test_dora_linear_rejects_bad_input():
     x, weight = torch.randn(3, 8), torch.randn(6, 8)
     lora_A, lora_B, magnitude = torch.randn(2, 8), torch.randn(6, 2), torch.rand(6) + 0.5

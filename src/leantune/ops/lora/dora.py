@@ -25,7 +25,8 @@ The norm without W + s B A. Expanding the square of row j,
     n_j^2 = ||W_j||^2 + 2 s W_j . (B A)_j + s^2 ||(B A)_j||^2
           = ||W_j||^2 + 2 s sum_r B_jr (W A^T)_jr + s^2 sum_r B_jr (B (A A^T))_jr
 
-needs the row norms of W (one read of W, 16-bit rows upcast in bounded chunks), the skinny product W A^T
+needs the row norms of W (one read of W, 16-bit rows upcast in bounded chunks; a frozen W's kept on the tensor
+until its version or storage changes), the skinny product W A^T
 ``[out, r]`` (one more read of W: cuBLAS for an fp32 W; the split-K skinny kernel for a 16-bit W under fp32 adapters
 on the Triton path, W read as stored) and the Gram matrix A A^T ``[r, r]``: O(out r) memory, no W + s B A (the
 torch path, a CPU reference, casts a 16-bit W to the adapters' fp32 for W A^T: one transient copy). All in
@@ -56,10 +57,14 @@ from .. import _runtime
 from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight
 from .entries import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
-from .kernels import skinny_matmul
+from .kernels import column_dot, skinny_matmul
 from .passes import _skinny_ok, group_backward, group_forward
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the norm and of dm are bounded to this many elements (16 MiB)
+# ||W_j||^2 of a frozen weight, computed once and kept on the tensor as (version, data_ptr, [out] fp32): per call it
+# cost two launches per 16 MiB chunk of W in every forward and every recompute (14336 x 4096: 28), for a constant.
+# An attribute, not a weak dictionary: weakref keys compare tensors with ==, which is elementwise
+_ROW_SUMSQ_ATTR = "_leantune_row_sumsq"
 
 
 class DoraWeights(NamedTuple):
@@ -96,18 +101,32 @@ def _chunk_rows(width: int) -> int:
 
 
 def _row_sumsq(weight) -> torch.Tensor:
-    """||W_j||^2 per row in fp32 ``[out]``; a 16-bit W is upcast in row chunks (no fp32 copy of all of W)."""
+    """||W_j||^2 per row in fp32 ``[out]``; a 16-bit W is upcast in row chunks (no fp32 copy of all of W). A frozen
+    W's (no requires_grad) is kept and reused while its version counter and storage stay the same (an in-place
+    change or a move recomputes it); not under torch.compile's tracing."""
+    frozen = not weight.requires_grad and not torch.compiler.is_compiling()
+    if frozen:
+        kept = getattr(weight, _ROW_SUMSQ_ATTR, None)
+        if kept is not None and kept[0] == weight._version and kept[1] == weight.data_ptr():
+            return kept[2]
     if weight.dtype == torch.float32:
-        return torch.linalg.vector_norm(weight, dim=1).square()
-    step = _chunk_rows(weight.shape[1])
-    return torch.cat([torch.linalg.vector_norm(weight[i:i + step].float(), dim=1).square()
-                      for i in range(0, weight.shape[0], step)])
+        sumsq = torch.linalg.vector_norm(weight, dim=1).square()
+    else:
+        step = _chunk_rows(weight.shape[1])
+        sumsq = torch.cat([torch.linalg.vector_norm(weight[i:i + step].float(), dim=1).square()
+                           for i in range(0, weight.shape[0], step)])
+    if frozen:
+        setattr(weight, _ROW_SUMSQ_ATTR, (weight._version, weight.data_ptr(), sumsq))
+    return sumsq
 
 
-def _rowdot(dy, u) -> torch.Tensor:
-    """sum_i dy_ij u_ij in fp32 ``[out]``, in row chunks (bounded fp32 temporary)."""
+def _rowdot(dy, u, meta=None) -> torch.Tensor:
+    """sum_i dy_ij u_ij in fp32 ``[out]``: on the Triton path one kernel (:func:`.kernels.column_dot`), else in row
+    chunks (bounded fp32 temporary). ``meta`` (internal) tells the path."""
     if dy.dtype == u.dtype == torch.float32:
         return (dy * u).sum(0)
+    if meta is not None and meta.impl == "triton":
+        return column_dot(dy, u)
     total = torch.zeros(dy.shape[1], dtype=torch.float32, device=dy.device)
     step = _chunk_rows(dy.shape[1])
     for start in range(0, dy.shape[0], step):
@@ -161,7 +180,7 @@ class DoraGroupFunction(torch.autograd.Function):
             for j, (dy, (_, _, _, magnitude, bias), (u, scale, norm)) in enumerate(zip(dys, entries, saved)):
                 need_w, need_a, need_b, need_m, need_bias = flags[5 * j:5 * j + 5]
                 dy2 = _runtime.as_rows(dy)
-                dm = (_rowdot(dy2, u) / norm).to(magnitude.dtype) if need_m else None
+                dm = (_rowdot(dy2, u, meta) / norm).to(magnitude.dtype) if need_m else None
                 dbias = dy2.float().sum(0).to(bias.dtype) if need_bias else None
                 if magnitude is None:
                     scaled.append(dy2)

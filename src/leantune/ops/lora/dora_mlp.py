@@ -81,7 +81,8 @@ class DoraMLPFunction(torch.autograd.Function):
             """dm_j, db_j from d (the gradient of projection j's output) and d' = g_j * d for LoRA's backward."""
             magnitude, bias = entries[j][3], entries[j][4]
             need_m, need_bias = flags[j][3], flags[j][4]
-            dm = (_rowdot(d, (u_g, u_u, u_d)[j]) / norms[j]).to(magnitude.dtype) if need_m else None
+            meta = (meta_gu, meta_gu, meta_down)[j]
+            dm = (_rowdot(d, (u_g, u_u, u_d)[j], meta) / norms[j]).to(magnitude.dtype) if need_m else None
             db = d.float().sum(0).to(bias.dtype) if need_bias else None
             extra[j] = (dm, db)
             if magnitude is None:

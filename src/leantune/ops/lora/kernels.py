@@ -7,6 +7,9 @@ r"""The LoRA branch's Triton kernels and their launchers (derivation: :mod:`lean
   (C[r, K] = P[M, r]^T @ X[M, K], split-M): the products xa = x A^T, g = s dY B, dA = g^T (m*x), dB = s dY^T xa,
   reading the activation tile as stored and multiplying it by the small factor in fp32 registers
   (:func:`leantune.ops._dot.mixed_dot`); partials of the splits are summed by torch in a fixed order (deterministic).
+- ``_column_dot_kernel``: c[K] = sum over rows of a[M, K] * b[M, K] in fp32 (DoRA's dm = sum_i dY_ij u_ij), both
+  read as stored and upcast in registers, split-M partials summed like the skinny kernels': one launch where a
+  chunked torch chain needs five per 16 MiB chunk (two upcasts, the product, its sum, the accumulation).
 """
 
 from __future__ import annotations
@@ -158,6 +161,26 @@ def _skinny_tn_kernel(
              mask=r_ok[:, None] & col_ok[None, :])
 
 
+@_launch.bound
+@triton.jit
+def _column_dot_kernel(A, B, C, stride_am, stride_bm, stride_cs, n_rows, n_cols, m_per_split,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[split, K] = sum over this program's row slice of A[m, k] * B[m, k], products and sums in fp32."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    split = tl.program_id(1)
+    col_ok = cols < n_cols
+    m_start = split * m_per_split
+    m_end = tl.minimum(m_start + m_per_split, n_rows)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows64 = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows64 < m_end)[:, None] & col_ok[None, :]
+        a = tl.load(A + rows64[:, None] * stride_am + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + rows64[:, None] * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(a * b, 0)
+    tl.store(C + split.to(tl.int64) * stride_cs + cols, acc, mask=col_ok)
+
+
 # ----------------------------------------------------------------------------------------------------- launchers
 _BLOCK_N, _BLOCK_K = 64, 128
 
@@ -296,6 +319,34 @@ def skinny_tn(lhs, x, scale=1.0, *, out=None, out_dtype=torch.float32, seeds=Non
         n_rows, n_cols, rank, per_split, float(scale) / (1.0 - p) if has_mask else float(scale), float(p),
         HAS_MASK=has_mask, DOT_MODE=_dot.dot_mode(x.dtype, lhs.dtype, precision), UPCAST=_runtime.KERNELS_INTERPRETED,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_runtime.rank_block(rank), num_warps=num_warps,
+    )
+    if splits > 1:
+        _sum_partials(dest, out)
+    return out
+
+
+def column_dot(a, b, *, block_m=32, block_k=128, num_warps=4, per_sm=4):
+    """c [K] fp32 = sum over rows of a * b (a, b [M, K], any float dtypes, read as stored and multiplied in fp32
+    registers; a copy only for a column stride other than 1). Split-M partials in fp32, summed by torch in a fixed
+    order (deterministic). Raises ValueError for shapes that differ."""
+    if a.dim() != 2 or a.shape != b.shape:
+        raise ValueError(f"column_dot takes two [M, K] tensors of one shape, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    n_rows, n_cols = a.shape
+    out = _runtime.empty((n_cols,), dtype=torch.float32, device=a.device)
+    if n_cols == 0:
+        return out
+    if n_rows == 0:
+        return out.zero_()
+    a = a if a.stride(1) == 1 else a.contiguous()
+    b = b if b.stride(1) == 1 else b.contiguous()
+    n_tiles = _runtime.cdiv(n_cols, block_k)
+    splits, per_split = _splits(a.device, n_tiles, n_rows, block_m, per_sm)
+    dest = out.view(1, n_cols) if splits == 1 else _runtime.empty((splits, n_cols), dtype=torch.float32,
+                                                                   device=a.device)
+    _column_dot_kernel[(n_tiles, splits)](
+        a, b, dest, a.stride(0), b.stride(0), dest.stride(0), n_rows, n_cols, per_split,
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
     )
     if splits > 1:
         _sum_partials(dest, out)
