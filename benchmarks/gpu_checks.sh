@@ -158,7 +158,7 @@ part_fp8_sweep() {  # the single-pass quantisation and transpose kernels beside 
 
 part_dora() {  # #28: PEFT's DoRA step vs leantune's fused DoRA, 8B 4096 x 1, checkpointing on, 20 timed steps
   timeout $(bound 330) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --dora \
-    --steps 20 --repeat ${REPEAT:-1} --impls hf+peft,leantune --matmul-tflops 700 --budget-s $(( $(bound 330) - 10 )) \
+    --steps 20 --repeat ${REPEAT:-1} --impls ${DORA_IMPLS:-hf+peft,leantune,leantune+graph} --matmul-tflops 700 --budget-s $(( $(bound 330) - 10 )) \
     --compare --out "$OUT/dora" > "$OUT/dora.log" 2>&1
   echo "dora exit $?"; grep -E "tokens/s of|x[0-9.]+, peak|not run" "$OUT/dora.log"; sed -n '/^Step times/,$p' "$OUT/dora/results.md" 2>/dev/null
 }
@@ -177,6 +177,12 @@ part_gpt_oss() {  # #29: gpt-oss-20b shape (sinks, alternating 128-token windows
     --budget-s $(( $(bound 480) - 10 )) --compare --out "$OUT/gpt-oss" > "$OUT/gpt-oss.log" 2>&1
   echo "gpt-oss exit $?"; grep -E "tokens/s|x[0-9.]+, peak|not run" "$OUT/gpt-oss.log" | tail -6
   sed -n '/^Step times/,$p' "$OUT/gpt-oss/results.md" 2>/dev/null
+}
+
+part_tests_fixed() {  # the cases that failed on the card in the first call of 2026-12-03, after their fixes
+  timeout $(bound 150) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_fp8_kernels.py tests/test_dora.py \
+    tests/test_no_sync.py > "$OUT/pytest-fixed.log" 2>&1
+  echo "pytest (fixed) exit $?"; tail -2 "$OUT/pytest-fixed.log"; grep -E "^_{3,} test.* _{3,}$" "$OUT/pytest-fixed.log" | head
 }
 
 part_profile_1b() {  # the patched 1B step's kernels at 8192 x 2 (4 layers): where the GPU time goes
