@@ -3,6 +3,7 @@
 # root on the device machine (inputs: `.venv/bin/python benchmarks/make_gpu_inputs.py` here, carry .gpu and .whl):
 #   bash benchmarks/gpu_checks.sh tests fsdp1 nf4 e2e-offload max-context-offload
 # QLoRA (each about one 10-minute call or less): qlora qlora-70b qlora-mixtral, then qlora-cap, cap-262k; TRL: trl; the peak: peak
+# GRPO and the log-prob head (#27): grpo (one call), then grpo-long logprob-mem (one call together)
 # Host-bound steps (#25), one call each: host, host-off, host-1b
 # Every part writes under $OUT and prints a short table last.
 set -uo pipefail
@@ -128,6 +129,26 @@ part_trl() {  # TRL, 8B, 4096 x 1, checkpointing on: leantune's head vs TRL's ow
 part_trl_sft() {  # TRL SFT only, 8B 4096 x 1: leantune with and without the heap freeze, TRL, TRL + Liger
   timeout $(bound 330) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer sft --seq 4096 --steps 10 --out "$OUT/trl" \
     > "$OUT/trl-sft.log" 2>&1; echo "trl sft exit $?"; tail -8 "$OUT/trl-sft.log"
+}
+
+part_grpo() {  # #27: TRL GRPOTrainer, 8B, one prompt's 8 completions of 2,048 tokens (+128 prompt) per step, LoRA
+  # ~5 min: per implementation ~60-80 s of start, 8B build and trainer set-up, then 5 steps of ~3-5 s (17,408 tokens)
+  timeout $(bound 480) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer grpo --impls ${IMPLS:-trl,trl+liger,leantune} \
+    --num-generations 8 --completion-len 2048 --prompt-len 128 --warmup 2 --steps 3 --out "$OUT/grpo" > "$OUT/grpo.log" 2>&1
+  echo "grpo exit $?"; tail -8 "$OUT/grpo.log"
+}
+
+part_grpo_long() {  # #27: one probe, 8 x (128 + 14,208) = 114,688 tokens in one micro-batch under an 80 GiB cap
+  # ~3-4 min: start and build ~60-80 s, a warm-up and a timed step of ~30-60 s each (offloaded checkpoints: 30 GB pinned)
+  timeout $(bound 420) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer grpo --impls ${IMPLS:-leantune+offload} \
+    --num-generations 8 --completion-len 14208 --prompt-len 128 --warmup 1 --steps 1 --memory-cap-gib 80 \
+    --out "$OUT/grpo-long" > "$OUT/grpo-long.log" 2>&1
+  echo "grpo-long exit $?"; tail -6 "$OUT/grpo-long.log"
+}
+
+part_logprob_mem() {  # #27: ops.linear_log_probs fwd+bwd at N 65,536, H 4,096, V 151,936 bf16 vs the torch path (~1-2 min)
+  timeout $(bound 180) python3 benchmarks/log_probs_probe.py --out "$OUT/logprob-mem.json" > "$OUT/logprob-mem.md" 2>&1
+  echo "logprob-mem exit $?"; tail -10 "$OUT/logprob-mem.md"
 }
 
 part_tests_round3() {  # round 3's kernels and paths on the card: launch path, graphs, no-sync, MoE, FP8, compile, RL heads

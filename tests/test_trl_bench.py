@@ -1,5 +1,6 @@
 """benchmarks/trl_bench.py, the H200 comparison of TRL's trainers, as a dry run on the CPU: every implementation in
-its own process, the same first loss, leantune's head serving every step."""
+its own process, the same first loss, leantune's head serving every step; GRPO with generation replaced by fixed
+completions, and a run out of memory reported as a status."""
 
 from __future__ import annotations
 
@@ -9,9 +10,19 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "trl_bench.py"
+GRPO = ["--trainer", "grpo", "--num-generations", "4", "--completion-len", "24", "--prompt-len", "8", "--warmup", "1",
+        "--steps", "1", "--device", "cpu"]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("trl_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +42,7 @@ def model_folder(tmp_path_factory):
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_trl_bench_dry_run(model_folder, tmp_path, trainer, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1] / "src"))
-    spec = importlib.util.spec_from_file_location("trl_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     code = bench.main(["--config", model_folder, "--trainer", trainer, "--impls", "trl,leantune,leantune+default-gc",
                        "--seq", "32", "--warmup", "1", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)])
     assert code == 0
@@ -57,3 +66,58 @@ def test_trl_bench_dry_run(model_folder, tmp_path, trainer, capsys, monkeypatch)
     with pytest.raises(SystemExit):  # an unknown name stops the run before any implementation runs
         bench.main(["--config", model_folder, "--impls", "leantune,hf", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad" / "sft-leantune.json").exists()
+
+
+def test_trl_bench_grpo_dry_run(model_folder, tmp_path, capsys, monkeypatch):
+    """GRPO, TRL's head against leantune's, each in its process: the fixed completions ran once per step and real
+    generation never; TRL counted exactly their tokens; the first step agrees (grad norm through the head, the
+    head's entropy) and leantune's head served the reference and the policy pass of every step."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1] / "src"))
+    bench = _bench()
+    code = bench.main(["--config", model_folder, "--impls", "trl,leantune", *GRPO, "--out", str(tmp_path)])
+    assert code == 0
+    trl_run, ours = (json.loads((tmp_path / f"grpo-{impl}.json").read_text()) for impl in ("trl", "leantune"))
+    for run in (trl_run, ours):
+        assert run["status"] == "ok", run
+        assert run["rollout_calls"] == 2 and run["generate_calls"] == 0  # warm-up + timed step, one each
+        assert run["tokens"] == [4 * (8 + 24)]  # TRL's own count: prompt + completion tokens of the group
+        assert 0 <= run["generation_s"][0] < run["step_s"][0]
+        assert run["first_reward_std"] > 0  # the hashed rewards spread: non-zero advantages
+    assert trl_run["loss_head_calls"] == 0
+    assert ours["loss_head_calls"] == 2 * 2  # per step: the reference pass (no gradient) and the policy's
+    assert "ops.linear_log_probs" in ours["summary_loss_runs"]
+    # bf16 model: two heads' gradient norms and entropies within bf16 bounds; the first loss is -mean(advantage)
+    assert abs(ours["first_grad_norm"] - trl_run["first_grad_norm"]) <= 3e-2 * trl_run["first_grad_norm"]
+    assert abs(ours["first_entropy"] - trl_run["first_entropy"]) <= 1e-2 * trl_run["first_entropy"]
+    assert abs(ours["first_loss"] - trl_run["first_loss"]) <= 1e-6
+    table = capsys.readouterr().out
+    assert "| grpo | leantune | 4 x (8+24) |" in table and table.rstrip().endswith("| ok |")
+    for bad in (["--micro-batch", "3"], ["--num-generations", "1"], ["--memory-cap-gib", "0"]):
+        with pytest.raises(SystemExit):  # stopped before any implementation runs
+            bench.main(["--config", model_folder, "--impls", "leantune", *GRPO, *bad, "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad" / "grpo-leantune.json").exists()
+
+
+def test_trl_bench_grpo_oom_is_a_status(model_folder, tmp_path, monkeypatch):
+    """A GRPO step that runs out of memory (simulated: the completions' substitute raises torch's OutOfMemoryError)
+    is a result with status oom and a table row, not a crash; at that point real generation is fenced off."""
+    bench = _bench()
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "0")  # restored after: the child sets it
+    seen = {}
+
+    def out_of_memory(self, prompts, trainer):
+        for call in (trainer._generate_single_turn, trainer.model.generate, trainer.model.get_base_model().generate):
+            with pytest.raises(RuntimeError, match="real generation was called"):
+                call()
+        seen["prompts"] = len(prompts)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (simulated)")
+
+    monkeypatch.setattr(bench.FixedRollouts, "__call__", out_of_memory)
+    code = bench.main(["--config", model_folder, *GRPO, "--memory-cap-gib", "80", "--out", str(tmp_path),
+                       "--impl", "leantune+offload"])  # the child's path, in this process
+    assert code == 0
+    row = json.loads((tmp_path / "grpo-leantune-offload.json").read_text())
+    assert row["status"] == "oom" and "simulated" in row["error"] and row["steps_done"] == 0
+    assert row["generate_calls"] == 3 and seen["prompts"] == 4  # one prompt row per completion of the group
+    line = bench.table([row]).splitlines()[-1]
+    assert line.startswith("| grpo | leantune+offload | 4 x (8+24), cap 80 GiB | oom: CUDA out of memory")
