@@ -4,23 +4,18 @@ is a row with status oom."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
+import bench_scripts
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "log_probs_probe.py"
 TINY = ["--device", "cpu", "--n", "300", "--hidden", "32", "--vocab", "1000", "--torch-n", "300,64", "--reps", "5",
         "--warmup", "1", "--ref-rows", "300"]
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("log_probs_probe", SCRIPT)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return probe
+    return bench_scripts.load("log_probs_probe")
 
 
 def test_log_probs_probe_cpu_dry_run(tmp_path, capsys):

@@ -3,16 +3,12 @@ GPU): the peak, what is live at it, and blocks allocated before the recording.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
+import bench_scripts
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peak_breakdown.py"
-spec = importlib.util.spec_from_file_location("peak_breakdown", SCRIPT)
-peak_breakdown = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peak_breakdown)
+peak_breakdown = bench_scripts.load("peak_breakdown")
 
 MLP = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "silu"},
        {"filename": "/repo/src/leantune/ops/glu.py", "line": 40, "name": "forward"}]

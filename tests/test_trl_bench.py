@@ -4,25 +4,21 @@ completions, and a run out of memory reported as a status."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
+import bench_scripts
 import pytest
 import torch
 
 pytest.importorskip("trl")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "trl_bench.py"
 GRPO = ["--trainer", "grpo", "--num-generations", "4", "--completion-len", "24", "--prompt-len", "8", "--warmup", "1",
         "--steps", "1", "--device", "cpu"]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("trl_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return bench_scripts.load("trl_bench")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,16 @@
+"""Load a script of ``benchmarks/`` (not a package) as a module, for the tests that dry-run it on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    """``benchmarks/<name>.py`` imported under ``name`` (executed afresh on each call)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
