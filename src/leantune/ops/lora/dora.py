@@ -57,7 +57,7 @@ from .. import _runtime
 from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight
 from .entries import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
-from .kernels import column_dot, skinny_matmul
+from .kernels import column_dot, column_scale, scale_column_dot, skinny_matmul
 from .passes import _skinny_ok, group_backward, group_forward
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the norm and of dm are bounded to this many elements (16 MiB)
@@ -134,6 +134,28 @@ def _rowdot(dy, u, meta=None) -> torch.Tensor:
     return total
 
 
+def _scale_columns(u, scale, bias, dtype, meta, out=None) -> torch.Tensor:
+    """y = g * u + b (``scale`` g fp32 ``[out]``, bias ``[out]`` or None) evaluated in fp32 and rounded once to
+    ``dtype``, into ``out`` (u itself allowed) or a new buffer: DoRA's output and dY' = g * dY. On the Triton path one
+    kernel (:func:`.kernels.column_scale`: the same values as the torch chain, vectorised where torch's mixed-dtype
+    mul takes its scalar cast path), else ``torch.mul`` / ``torch.addcmul``."""
+    if meta.impl == "triton":
+        return column_scale(u, scale, bias, out=out, out_dtype=dtype)
+    y = torch.empty(u.shape, dtype=dtype, device=u.device) if out is None else out
+    return torch.mul(u, scale, out=y) if bias is None else torch.addcmul(bias, u, scale, out=y)
+
+
+def _scale_grad(dy, u, scale, norm, need_m, dtype, meta, out=None):
+    """(dY' = g * dY rounded once to ``dtype``, into ``out`` (dY itself allowed) or a new buffer; dm's fp32
+    sum_i dY_ij u_ij / n_j, or None without ``need_m``). On the Triton path with dm one kernel reads dY and u once
+    for both (:func:`.kernels.scale_column_dot`); the sum is formed before dY is overwritten either way."""
+    if need_m and meta.impl == "triton":
+        scaled, dot = scale_column_dot(dy, u, scale, out=out, out_dtype=dtype)
+        return scaled, dot / norm
+    dm = _rowdot(dy, u, meta) / norm if need_m else None
+    return _scale_columns(dy, scale, None, dtype, meta, out), dm
+
+
 class DoraGroupFunction(torch.autograd.Function):
     """Autograd node of :func:`dora_linear` and of :func:`~leantune.ops.lora_qkv` with DoRA projections: the
     projections of one x, 5 tensors each (weight, lora_A, lora_B, magnitude, bias; magnitude None: a plain LoRA or
@@ -155,12 +177,7 @@ class DoraGroupFunction(torch.autograd.Function):
                 norm = dora_weight_norm(weight, lora_A, lora_B, meta.scalings[j], meta)
                 scale = magnitude.detach().float() / norm
                 # g * u + b evaluated in fp32 (g is fp32) and rounded once on the store: one pass, no temporary
-                y = torch.empty(u.shape, dtype=meta.compute_dtype, device=u.device)
-                if bias is None:
-                    torch.mul(u, scale, out=y)
-                else:
-                    torch.addcmul(bias, u, scale, out=y)
-                ys.append(y)
+                ys.append(_scale_columns(u, scale, bias, meta.compute_dtype, meta))
                 saved += [u, scale, norm]
         ctx.save_for_backward(x2d, *tensors, *xas, *saved)
         ctx.meta, ctx.x_shape, ctx.count = meta, x.shape, len(entries)
@@ -180,13 +197,15 @@ class DoraGroupFunction(torch.autograd.Function):
             for j, (dy, (_, _, _, magnitude, bias), (u, scale, norm)) in enumerate(zip(dys, entries, saved)):
                 need_w, need_a, need_b, need_m, need_bias = flags[5 * j:5 * j + 5]
                 dy2 = _runtime.as_rows(dy)
-                dm = (_rowdot(dy2, u, meta) / norm).to(magnitude.dtype) if need_m else None
                 dbias = dy2.float().sum(0).to(bias.dtype) if need_bias else None
+                dm = None
                 if magnitude is None:
                     scaled.append(dy2)
-                else:  # dY' = g * dY, formed in fp32 and rounded once to the compute dtype
-                    scaled.append(torch.mul(dy2, scale, out=torch.empty(dy2.shape, dtype=meta.compute_dtype,
-                                                                        device=dy2.device)))
+                else:  # dY' = g * dY, formed in fp32 and rounded once to the compute dtype (a new buffer: dY is
+                    # autograd's), and dm
+                    dy_scaled, dm = _scale_grad(dy2, u, scale, norm, need_m, meta.compute_dtype, meta)
+                    scaled.append(dy_scaled)
+                    dm = None if dm is None else dm.to(magnitude.dtype)
                 grads_out.append((dm, dbias))
                 needs.append(_Proj(need_w, need_a, need_b, False))
             projs = [_Proj(weight, lora_A, lora_B, None) for weight, lora_A, lora_B, _, _ in entries]

@@ -23,18 +23,18 @@ import torch
 
 from .. import _runtime
 from ..glu import glu_backward, glu_forward
-from .dora import _check_entry, _rowdot, dora_weight_norm
+from .dora import _check_entry, _scale_columns, _scale_grad, dora_weight_norm
 from .entries import _check_dropout, _check_x, _meta, _no_autocast, _Proj
 from .passes import group_backward, group_forward
 
 
-def _scaled(u, magnitude, scale, bias, dtype):
-    """g * u + b (DoRA) or u + b, evaluated in fp32 where g is, rounded once to ``dtype``; a new buffer."""
+def _scaled(u, magnitude, scale, bias, dtype, meta):
+    """g * u + b (DoRA: :func:`.dora._scale_columns`, one Triton kernel on the Triton path) or u + b, evaluated in
+    fp32 where g is, rounded once to ``dtype``; a new buffer."""
+    if magnitude is not None:
+        return _scale_columns(u, scale, bias, dtype, meta)
     out = torch.empty(u.shape, dtype=dtype, device=u.device)
-    factor = scale if magnitude is not None else None
-    if factor is None:
-        return out.copy_(u) if bias is None else torch.add(u, bias, out=out)
-    return torch.mul(u, factor, out=out) if bias is None else torch.addcmul(bias, u, factor, out=out)
+    return out.copy_(u) if bias is None else torch.add(u, bias, out=out)
 
 
 class DoraMLPFunction(torch.autograd.Function):
@@ -54,13 +54,13 @@ class DoraMLPFunction(torch.autograd.Function):
                 norms.append(norm)
                 scales.append(None if m is None else m.detach().float() / norm)
             (u_g, u_u), (xa_g, xa_u) = group_forward(x2d, projs[:2], meta_gu, None, 0)
-            gate = _scaled(u_g, entries[0][3], scales[0], entries[0][4], meta_gu.compute_dtype)
-            up = _scaled(u_u, entries[1][3], scales[1], entries[1][4], meta_gu.compute_dtype)
+            gate = _scaled(u_g, entries[0][3], scales[0], entries[0][4], meta_gu.compute_dtype, meta_gu)
+            up = _scaled(u_u, entries[1][3], scales[1], entries[1][4], meta_gu.compute_dtype, meta_gu)
             h = glu_forward(gate, up, activation)
             del gate, up
             (u_d,), (xa_d,) = group_forward(h, projs[2:], meta_down, None, 0)
             del h
-            y = _scaled(u_d, entries[2][3], scales[2], entries[2][4], meta_down.compute_dtype)
+            y = _scaled(u_d, entries[2][3], scales[2], entries[2][4], meta_down.compute_dtype, meta_down)
         ctx.save_for_backward(x2d, u_g, u_u, u_d, xa_g, xa_u, xa_d, *scales, *norms, *tensors)
         ctx.metas, ctx.activation, ctx.x_shape = (meta_gu, meta_down), activation, x.shape
         return _runtime.distinct_output(y.view(*x.shape[:-1], y.shape[-1]))
@@ -82,21 +82,23 @@ class DoraMLPFunction(torch.autograd.Function):
             magnitude, bias = entries[j][3], entries[j][4]
             need_m, need_bias = flags[j][3], flags[j][4]
             meta = (meta_gu, meta_gu, meta_down)[j]
-            dm = (_rowdot(d, (u_g, u_u, u_d)[j], meta) / norms[j]).to(magnitude.dtype) if need_m else None
             db = d.float().sum(0).to(bias.dtype) if need_bias else None
-            extra[j] = (dm, db)
             if magnitude is None:
+                extra[j] = (None, db)
                 return d
-            out = d if inplace else torch.empty(d.shape, dtype=cdt, device=d.device)
-            return torch.mul(d, scales[j], out=out)
+            # one kernel for d' and dm on the Triton path (in place for the GLU's buffers: d is read first)
+            scaled, dm = _scale_grad(d, (u_g, u_u, u_d)[j], scales[j], norms[j], need_m, cdt, meta,
+                                     d if inplace else None)
+            extra[j] = (None if dm is None else dm.to(magnitude.dtype), db)
+            return scaled
 
         def needs(j):
             return _Proj(flags[j][0], flags[j][1], flags[j][2], False)
 
         with _no_autocast(x2d.device):
             cdt = meta_gu.compute_dtype
-            gate = _scaled(u_g, entries[0][3], scales[0], entries[0][4], cdt)
-            up = _scaled(u_u, entries[1][3], scales[1], entries[1][4], cdt)
+            gate = _scaled(u_g, entries[0][3], scales[0], entries[0][4], cdt, meta_gu)
+            up = _scaled(u_u, entries[1][3], scales[1], entries[1][4], cdt, meta_gu)
             h = glu_forward(gate, up, ctx.activation)
             dy2 = _runtime.as_rows(dy)
             d_down = scale_grad(2, dy2, meta_down.compute_dtype, False)

@@ -181,6 +181,67 @@ def _column_dot_kernel(A, B, C, stride_am, stride_bm, stride_cs, n_rows, n_cols,
     tl.store(C + split.to(tl.int64) * stride_cs + cols, acc, mask=col_ok)
 
 
+@triton.jit
+def _round_store(ptrs, y, mask, INTERPRETED: tl.constexpr):
+    """Store fp32 ``y`` rounded to nearest even in the pointers' dtype. The card's cast does that; the interpreter's
+    fp32 -> bf16 cast truncates (triton 3.6 ``interpreter._convert_float`` without a rounding mode), so there the
+    bf16 bits are rounded in integer arithmetic (NaN kept quiet), the values the card stores."""
+    if INTERPRETED and ptrs.dtype.element_ty == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        rounded = tl.where(y != y, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        tl.store(ptrs, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@_launch.bound
+@triton.jit
+def _column_scale_kernel(X, G, BIAS, Y, stride_x, stride_y, n_rows, n_cols,
+                         HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y = cast(X[m, k] * G[k] (+ BIAS[k])): DoRA's y = g u + b and dY' = g dY, in fp32 registers, one cast."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    col_ok = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # one FMA, as torch's addcmul on the CPU and (contracted by nvcc) on the card
+        b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if INTERPRETED:  # the interpreter's tl.fma rounds the product: an fp64 product (exact) and sum instead
+            y = (x.to(tl.float64) * g.to(tl.float64) + b.to(tl.float64)).to(tl.float32)
+        else:
+            y = tl.fma(x, g, b)
+    else:
+        y = x * g
+    _round_store(Y + rows64[:, None] * stride_y + cols[None, :], y, mask, INTERPRETED)
+
+
+@_launch.bound
+@triton.jit
+def _scale_column_dot_kernel(D, U, G, DS, C, stride_d, stride_u, stride_ds, stride_cs, n_rows, n_cols, m_per_split,
+                             INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """DS = cast(D[m, k] * G[k]) and C[split, K] = sum over this program's row slice of D[m, k] * U[m, k] (DoRA's
+    dY' = g dY and the partials of dm): D and U read once, products and sums in fp32 as ``_column_dot_kernel``'s.
+    DS may be D (in place): every element is loaded before the same program stores it."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    split = tl.program_id(1)
+    col_ok = cols < n_cols
+    g = tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)
+    m_start = split * m_per_split
+    m_end = tl.minimum(m_start + m_per_split, n_rows)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows64 = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows64 < m_end)[:, None] & col_ok[None, :]
+        d = tl.load(D + rows64[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + rows64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(d * u, 0)
+        _round_store(DS + rows64[:, None] * stride_ds + cols[None, :], d * g[None, :], mask, INTERPRETED)
+    tl.store(C + split.to(tl.int64) * stride_cs + cols, acc, mask=col_ok)
+
+
 # ----------------------------------------------------------------------------------------------------- launchers
 _BLOCK_N, _BLOCK_K = 64, 128
 
@@ -351,3 +412,83 @@ def column_dot(a, b, *, block_m=32, block_k=128, num_warps=4, per_sm=4):
     if splits > 1:
         _sum_partials(dest, out)
     return out
+
+
+def _check_rows(name, t, shape):
+    if t.dim() != 2 or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be [M, K] = {list(shape)}, got {list(t.shape)}")
+
+
+def _check_columns(name, t, n_cols):
+    if t.dim() != 1 or t.shape[0] != n_cols:
+        raise ValueError(f"{name} must be a [K] = [{n_cols}] vector, got {list(t.shape)}")
+
+
+def column_scale(x, scale, bias=None, *, out=None, out_dtype=None):
+    """y [M, K] = x * scale (+ bias) per column, evaluated in fp32 and cast once to ``out_dtype`` (default x's dtype):
+    DoRA's y = g u + b and dY' = g dY. x [M, K] any float dtype, read as stored (a copy only for a column stride
+    other than 1); scale [K] (fp32: g = m / n) and bias [K] any float dtype, upcast in registers. The same values as
+    torch's ``torch.mul(x, scale, out=y)`` / ``torch.addcmul(bias, x, scale, out=y)`` for an fp32 scale (both form the
+    fp32 product and round it once; with a bias the GPU compiler may fuse the add into an FMA, as torch's CUDA kernel
+    does). ``out`` (an [M, K] tensor with unit column stride, may be x itself) receives y. Raises ValueError for
+    mismatched shapes."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {list(x.shape)}")
+    n_rows, n_cols = x.shape
+    _check_columns("scale", scale, n_cols)
+    if bias is not None:
+        _check_columns("bias", bias, n_cols)
+    if out is None:
+        out = _runtime.empty((n_rows, n_cols), dtype=out_dtype or x.dtype, device=x.device)
+    else:
+        _check_rows("out", out, x.shape)
+        if n_cols > 1 and out.stride(1) != 1:
+            raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
+    if not (n_rows and n_cols):
+        return out
+    x = x if x.stride(1) == 1 or n_cols == 1 else x.contiguous()
+    scale = scale.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    _column_scale_kernel[_grid(n_rows, n_cols)](
+        x, scale, bias if bias is not None else scale, out, x.stride(0), out.stride(0), n_rows, n_cols,
+        HAS_BIAS=bias is not None, INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4,
+    )
+    return out
+
+
+def scale_column_dot(dy, u, scale, *, out=None, out_dtype=None, block_m=32, block_k=128, num_warps=4, per_sm=4):
+    """(dY' [M, K] = dy * scale per column in fp32, cast once to ``out_dtype`` (default dy's dtype); c [K] fp32 =
+    sum over rows of dy * u): DoRA's dY' = g dY and dm's sum in one read of dy and u, where :func:`column_scale` and
+    :func:`column_dot` read dy twice. dy, u [M, K] any float dtypes (read as stored, fp32 registers); scale [K]. dY'
+    has :func:`column_scale`'s values and c :func:`column_dot`'s (the same split-M partials, summed by torch in a
+    fixed order: deterministic) for the same block and split arguments. ``out`` (an [M, K] tensor with unit column
+    stride, may be dy itself: in place) receives dY'. Raises ValueError for mismatched shapes."""
+    if dy.dim() != 2 or dy.shape != u.shape:
+        raise ValueError(f"scale_column_dot takes dy and u of one [M, K] shape, got {list(dy.shape)} and "
+                         f"{list(u.shape)}")
+    n_rows, n_cols = dy.shape
+    _check_columns("scale", scale, n_cols)
+    if out is None:
+        out = _runtime.empty((n_rows, n_cols), dtype=out_dtype or dy.dtype, device=dy.device)
+    else:
+        _check_rows("out", out, dy.shape)
+        if n_cols > 1 and out.stride(1) != 1:
+            raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
+    dot = _runtime.empty((n_cols,), dtype=torch.float32, device=dy.device)
+    if n_cols == 0:
+        return out, dot
+    if n_rows == 0:
+        return out, dot.zero_()
+    dy = dy if dy.stride(1) == 1 or n_cols == 1 else dy.contiguous()  # a copy: out may no longer alias dy, still right
+    u = u if u.stride(1) == 1 or n_cols == 1 else u.contiguous()
+    n_tiles = _runtime.cdiv(n_cols, block_k)
+    splits, per_split = _splits(dy.device, n_tiles, n_rows, block_m, per_sm)
+    dest = dot.view(1, n_cols) if splits == 1 else _runtime.empty((splits, n_cols), dtype=torch.float32,
+                                                                   device=dy.device)
+    _scale_column_dot_kernel[(n_tiles, splits)](
+        dy, u, scale.contiguous(), out, dest, dy.stride(0), u.stride(0), out.stride(0), dest.stride(0),
+        n_rows, n_cols, per_split, INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    if splits > 1:
+        _sum_partials(dest, dot)
+    return out, dot
