@@ -210,6 +210,36 @@ def test_scale_column_dot_is_column_scale_and_column_dot_in_one_pass(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lowrank_add_with_dora_scaling_writes_u_and_y_in_one_pass(dtype):
+    """DoRA's forward epilogue on the Triton low-rank add (fp32 adapters under a 16-bit base): u = base + s xa B^T
+    in place, bit for bit the plain low-rank kernel's u, and y = g u + b bit for bit what :func:`column_scale` (and
+    on the CPU torch.mul / torch.addcmul) forms from that u; both within two 16-bit roundings of float64. Shapes off
+    the tiles, a row-strided base, ranks below and above one rank block (16), 16-bit and fp32 biases."""
+    from leantune.ops.lora import kernels
+
+    for rows, cols, rank in ((70, 300, 3), (1, 5, 1), (129, 130, 20)):
+        wide = torch.randn(rows, 2 * cols + 3, device=DEVICE).to(dtype)
+        xa, lora_B = torch.randn(rows, rank, device=DEVICE), torch.randn(cols, rank, device=DEVICE) / rank ** 0.5
+        scale = torch.rand(cols, device=DEVICE) + 0.5
+        for bias in (None, torch.randn(cols, device=DEVICE).to(dtype), torch.randn(cols, device=DEVICE)):
+            plain_base, base = wide.clone()[:, 1:cols + 1], wide.clone()[:, 1:cols + 1]
+            want_u, _ = kernels.lowrank_add_triton(plain_base, xa, lora_B.T, 0.7, dtype, None, 0, 0.0, None)
+            u, y = kernels.lowrank_add_scale_triton(base, xa, lora_B.T, 0.7, dtype, scale, bias)
+            assert u is base and torch.equal(u, want_u) and y.dtype == dtype
+            assert torch.equal(y, kernels.column_scale(u, scale, bias))
+            if DEVICE == "cpu":
+                torch_y = torch.empty(rows, cols, dtype=dtype, device=DEVICE)
+                if bias is None:
+                    torch.mul(u, scale, out=torch_y)
+                else:
+                    torch.addcmul(bias, u, scale, out=torch_y)
+                assert torch.equal(y, torch_y)
+            u64 = wide[:, 1:cols + 1].to(F64) + 0.7 * xa.to(F64) @ lora_B.T.to(F64)
+            y64 = scale.to(F64) * u64 + (0.0 if bias is None else bias.to(F64))
+            assert rel_err(u, u64) <= 2.0 ** -7 and rel_err(y, y64) <= 2.0 ** -6, (rows, cols, rank)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lora_mlp_with_dora_16bit_step_matches_float64(backend, dtype):
     """A 16-bit gated MLP under fp32 adapters, every projection DoRA: gate with a bias, up with a frozen magnitude
     (dY' alone: the plain scale kernel on the Triton path), down trained (dY' and dm in one kernel); rows and

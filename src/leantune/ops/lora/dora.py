@@ -57,8 +57,8 @@ from .. import _runtime
 from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight
 from .entries import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
-from .kernels import column_dot, column_scale, scale_column_dot, skinny_matmul
-from .passes import _skinny_ok, group_backward, group_forward
+from .kernels import column_dot, column_scale, lowrank_add_scale_triton, scale_column_dot, skinny_matmul
+from .passes import _lowrank_add, _skinny_ok, group_backward, group_forward
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the norm and of dm are bounded to this many elements (16 MiB)
 # ||W_j||^2 of a frozen weight, computed once and kept on the tensor as (version, data_ptr, [out] fp32): per call it
@@ -145,6 +145,20 @@ def _scale_columns(u, scale, bias, dtype, meta, out=None) -> torch.Tensor:
     return torch.mul(u, scale, out=y) if bias is None else torch.addcmul(bias, u, scale, out=y)
 
 
+def _dora_output(u, xa, lora_B, scaling, scale, bias, meta):
+    """(u, y) for a DoRA projection whose frozen output ``u`` group_forward left without the low-rank term
+    (``add_lowrank`` False for it): u += s xa B^T in place (the compute dtype, as group_forward would) and
+    y = g * u + b (:func:`_scale_columns`' values). Where the low-rank add is a Triton kernel (adapters in another
+    dtype than the compute dtype: PEFT's fp32 adapters under a 16-bit base) its epilogue writes y as well
+    (:func:`.kernels.lowrank_add_scale_triton`: u and y in one pass, no second read of u); otherwise the add (one
+    cuBLAS addmm) and then the scaling."""
+    cdt, rhs = meta.compute_dtype, lora_B.to(meta.lora_dtype).T
+    if meta.impl == "triton" and not u.dtype == xa.dtype == cdt:  # _lowrank_add's Triton case
+        return lowrank_add_scale_triton(u, xa, rhs, scaling, cdt, scale, bias)
+    u, _ = _lowrank_add(u, xa, rhs, scaling, cdt, meta.impl)
+    return u, _scale_columns(u, scale, bias, cdt, meta)
+
+
 def _scale_grad(dy, u, scale, norm, need_m, dtype, meta, out=None):
     """(dY' = g * dY rounded once to ``dtype``, into ``out`` (dY itself allowed) or a new buffer; dm's fp32
     sum_i dY_ij u_ij / n_j, or None without ``need_m``). On the Triton path with dm one kernel reads dY and u once
@@ -168,7 +182,8 @@ class DoraGroupFunction(torch.autograd.Function):
         projs = [_Proj(weight, lora_A, lora_B, None) for weight, lora_A, lora_B, _, _ in entries]
         ys, saved = [], []
         with _no_autocast(x.device):
-            us, xas = group_forward(x2d, projs, meta, None, 0)
+            # the DoRA projections' low-rank terms are left out here: _dora_output adds them with the scaling fused
+            us, xas = group_forward(x2d, projs, meta, None, 0, add_lowrank=[e[3] is None for e in entries])
             for j, ((weight, lora_A, lora_B, magnitude, bias), u) in enumerate(zip(entries, us)):
                 if magnitude is None:
                     ys.append(u if bias is None else u.add_(bias.to(u.dtype)))
@@ -176,8 +191,9 @@ class DoraGroupFunction(torch.autograd.Function):
                     continue
                 norm = dora_weight_norm(weight, lora_A, lora_B, meta.scalings[j], meta)
                 scale = magnitude.detach().float() / norm
-                # g * u + b evaluated in fp32 (g is fp32) and rounded once on the store: one pass, no temporary
-                ys.append(_scale_columns(u, scale, bias, meta.compute_dtype, meta))
+                # g * u + b evaluated in fp32 (g is fp32) and rounded once on the store: no temporary
+                u, y = _dora_output(u, xas[j], lora_B, meta.scalings[j], scale, bias, meta)
+                ys.append(y)
                 saved += [u, scale, norm]
         ctx.save_for_backward(x2d, *tensors, *xas, *saved)
         ctx.meta, ctx.x_shape, ctx.count = meta, x.shape, len(entries)

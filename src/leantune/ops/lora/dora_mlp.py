@@ -23,7 +23,7 @@ import torch
 
 from .. import _runtime
 from ..glu import glu_backward, glu_forward
-from .dora import _check_entry, _scale_columns, _scale_grad, dora_weight_norm
+from .dora import _check_entry, _dora_output, _scale_columns, _scale_grad, dora_weight_norm
 from .entries import _check_dropout, _check_x, _meta, _no_autocast, _Proj
 from .passes import group_backward, group_forward
 
@@ -48,19 +48,27 @@ class DoraMLPFunction(torch.autograd.Function):
         projs = [_Proj(w, a, b, None) for w, a, b, _, _ in entries]
         metas = (meta_gu, meta_gu, meta_down)
         scales, norms = [], []
+
+        def forward_output(j, u, xa, meta):
+            """(u_j complete, projection j's output): g u + b with the low-rank add fused for DoRA, u + b else."""
+            w, a, b, m, bias = entries[j]
+            if m is None:
+                return u, _scaled(u, None, None, bias, meta.compute_dtype, meta)
+            return _dora_output(u, xa, b, meta.scalings[j % 2], scales[j], bias, meta)
+
         with _no_autocast(x.device):
             for j, (w, a, b, m, _) in enumerate(entries):
                 norm = None if m is None else dora_weight_norm(w, a, b, metas[j].scalings[j % 2], metas[j])
                 norms.append(norm)
                 scales.append(None if m is None else m.detach().float() / norm)
-            (u_g, u_u), (xa_g, xa_u) = group_forward(x2d, projs[:2], meta_gu, None, 0)
-            gate = _scaled(u_g, entries[0][3], scales[0], entries[0][4], meta_gu.compute_dtype, meta_gu)
-            up = _scaled(u_u, entries[1][3], scales[1], entries[1][4], meta_gu.compute_dtype, meta_gu)
+            plain = [m is None for _, _, _, m, _ in entries]  # DoRA projections: the low-rank add fused with g u + b
+            us, (xa_g, xa_u) = group_forward(x2d, projs[:2], meta_gu, None, 0, add_lowrank=plain[:2])
+            (u_g, gate), (u_u, up) = (forward_output(j, us[j], (xa_g, xa_u)[j], meta_gu) for j in range(2))
             h = glu_forward(gate, up, activation)
             del gate, up
-            (u_d,), (xa_d,) = group_forward(h, projs[2:], meta_down, None, 0)
+            (u_d,), (xa_d,) = group_forward(h, projs[2:], meta_down, None, 0, add_lowrank=plain[2:])
             del h
-            y = _scaled(u_d, entries[2][3], scales[2], entries[2][4], meta_down.compute_dtype, meta_down)
+            u_d, y = forward_output(2, u_d, xa_d, meta_down)
         ctx.save_for_backward(x2d, u_g, u_u, u_d, xa_g, xa_u, xa_d, *scales, *norms, *tensors)
         ctx.metas, ctx.activation, ctx.x_shape = (meta_gu, meta_down), activation, x.shape
         return _runtime.distinct_output(y.view(*x.shape[:-1], y.shape[-1]))

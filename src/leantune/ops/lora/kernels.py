@@ -48,16 +48,43 @@ def _dropout_kernel(
     tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], xd.to(XD.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _round_store(ptrs, y, mask, INTERPRETED: tl.constexpr):
+    """Store fp32 ``y`` rounded to nearest even in the pointers' dtype. The card's cast does that; the interpreter's
+    fp32 -> bf16 cast truncates (triton 3.6 ``interpreter._convert_float`` without a rounding mode), so there the
+    bf16 bits are rounded in integer arithmetic (NaN kept quiet), the values the card stores."""
+    if INTERPRETED and ptrs.dtype.element_ty == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        rounded = tl.where(y != y, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        tl.store(ptrs, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _column_affine(x, G, BIAS, cols, col_ok, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 x [rows, K] * G[cols] (+ BIAS[cols]): DoRA's g u + b, as torch's fp32 ``mul`` / ``addcmul`` forms it."""
+    g = tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # one FMA, as torch's addcmul on the CPU and (contracted by nvcc) on the card
+        b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if INTERPRETED:  # the interpreter's tl.fma rounds the product: an fp64 product (exact) and sum instead
+            return (x.to(tl.float64) * g.to(tl.float64) + b.to(tl.float64)).to(tl.float32)
+        return tl.fma(x, g, b)
+    return x * g
+
+
 @_launch.bound
 @triton.jit
 def _lowrank_add_kernel(
-    BASE, P, Q, OUT, X, XD, SEEDS, seed_index,
-    stride_base, stride_p, stride_qr, stride_qk, stride_out, stride_x, stride_xd,
+    BASE, P, Q, OUT, X, XD, SEEDS, seed_index, G, BIAS, Y,
+    stride_base, stride_p, stride_qr, stride_qk, stride_out, stride_x, stride_xd, stride_y,
     n_rows, n_cols, rank, scale, p, inv_keep,
-    HAS_MASK: tl.constexpr, WRITE_XD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_MASK: tl.constexpr, WRITE_XD: tl.constexpr, WRITE_Y: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """OUT = cast(BASE + scale * m * (P @ Q)), P [n_rows, rank], Q [rank, n_cols]; optionally XD = cast(m * X)."""
+    """OUT = cast(BASE + scale * m * (P @ Q)), P [n_rows, rank], Q [rank, n_cols]; optionally XD = cast(m * X);
+    optionally (DoRA's y = g u + b on the u just formed) Y = cast(OUT[m, k] * G[k] (+ BIAS[k])) from the stored
+    OUT values, as ``_column_scale_kernel`` would form it from OUT: u and y in one pass."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rows64 = rows.to(tl.int64)
@@ -77,8 +104,11 @@ def _lowrank_add_kernel(
         keep = _keep(tl.load(SEEDS + seed_index), rows64, cols, n_cols, p)
         acc = acc * tl.where(keep, inv_keep, 0.0)
     base = tl.load(BASE + rows64[:, None] * stride_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = base + scale * acc
-    tl.store(OUT + rows64[:, None] * stride_out + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    out = (base + scale * acc).to(OUT.dtype.element_ty)
+    tl.store(OUT + rows64[:, None] * stride_out + cols[None, :], out, mask=mask)
+    if WRITE_Y:  # from the rounded u, the value the store above keeps
+        y = _column_affine(out.to(tl.float32), G, BIAS, cols, col_ok, HAS_BIAS, INTERPRETED)
+        _round_store(Y + rows64[:, None] * stride_y + cols[None, :], y, mask, INTERPRETED)
     if WRITE_XD:
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_MASK:
@@ -181,19 +211,6 @@ def _column_dot_kernel(A, B, C, stride_am, stride_bm, stride_cs, n_rows, n_cols,
     tl.store(C + split.to(tl.int64) * stride_cs + cols, acc, mask=col_ok)
 
 
-@triton.jit
-def _round_store(ptrs, y, mask, INTERPRETED: tl.constexpr):
-    """Store fp32 ``y`` rounded to nearest even in the pointers' dtype. The card's cast does that; the interpreter's
-    fp32 -> bf16 cast truncates (triton 3.6 ``interpreter._convert_float`` without a rounding mode), so there the
-    bf16 bits are rounded in integer arithmetic (NaN kept quiet), the values the card stores."""
-    if INTERPRETED and ptrs.dtype.element_ty == tl.bfloat16:
-        bits = y.to(tl.uint32, bitcast=True)
-        rounded = tl.where(y != y, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-        tl.store(ptrs, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
-
-
 @_launch.bound
 @triton.jit
 def _column_scale_kernel(X, G, BIAS, Y, stride_x, stride_y, n_rows, n_cols,
@@ -206,15 +223,7 @@ def _column_scale_kernel(X, G, BIAS, Y, stride_x, stride_y, n_rows, n_cols,
     col_ok = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:  # one FMA, as torch's addcmul on the CPU and (contracted by nvcc) on the card
-        b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if INTERPRETED:  # the interpreter's tl.fma rounds the product: an fp64 product (exact) and sum instead
-            y = (x.to(tl.float64) * g.to(tl.float64) + b.to(tl.float64)).to(tl.float32)
-        else:
-            y = tl.fma(x, g, b)
-    else:
-        y = x * g
+    y = _column_affine(x, G, BIAS, cols, col_ok, HAS_BIAS, INTERPRETED)
     _round_store(Y + rows64[:, None] * stride_y + cols[None, :], y, mask, INTERPRETED)
 
 
@@ -262,26 +271,47 @@ def dropout_triton(x, seeds, index, p, dtype):
 
 
 def lowrank_add_triton(base, lhs, rhs, scale, out_dtype, seeds, index, p, x):
+    """(cast(base + scale * m * (lhs @ rhs), out_dtype): in place into base when the dtypes match, m * x in lhs's
+    dtype or None); :func:`.passes._lowrank_add`'s Triton path."""
+    out, xd, _ = _lowrank_add(base, lhs, rhs, scale, out_dtype, seeds, index, p, x, None, None)
+    return out, xd
+
+
+def lowrank_add_scale_triton(base, lhs, rhs, scale, out_dtype, col_scale, col_bias=None):
+    """(u = cast(base + scale * lhs @ rhs, out_dtype), in place into base when the dtypes match; y = cast(u * col_scale
+    (+ col_bias)) per column, out_dtype): DoRA's u and y = g u + b in one pass, y the values :func:`column_scale`
+    forms from u (fp32 from the rounded u, one FMA with a bias, rounded once). base [N, K], lhs [N, R], rhs [R, K]
+    as :func:`lowrank_add_triton`; col_scale [K] fp32, col_bias [K] or None."""
+    out, _, y = _lowrank_add(base, lhs, rhs, scale, out_dtype, None, 0, 0.0, None, col_scale, col_bias)
+    return out, y
+
+
+def _lowrank_add(base, lhs, rhs, scale, out_dtype, seeds, index, p, x, col_scale, col_bias):
     n_rows, n_cols = base.shape
     out = base if out_dtype == base.dtype else _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
     xd = None if x is None else _runtime.empty((n_rows, n_cols), dtype=lhs.dtype, device=x.device)
+    y = None if col_scale is None else _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
     if not (n_rows and n_cols):
-        return out, xd
+        return out, xd, y
     rank = lhs.shape[1]
     if lhs.shape[1] > 1 and lhs.stride(1) != 1:
         lhs = lhs.contiguous()
     block_r = _runtime.rank_block(rank)
     has_mask = seeds is not None
+    col_scale = None if col_scale is None else col_scale.contiguous()
+    col_bias = None if col_bias is None else col_bias.contiguous()
     _lowrank_add_kernel[_grid(n_rows, n_cols)](
         base, lhs, rhs, out, x if x is not None else base, xd if xd is not None else base,
         seeds if has_mask else base, index,
+        col_scale if col_scale is not None else base, col_bias if col_bias is not None else base,
+        y if y is not None else base,
         base.stride(0), lhs.stride(0), rhs.stride(0), rhs.stride(1), out.stride(0),
-        x.stride(0) if x is not None else 0, xd.stride(0) if xd is not None else 0,
+        x.stride(0) if x is not None else 0, xd.stride(0) if xd is not None else 0, y.stride(0) if y is not None else 0,
         n_rows, n_cols, rank, float(scale), float(p), 1.0 / (1.0 - p) if has_mask else 1.0,
-        HAS_MASK=has_mask, WRITE_XD=x is not None,
-        BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, BLOCK_R=block_r, num_warps=4,
+        HAS_MASK=has_mask, WRITE_XD=x is not None, WRITE_Y=y is not None, HAS_BIAS=col_bias is not None,
+        INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, BLOCK_R=block_r, num_warps=4,
     )
-    return out, xd
+    return out, xd, y
 
 
 @functools.lru_cache(maxsize=1024)
