@@ -45,6 +45,21 @@ Saved for backward: x, xa, u ``[N, out]`` in the compute dtype, g and n ``[out]`
 :func:`leantune.ops.lora_linear`'s: u in the compute dtype c (the LoRA term added in promote(c, lora) and
 rounded to c), y = g u + b evaluated in fp32 and rounded once to c. Under a 16-bit base that is one rounding (of u)
 more than PEFT, which sums g z + g s lora + b in fp32 before its single cast.
+
+What runs where (the column scalings are DoRA's only [N, out] passes besides the LoRA ones; ``torch.mul`` of a
+16-bit tensor by an fp32 vector takes torch's non-vectorised mixed-dtype path, ~2.4x the bandwidth floor on the H200,
+and was the largest item of the 8B profile: 736 calls, 90 ms a step). On the Triton path (``meta.impl``):
+
+- forward (and each checkpoint recompute): y = g u + b is the epilogue of the Triton low-rank add that completes u
+  (:func:`.kernels.lowrank_add_scale_triton`, u and y written in one pass from the rounded u) when the adapters'
+  dtype is not the compute dtype (PEFT's fp32 adapters under a 16-bit base); with one dtype throughout, the add is
+  cuBLAS's addmm and y one :func:`.kernels.column_scale` pass;
+- backward with a trained magnitude: dY' = g dY and dm's sum in one read of dY and u
+  (:func:`.kernels.scale_column_dot`, split-M fp32 partials summed by torch in a fixed order); a frozen magnitude
+  needs dY' alone (:func:`.kernels.column_scale`).
+
+Each forms the same fp32 value as torch's ``torch.mul`` / ``torch.addcmul(bias, u, g)`` (one FMA with a bias) and
+rounds it once to nearest even. The torch path (the CPU reference) keeps those torch calls and dm in row chunks.
 """
 
 from __future__ import annotations
@@ -57,7 +72,7 @@ from .. import _runtime
 from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight
 from .entries import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
-from .kernels import column_dot, column_scale, lowrank_add_scale_triton, scale_column_dot, skinny_matmul
+from .kernels import column_scale, lowrank_add_scale_triton, scale_column_dot, skinny_matmul
 from .passes import _lowrank_add, _skinny_ok, group_backward, group_forward
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the norm and of dm are bounded to this many elements (16 MiB)
@@ -120,13 +135,11 @@ def _row_sumsq(weight) -> torch.Tensor:
     return sumsq
 
 
-def _rowdot(dy, u, meta=None) -> torch.Tensor:
-    """sum_i dy_ij u_ij in fp32 ``[out]``: on the Triton path one kernel (:func:`.kernels.column_dot`), else in row
-    chunks (bounded fp32 temporary). ``meta`` (internal) tells the path."""
+def _rowdot(dy, u) -> torch.Tensor:
+    """sum_i dy_ij u_ij in fp32 ``[out]`` on the torch path, in row chunks (bounded fp32 temporary). The Triton path
+    forms it inside :func:`.kernels.scale_column_dot` with dY' (a DoRA backward always needs both)."""
     if dy.dtype == u.dtype == torch.float32:
         return (dy * u).sum(0)
-    if meta is not None and meta.impl == "triton":
-        return column_dot(dy, u)
     total = torch.zeros(dy.shape[1], dtype=torch.float32, device=dy.device)
     step = _chunk_rows(dy.shape[1])
     for start in range(0, dy.shape[0], step):
@@ -150,8 +163,8 @@ def _dora_output(u, xa, lora_B, scaling, scale, bias, meta):
     (``add_lowrank`` False for it): u += s xa B^T in place (the compute dtype, as group_forward would) and
     y = g * u + b (:func:`_scale_columns`' values). Where the low-rank add is a Triton kernel (adapters in another
     dtype than the compute dtype: PEFT's fp32 adapters under a 16-bit base) its epilogue writes y as well
-    (:func:`.kernels.lowrank_add_scale_triton`: u and y in one pass, no second read of u); otherwise the add (one
-    cuBLAS addmm) and then the scaling."""
+    (:func:`.kernels.lowrank_add_scale_triton`: u and y in one pass, no second read of u); otherwise
+    :func:`.passes._lowrank_add` (one cuBLAS addmm when all dtypes agree) and then :func:`_scale_columns`."""
     cdt, rhs = meta.compute_dtype, lora_B.to(meta.lora_dtype).T
     if meta.impl == "triton" and not u.dtype == xa.dtype == cdt:  # _lowrank_add's Triton case
         return lowrank_add_scale_triton(u, xa, rhs, scaling, cdt, scale, bias)
@@ -166,7 +179,7 @@ def _scale_grad(dy, u, scale, norm, need_m, dtype, meta, out=None):
     if need_m and meta.impl == "triton":
         scaled, dot = scale_column_dot(dy, u, scale, out=out, out_dtype=dtype)
         return scaled, dot / norm
-    dm = _rowdot(dy, u, meta) / norm if need_m else None
+    dm = _rowdot(dy, u) / norm if need_m else None
     return _scale_columns(dy, scale, None, dtype, meta, out), dm
 
 

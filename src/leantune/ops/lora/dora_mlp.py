@@ -15,6 +15,9 @@ Saved: x, u_gate and u_up ``[N, I]``, u_down ``[N, H_out]``, the ``[N, r]`` xa's
 backward writes d_gate, d_up into those buffers. Against the projection-at-a-time path (u_gate, u_up, the GLU's
 gate and up, down's input h) that is three fewer ``[N, I]`` buffers: N (2H + 2I) saved elements against
 N (2H + 5I). No dropout (as :func:`~leantune.ops.dora_linear`); NF4 weights are refused.
+
+The scalings run as :mod:`.dora`'s ("What runs where"): on the Triton path g u + b in the low-rank add's epilogue
+in forward (one Triton column-scale pass for the gate/up rebuilt in backward), dY'_j and dm_j in one kernel.
 """
 
 from __future__ import annotations

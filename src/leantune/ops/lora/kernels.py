@@ -2,14 +2,24 @@ r"""The LoRA branch's Triton kernels and their launchers (derivation: :mod:`lean
 
 - ``_dropout_kernel``: m * x for the mask of one seed (``tl.rand(seed, row * width + col)``), cast once.
 - ``_lowrank_add_kernel``: base + s * m * (P @ Q) for a small rank-R product, formed in fp32 registers, cast once and
-  stored in place; in backward it also writes m * x for dA, so the mask is generated once per pass.
+  stored in place; in backward it also writes m * x for dA, so the mask is generated once per pass; for DoRA's
+  forward it also writes y = g u + b from the u it stores (``lowrank_add_scale_triton``: u and y in one pass).
 - ``_skinny_matmul_kernel`` (C[M, r] = A[M, K] @ B[K, r], split-K) and ``_skinny_tn_kernel``
   (C[r, K] = P[M, r]^T @ X[M, K], split-M): the products xa = x A^T, g = s dY B, dA = g^T (m*x), dB = s dY^T xa,
   reading the activation tile as stored and multiplying it by the small factor in fp32 registers
   (:func:`leantune.ops._dot.mixed_dot`); partials of the splits are summed by torch in a fixed order (deterministic).
 - ``_column_dot_kernel``: c[K] = sum over rows of a[M, K] * b[M, K] in fp32 (DoRA's dm = sum_i dY_ij u_ij), both
   read as stored and upcast in registers, split-M partials summed like the skinny kernels': one launch where a
-  chunked torch chain needs five per 16 MiB chunk (two upcasts, the product, its sum, the accumulation).
+  chunked torch chain needs five per 16 MiB chunk (two upcasts, the product, its sum, the accumulation). No DoRA
+  node calls it (their backward needs dY' with dm: ``_scale_column_dot_kernel``); it is the dm-only form.
+- ``_column_scale_kernel``: y[M, K] = x * g[K] (+ b[K]) in fp32, one rounding to nearest even (DoRA's y = g u + b
+  where u is already formed, and dY' = g dY under a frozen magnitude): the values of torch's ``mul`` / ``addcmul``
+  with an fp32 g, in 16-byte vector accesses where torch's mixed-dtype elementwise path is scalar.
+- ``_scale_column_dot_kernel``: dY' = g * dY and the split-M fp32 partials of sum_i dY_ij u_ij (DoRA's backward) in
+  one read of dY and u, the column dot's partials and the column scale's values; in place into dY allowed.
+
+Stores of a rounded fp32 value go through ``_round_store``: under the interpreter its bf16 rounding is done in integer
+arithmetic (the interpreter's own fp32 -> bf16 cast truncates), so CPU tests compare bit for bit with torch.
 """
 
 from __future__ import annotations
@@ -52,25 +62,28 @@ def _dropout_kernel(
 def _round_store(ptrs, y, mask, INTERPRETED: tl.constexpr):
     """Store fp32 ``y`` rounded to nearest even in the pointers' dtype. The card's cast does that; the interpreter's
     fp32 -> bf16 cast truncates (triton 3.6 ``interpreter._convert_float`` without a rounding mode), so there the
-    bf16 bits are rounded in integer arithmetic (NaN kept quiet), the values the card stores."""
-    if INTERPRETED and ptrs.dtype.element_ty == tl.bfloat16:
-        bits = y.to(tl.uint32, bitcast=True)
-        rounded = tl.where(y != y, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-        tl.store(ptrs, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+    bf16 bits are rounded in integer arithmetic (NaN kept quiet): the values the card stores."""
+    val = y.to(ptrs.dtype.element_ty)
+    if INTERPRETED:
+        if ptrs.dtype.element_ty == tl.bfloat16:
+            bits = y.to(tl.uint32, bitcast=True)
+            rounded = tl.where(y != y, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+            val = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(ptrs, val, mask=mask)
 
 
 @triton.jit
 def _column_affine(x, G, BIAS, cols, col_ok, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 x [rows, K] * G[cols] (+ BIAS[cols]): DoRA's g u + b, as torch's fp32 ``mul`` / ``addcmul`` forms it."""
     g = tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = x * g
     if HAS_BIAS:  # one FMA, as torch's addcmul on the CPU and (contracted by nvcc) on the card
         b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if INTERPRETED:  # the interpreter's tl.fma rounds the product: an fp64 product (exact) and sum instead
-            return (x.to(tl.float64) * g.to(tl.float64) + b.to(tl.float64)).to(tl.float32)
-        return tl.fma(x, g, b)
-    return x * g
+            y = (x.to(tl.float64) * g.to(tl.float64) + b.to(tl.float64)).to(tl.float32)
+        else:
+            y = tl.fma(x, g, b)
+    return y
 
 
 @_launch.bound
@@ -481,7 +494,8 @@ def column_scale(x, scale, bias=None, *, out=None, out_dtype=None):
     bias = None if bias is None else bias.contiguous()
     _column_scale_kernel[_grid(n_rows, n_cols)](
         x, scale, bias if bias is not None else scale, out, x.stride(0), out.stride(0), n_rows, n_cols,
-        HAS_BIAS=bias is not None, INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4,
+        HAS_BIAS=bias is not None, INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        num_warps=4,
     )
     return out
 
@@ -517,7 +531,8 @@ def scale_column_dot(dy, u, scale, *, out=None, out_dtype=None, block_m=32, bloc
                                                                    device=dy.device)
     _scale_column_dot_kernel[(n_tiles, splits)](
         dy, u, scale.contiguous(), out, dest, dy.stride(0), u.stride(0), out.stride(0), dest.stride(0),
-        n_rows, n_cols, per_split, INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+        n_rows, n_cols, per_split, INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=num_warps,
     )
     if splits > 1:
         _sum_partials(dest, dot)
