@@ -184,6 +184,13 @@ part_dora() {  # #28: PEFT's DoRA step vs leantune's fused DoRA, 8B 4096 x 1, ch
   echo "dora exit $?"; grep -E "tokens/s of|x[0-9.]+, peak|not run" "$OUT/dora.log"; sed -n '/^Step times/,$p' "$OUT/dora/results.md" 2>/dev/null
 }
 
+part_dora_scale() {  # DoRA's column-scale kernels on the card: tests/test_dora.py (bit for bit against torch), then ms per call
+  timeout $(bound 240) python3 -m pytest -q -p no:cacheprovider -rs tests/test_dora.py > "$OUT/pytest-dora.log" 2>&1
+  echo "pytest (dora) exit $?"; tail -2 "$OUT/pytest-dora.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest-dora.log" | head
+  timeout $(bound 120) python3 benchmarks/dora_scale_probe.py > "$OUT/dora_scale.md" 2>&1; echo "dora_scale_probe exit $?"
+  cat "$OUT/dora_scale.md"
+}
+
 part_moe_e2e() {  # #29: Qwen3-30B-A3B shape (48 layers, 128 experts, top-8), LoRA on attention and experts, 4096 x 1
   timeout $(bound 540) python3 -m leantune bench e2e --configs .gpu/qwen3-30b-a3b --seq 4096 --batch 1 --gc on \
     --steps ${STEPS:-10} --warmup 1 --impls ${IMPLS:-hf+peft,leantune} --matmul-tflops 700 \

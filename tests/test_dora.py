@@ -143,6 +143,140 @@ def test_column_dot_matches_float64(dtype, monkeypatch):
         kernels.column_dot(a, b[:, :-1])
 
 
+def _strided_rows(rows, cols, dtype, scale=1.0):
+    """A [rows, cols] tensor with row stride 2 * cols + 3 (a view into a wider buffer: no unit row layout)."""
+    return (scale * torch.randn(rows, 2 * cols + 3, device=DEVICE)).to(dtype)[:, 1:cols + 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_column_scale_matches_torch_bitwise(dtype):
+    """DoRA's y = g u (+ b) and dY' = g dY on the Triton path (one kernel, fp32 registers, one rounding) against
+    torch's fp32 evaluation of the same inputs, ``torch.mul`` / ``torch.addcmul`` into a 16-bit ``out``: bit for bit
+    (without a bias on the card too; with one, the CUDA compilers' FMA contraction may differ by one rounding), on
+    shapes off the 64 x 128 tile, row-strided and column-strided inputs, 16-bit and fp32 biases, and in place."""
+    from leantune.ops.lora import kernels
+
+    for rows, cols in ((70, 300), (1, 5), (129, 128)):
+        scale = torch.rand(cols, device=DEVICE) * 2 + 0.1
+        inputs = (_strided_rows(rows, cols, dtype, 3.0),
+                  (3.0 * torch.randn(rows, 2 * cols, device=DEVICE)).to(dtype)[:, ::2])  # column stride 2
+        for x in inputs:
+            for bias in (None, torch.randn(cols, device=DEVICE).to(dtype), torch.randn(cols, device=DEVICE)):
+                got = kernels.column_scale(x, scale, bias)
+                want = torch.empty(x.shape, dtype=dtype, device=DEVICE)
+                if bias is None:
+                    torch.mul(x, scale, out=want)
+                else:
+                    torch.addcmul(bias, x, scale, out=want)
+                assert got.dtype == dtype and got.shape == x.shape
+                if bias is None or DEVICE == "cpu":
+                    assert torch.equal(got, want), (rows, cols, x.stride(), None if bias is None else bias.dtype)
+                else:
+                    assert (got.float() - want.float()).abs().le(want.float().abs() * 2.0 ** -7).all()
+                ref = x.to(F64) * scale.to(F64) + (0.0 if bias is None else bias.to(F64))
+                assert rel_err(got, ref) <= 2.0 ** -8  # one 16-bit rounding (bf16 unit roundoff)
+        x = inputs[0].contiguous()
+        want = torch.mul(x, scale, out=torch.empty_like(x))
+        assert kernels.column_scale(x, scale, out=x) is x and torch.equal(x, want)  # in place
+    assert kernels.column_scale(x[:0], scale).shape == (0, x.shape[1])
+    with pytest.raises(ValueError, match="scale must be"):
+        kernels.column_scale(x, scale[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scale_column_dot_is_column_scale_and_column_dot_in_one_pass(dtype):
+    """DoRA's backward kernel: dY' = g dY bit for bit as :func:`column_scale` (and torch.mul), dm's sum bit for bit as
+    :func:`column_dot` with the same split-M partials and within 1e-6 of float64, on shapes off the tiles, split over
+    rows (per_sm 64: partials under the interpreter's four programs too), strided inputs, in place into dY."""
+    from leantune.ops.lora import kernels
+
+    for rows, cols, per_sm in ((37, 300, 4), (200, 129, 64), (1, 5, 4)):
+        dy = _strided_rows(rows, cols, dtype)
+        u = torch.randn(rows, 2 * cols, device=DEVICE).to(dtype)[:, ::2]  # column stride 2
+        scale = torch.rand(cols, device=DEVICE) + 0.5
+        scaled, dot = kernels.scale_column_dot(dy, u, scale, per_sm=per_sm)
+        assert scaled.dtype == dtype and scaled.shape == (rows, cols) and dot.dtype == torch.float32
+        assert torch.equal(scaled, torch.mul(dy, scale, out=torch.empty(rows, cols, dtype=dtype, device=DEVICE)))
+        assert torch.equal(scaled, kernels.column_scale(dy, scale))
+        assert torch.equal(dot, kernels.column_dot(dy, u, per_sm=per_sm)), (rows, cols)
+        assert rel_err(dot, (dy.to(F64) * u.to(F64)).sum(0)) <= 1e-6
+        inplace = dy.clone()
+        out, dot_inplace = kernels.scale_column_dot(inplace, u, scale, out=inplace, per_sm=per_sm)
+        assert out is inplace and torch.equal(inplace, scaled) and torch.equal(dot_inplace, dot)
+    empty, zeros = kernels.scale_column_dot(dy[:0], u[:0], scale)
+    assert empty.shape == (0, cols) and torch.equal(zeros, torch.zeros(cols, device=DEVICE))
+    with pytest.raises(ValueError, match="scale_column_dot takes"):
+        kernels.scale_column_dot(dy, u[:, :-1], scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lowrank_add_with_dora_scaling_writes_u_and_y_in_one_pass(dtype):
+    """DoRA's forward epilogue on the Triton low-rank add (fp32 adapters under a 16-bit base): u = base + s xa B^T
+    in place, bit for bit the plain low-rank kernel's u, and y = g u + b bit for bit what :func:`column_scale` (and
+    on the CPU torch.mul / torch.addcmul) forms from that u; both within two 16-bit roundings of float64. Shapes off
+    the tiles, a row-strided base, ranks below and above one rank block (16), 16-bit and fp32 biases."""
+    from leantune.ops.lora import kernels
+
+    for rows, cols, rank in ((70, 300, 3), (1, 5, 1), (129, 130, 20)):
+        wide = torch.randn(rows, 2 * cols + 3, device=DEVICE).to(dtype)
+        xa, lora_B = torch.randn(rows, rank, device=DEVICE), torch.randn(cols, rank, device=DEVICE) / rank ** 0.5
+        scale = torch.rand(cols, device=DEVICE) + 0.5
+        for bias in (None, torch.randn(cols, device=DEVICE).to(dtype), torch.randn(cols, device=DEVICE)):
+            plain_base, base = wide.clone()[:, 1:cols + 1], wide.clone()[:, 1:cols + 1]
+            want_u, _ = kernels.lowrank_add_triton(plain_base, xa, lora_B.T, 0.7, dtype, None, 0, 0.0, None)
+            u, y = kernels.lowrank_add_scale_triton(base, xa, lora_B.T, 0.7, dtype, scale, bias)
+            assert u is base and torch.equal(u, want_u) and y.dtype == dtype
+            assert torch.equal(y, kernels.column_scale(u, scale, bias))
+            if DEVICE == "cpu":
+                torch_y = torch.empty(rows, cols, dtype=dtype, device=DEVICE)
+                if bias is None:
+                    torch.mul(u, scale, out=torch_y)
+                else:
+                    torch.addcmul(bias, u, scale, out=torch_y)
+                assert torch.equal(y, torch_y)
+            u64 = wide[:, 1:cols + 1].to(F64) + 0.7 * xa.to(F64) @ lora_B.T.to(F64)
+            y64 = scale.to(F64) * u64 + (0.0 if bias is None else bias.to(F64))
+            assert rel_err(u, u64) <= 2.0 ** -7 and rel_err(y, y64) <= 2.0 ** -6, (rows, cols, rank)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lora_mlp_with_dora_16bit_step_matches_float64(backend, dtype):
+    """A 16-bit gated MLP under fp32 adapters, every projection DoRA: gate with a bias, up with a frozen magnitude
+    (dY' alone: the plain scale kernel on the Triton path), down trained (dY' and dm in one kernel); rows and
+    widths off the tiles. The output and every gradient within the 16-bit bar of float64 (tests/reference.py)."""
+    rows, hidden, inter, rank = 70, 40, 130, 4
+    x = torch.randn(rows, hidden, device=DEVICE).to(dtype).requires_grad_()
+    leaf = lambda *shape: torch.randn(*shape, device=DEVICE, requires_grad=True)  # noqa: E731
+    w_g, w_u = ((torch.randn(inter, hidden, device=DEVICE) / hidden ** 0.5).to(dtype) for _ in range(2))
+    w_d = (torch.randn(hidden, inter, device=DEVICE) / inter ** 0.5).to(dtype)
+    a_g, b_g, a_u, b_u = leaf(rank, hidden), leaf(inter, rank), leaf(rank, hidden), leaf(inter, rank)
+    a_d, b_d = leaf(rank, inter), leaf(hidden, rank)
+    m_g, m_d = ((torch.rand(n, device=DEVICE) + 0.5).requires_grad_() for n in (inter, hidden))
+    m_u = torch.rand(inter, device=DEVICE) + 0.5
+    bias_g = torch.randn(inter, device=DEVICE).to(dtype).requires_grad_()
+    y = ops.lora_mlp(x, ops.DoraWeights(w_g, a_g, b_g, 0.5, m_g, bias_g), ops.DoraWeights(w_u, a_u, b_u, 2.0, m_u),
+                     ops.DoraWeights(w_d, a_d, b_d, 1.5, m_d), activation="swiglu")
+    leaves = [x, a_g, b_g, m_g, bias_g, a_u, b_u, a_d, b_d, m_d]
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+
+    def formula(t, weights, m_up):
+        gate = dora_reference(t[0], weights[0], t[1], t[2], 0.5, t[3], t[4])
+        up = dora_reference(t[0], weights[1], t[5], t[6], 2.0, m_up, 0.0)
+        return dora_reference(torch.nn.functional.silu(gate) * up, weights[2], t[7], t[8], 1.5, t[9], 0.0)
+
+    r = [t.detach().to(F64).requires_grad_() for t in leaves]
+    ref = formula(r, [w.to(F64) for w in (w_g, w_u, w_d)], m_u.to(F64))
+    ref_grads = torch.autograd.grad(ref, r, dy.to(F64))
+    e = [t.detach().to(dtype).requires_grad_() for t in leaves]
+    eager = formula(e, [w_g, w_u, w_d], m_u.to(dtype))
+    eager_grads = torch.autograd.grad(eager, e, dy)
+    assert y.dtype == dtype
+    assert rel_err(y, ref) <= tolerance(dtype, rel_err(eager, ref))
+    for i, (got, want, base) in enumerate(zip(grads, ref_grads, eager_grads)):
+        assert rel_err(got, want) <= tolerance(dtype, rel_err(base, want)), f"gradient {i}: {rel_err(got, want):.3g}"
+
+
 def test_dora_magnitude_gradient_of_a_bf16_step_matches_float64(backend):
     """dm of a bf16 DoRA projection (the column dot on the Triton path, torch's chunks otherwise) within the bf16 bar
     of float64 autograd, like x's and the adapters' gradients."""

@@ -45,6 +45,21 @@ Saved for backward: x, xa, u ``[N, out]`` in the compute dtype, g and n ``[out]`
 :func:`leantune.ops.lora_linear`'s: u in the compute dtype c (the LoRA term added in promote(c, lora) and
 rounded to c), y = g u + b evaluated in fp32 and rounded once to c. Under a 16-bit base that is one rounding (of u)
 more than PEFT, which sums g z + g s lora + b in fp32 before its single cast.
+
+What runs where (the column scalings are DoRA's only [N, out] passes besides the LoRA ones; ``torch.mul`` of a
+16-bit tensor by an fp32 vector takes torch's non-vectorised mixed-dtype path, ~2.4x the bandwidth floor on the H200,
+and was the largest item of the 8B profile: 736 calls, 90 ms a step). On the Triton path (``meta.impl``):
+
+- forward (and each checkpoint recompute): y = g u + b is the epilogue of the Triton low-rank add that completes u
+  (:func:`.kernels.lowrank_add_scale_triton`, u and y written in one pass from the rounded u) when the adapters'
+  dtype is not the compute dtype (PEFT's fp32 adapters under a 16-bit base); with one dtype throughout, the add is
+  cuBLAS's addmm and y one :func:`.kernels.column_scale` pass;
+- backward with a trained magnitude: dY' = g dY and dm's sum in one read of dY and u
+  (:func:`.kernels.scale_column_dot`, split-M fp32 partials summed by torch in a fixed order); a frozen magnitude
+  needs dY' alone (:func:`.kernels.column_scale`).
+
+Each forms the same fp32 value as torch's ``torch.mul`` / ``torch.addcmul(bias, u, g)`` (one FMA with a bias) and
+rounds it once to nearest even. The torch path (the CPU reference) keeps those torch calls and dm in row chunks.
 """
 
 from __future__ import annotations
@@ -57,8 +72,8 @@ from .. import _runtime
 from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight
 from .entries import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
-from .kernels import column_dot, skinny_matmul
-from .passes import _skinny_ok, group_backward, group_forward
+from .kernels import column_scale, lowrank_add_scale_triton, scale_column_dot, skinny_matmul
+from .passes import _lowrank_add, _skinny_ok, group_backward, group_forward
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the norm and of dm are bounded to this many elements (16 MiB)
 # ||W_j||^2 of a frozen weight, computed once and kept on the tensor as (version, data_ptr, [out] fp32): per call it
@@ -120,18 +135,52 @@ def _row_sumsq(weight) -> torch.Tensor:
     return sumsq
 
 
-def _rowdot(dy, u, meta=None) -> torch.Tensor:
-    """sum_i dy_ij u_ij in fp32 ``[out]``: on the Triton path one kernel (:func:`.kernels.column_dot`), else in row
-    chunks (bounded fp32 temporary). ``meta`` (internal) tells the path."""
+def _rowdot(dy, u) -> torch.Tensor:
+    """sum_i dy_ij u_ij in fp32 ``[out]`` on the torch path, in row chunks (bounded fp32 temporary). The Triton path
+    forms it inside :func:`.kernels.scale_column_dot` with dY' (a DoRA backward always needs both)."""
     if dy.dtype == u.dtype == torch.float32:
         return (dy * u).sum(0)
-    if meta is not None and meta.impl == "triton":
-        return column_dot(dy, u)
     total = torch.zeros(dy.shape[1], dtype=torch.float32, device=dy.device)
     step = _chunk_rows(dy.shape[1])
     for start in range(0, dy.shape[0], step):
         total += (dy[start:start + step].float() * u[start:start + step].float()).sum(0)
     return total
+
+
+def _scale_columns(u, scale, bias, dtype, meta, out=None) -> torch.Tensor:
+    """y = g * u + b (``scale`` g fp32 ``[out]``, bias ``[out]`` or None) evaluated in fp32 and rounded once to
+    ``dtype``, into ``out`` (u itself allowed) or a new buffer: DoRA's output and dY' = g * dY. On the Triton path one
+    kernel (:func:`.kernels.column_scale`: the same values as the torch chain, vectorised where torch's mixed-dtype
+    mul takes its scalar cast path), else ``torch.mul`` / ``torch.addcmul``."""
+    if meta.impl == "triton":
+        return column_scale(u, scale, bias, out=out, out_dtype=dtype)
+    y = torch.empty(u.shape, dtype=dtype, device=u.device) if out is None else out
+    return torch.mul(u, scale, out=y) if bias is None else torch.addcmul(bias, u, scale, out=y)
+
+
+def _dora_output(u, xa, lora_B, scaling, scale, bias, meta):
+    """(u, y) for a DoRA projection whose frozen output ``u`` group_forward left without the low-rank term
+    (``add_lowrank`` False for it): u += s xa B^T in place (the compute dtype, as group_forward would) and
+    y = g * u + b (:func:`_scale_columns`' values). Where the low-rank add is a Triton kernel (adapters in another
+    dtype than the compute dtype: PEFT's fp32 adapters under a 16-bit base) its epilogue writes y as well
+    (:func:`.kernels.lowrank_add_scale_triton`: u and y in one pass, no second read of u); otherwise
+    :func:`.passes._lowrank_add` (one cuBLAS addmm when all dtypes agree) and then :func:`_scale_columns`."""
+    cdt, rhs = meta.compute_dtype, lora_B.to(meta.lora_dtype).T
+    if meta.impl == "triton" and not u.dtype == xa.dtype == cdt:  # _lowrank_add's Triton case
+        return lowrank_add_scale_triton(u, xa, rhs, scaling, cdt, scale, bias)
+    u, _ = _lowrank_add(u, xa, rhs, scaling, cdt, meta.impl)
+    return u, _scale_columns(u, scale, bias, cdt, meta)
+
+
+def _scale_grad(dy, u, scale, norm, need_m, dtype, meta, out=None):
+    """(dY' = g * dY rounded once to ``dtype``, into ``out`` (dY itself allowed) or a new buffer; dm's fp32
+    sum_i dY_ij u_ij / n_j, or None without ``need_m``). On the Triton path with dm one kernel reads dY and u once
+    for both (:func:`.kernels.scale_column_dot`); the sum is formed before dY is overwritten either way."""
+    if need_m and meta.impl == "triton":
+        scaled, dot = scale_column_dot(dy, u, scale, out=out, out_dtype=dtype)
+        return scaled, dot / norm
+    dm = _rowdot(dy, u) / norm if need_m else None
+    return _scale_columns(dy, scale, None, dtype, meta, out), dm
 
 
 class DoraGroupFunction(torch.autograd.Function):
@@ -146,7 +195,8 @@ class DoraGroupFunction(torch.autograd.Function):
         projs = [_Proj(weight, lora_A, lora_B, None) for weight, lora_A, lora_B, _, _ in entries]
         ys, saved = [], []
         with _no_autocast(x.device):
-            us, xas = group_forward(x2d, projs, meta, None, 0)
+            # the DoRA projections' low-rank terms are left out here: _dora_output adds them with the scaling fused
+            us, xas = group_forward(x2d, projs, meta, None, 0, add_lowrank=[e[3] is None for e in entries])
             for j, ((weight, lora_A, lora_B, magnitude, bias), u) in enumerate(zip(entries, us)):
                 if magnitude is None:
                     ys.append(u if bias is None else u.add_(bias.to(u.dtype)))
@@ -154,12 +204,8 @@ class DoraGroupFunction(torch.autograd.Function):
                     continue
                 norm = dora_weight_norm(weight, lora_A, lora_B, meta.scalings[j], meta)
                 scale = magnitude.detach().float() / norm
-                # g * u + b evaluated in fp32 (g is fp32) and rounded once on the store: one pass, no temporary
-                y = torch.empty(u.shape, dtype=meta.compute_dtype, device=u.device)
-                if bias is None:
-                    torch.mul(u, scale, out=y)
-                else:
-                    torch.addcmul(bias, u, scale, out=y)
+                # g * u + b evaluated in fp32 (g is fp32) and rounded once on the store: no temporary
+                u, y = _dora_output(u, xas[j], lora_B, meta.scalings[j], scale, bias, meta)
                 ys.append(y)
                 saved += [u, scale, norm]
         ctx.save_for_backward(x2d, *tensors, *xas, *saved)
@@ -180,13 +226,15 @@ class DoraGroupFunction(torch.autograd.Function):
             for j, (dy, (_, _, _, magnitude, bias), (u, scale, norm)) in enumerate(zip(dys, entries, saved)):
                 need_w, need_a, need_b, need_m, need_bias = flags[5 * j:5 * j + 5]
                 dy2 = _runtime.as_rows(dy)
-                dm = (_rowdot(dy2, u, meta) / norm).to(magnitude.dtype) if need_m else None
                 dbias = dy2.float().sum(0).to(bias.dtype) if need_bias else None
+                dm = None
                 if magnitude is None:
                     scaled.append(dy2)
-                else:  # dY' = g * dY, formed in fp32 and rounded once to the compute dtype
-                    scaled.append(torch.mul(dy2, scale, out=torch.empty(dy2.shape, dtype=meta.compute_dtype,
-                                                                        device=dy2.device)))
+                else:  # dY' = g * dY, formed in fp32 and rounded once to the compute dtype (a new buffer: dY is
+                    # autograd's), and dm
+                    dy_scaled, dm = _scale_grad(dy2, u, scale, norm, need_m, meta.compute_dtype, meta)
+                    scaled.append(dy_scaled)
+                    dm = None if dm is None else dm.to(magnitude.dtype)
                 grads_out.append((dm, dbias))
                 needs.append(_Proj(need_w, need_a, need_b, False))
             projs = [_Proj(weight, lora_A, lora_B, None) for weight, lora_A, lora_B, _, _ in entries]

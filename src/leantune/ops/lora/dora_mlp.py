@@ -15,6 +15,9 @@ Saved: x, u_gate and u_up ``[N, I]``, u_down ``[N, H_out]``, the ``[N, r]`` xa's
 backward writes d_gate, d_up into those buffers. Against the projection-at-a-time path (u_gate, u_up, the GLU's
 gate and up, down's input h) that is three fewer ``[N, I]`` buffers: N (2H + 2I) saved elements against
 N (2H + 5I). No dropout (as :func:`~leantune.ops.dora_linear`); NF4 weights are refused.
+
+The scalings run as :mod:`.dora`'s ("What runs where"): on the Triton path g u + b in the low-rank add's epilogue
+in forward (one Triton column-scale pass for the gate/up rebuilt in backward), dY'_j and dm_j in one kernel.
 """
 
 from __future__ import annotations
@@ -23,18 +26,18 @@ import torch
 
 from .. import _runtime
 from ..glu import glu_backward, glu_forward
-from .dora import _check_entry, _rowdot, dora_weight_norm
+from .dora import _check_entry, _dora_output, _scale_columns, _scale_grad, dora_weight_norm
 from .entries import _check_dropout, _check_x, _meta, _no_autocast, _Proj
 from .passes import group_backward, group_forward
 
 
-def _scaled(u, magnitude, scale, bias, dtype):
-    """g * u + b (DoRA) or u + b, evaluated in fp32 where g is, rounded once to ``dtype``; a new buffer."""
+def _scaled(u, magnitude, scale, bias, dtype, meta):
+    """g * u + b (DoRA: :func:`.dora._scale_columns`, one Triton kernel on the Triton path) or u + b, evaluated in
+    fp32 where g is, rounded once to ``dtype``; a new buffer."""
+    if magnitude is not None:
+        return _scale_columns(u, scale, bias, dtype, meta)
     out = torch.empty(u.shape, dtype=dtype, device=u.device)
-    factor = scale if magnitude is not None else None
-    if factor is None:
-        return out.copy_(u) if bias is None else torch.add(u, bias, out=out)
-    return torch.mul(u, factor, out=out) if bias is None else torch.addcmul(bias, u, factor, out=out)
+    return out.copy_(u) if bias is None else torch.add(u, bias, out=out)
 
 
 class DoraMLPFunction(torch.autograd.Function):
@@ -48,19 +51,27 @@ class DoraMLPFunction(torch.autograd.Function):
         projs = [_Proj(w, a, b, None) for w, a, b, _, _ in entries]
         metas = (meta_gu, meta_gu, meta_down)
         scales, norms = [], []
+
+        def forward_output(j, u, xa, meta):
+            """(u_j complete, projection j's output): g u + b with the low-rank add fused for DoRA, u + b else."""
+            w, a, b, m, bias = entries[j]
+            if m is None:
+                return u, _scaled(u, None, None, bias, meta.compute_dtype, meta)
+            return _dora_output(u, xa, b, meta.scalings[j % 2], scales[j], bias, meta)
+
         with _no_autocast(x.device):
             for j, (w, a, b, m, _) in enumerate(entries):
                 norm = None if m is None else dora_weight_norm(w, a, b, metas[j].scalings[j % 2], metas[j])
                 norms.append(norm)
                 scales.append(None if m is None else m.detach().float() / norm)
-            (u_g, u_u), (xa_g, xa_u) = group_forward(x2d, projs[:2], meta_gu, None, 0)
-            gate = _scaled(u_g, entries[0][3], scales[0], entries[0][4], meta_gu.compute_dtype)
-            up = _scaled(u_u, entries[1][3], scales[1], entries[1][4], meta_gu.compute_dtype)
+            plain = [m is None for _, _, _, m, _ in entries]  # DoRA projections: the low-rank add fused with g u + b
+            us, (xa_g, xa_u) = group_forward(x2d, projs[:2], meta_gu, None, 0, add_lowrank=plain[:2])
+            (u_g, gate), (u_u, up) = (forward_output(j, us[j], (xa_g, xa_u)[j], meta_gu) for j in range(2))
             h = glu_forward(gate, up, activation)
             del gate, up
-            (u_d,), (xa_d,) = group_forward(h, projs[2:], meta_down, None, 0)
+            (u_d,), (xa_d,) = group_forward(h, projs[2:], meta_down, None, 0, add_lowrank=plain[2:])
             del h
-            y = _scaled(u_d, entries[2][3], scales[2], entries[2][4], meta_down.compute_dtype)
+            u_d, y = forward_output(2, u_d, xa_d, meta_down)
         ctx.save_for_backward(x2d, u_g, u_u, u_d, xa_g, xa_u, xa_d, *scales, *norms, *tensors)
         ctx.metas, ctx.activation, ctx.x_shape = (meta_gu, meta_down), activation, x.shape
         return _runtime.distinct_output(y.view(*x.shape[:-1], y.shape[-1]))
@@ -82,21 +93,23 @@ class DoraMLPFunction(torch.autograd.Function):
             magnitude, bias = entries[j][3], entries[j][4]
             need_m, need_bias = flags[j][3], flags[j][4]
             meta = (meta_gu, meta_gu, meta_down)[j]
-            dm = (_rowdot(d, (u_g, u_u, u_d)[j], meta) / norms[j]).to(magnitude.dtype) if need_m else None
             db = d.float().sum(0).to(bias.dtype) if need_bias else None
-            extra[j] = (dm, db)
             if magnitude is None:
+                extra[j] = (None, db)
                 return d
-            out = d if inplace else torch.empty(d.shape, dtype=cdt, device=d.device)
-            return torch.mul(d, scales[j], out=out)
+            # one kernel for d' and dm on the Triton path (in place for the GLU's buffers: d is read first)
+            scaled, dm = _scale_grad(d, (u_g, u_u, u_d)[j], scales[j], norms[j], need_m, cdt, meta,
+                                     d if inplace else None)
+            extra[j] = (None if dm is None else dm.to(magnitude.dtype), db)
+            return scaled
 
         def needs(j):
             return _Proj(flags[j][0], flags[j][1], flags[j][2], False)
 
         with _no_autocast(x2d.device):
             cdt = meta_gu.compute_dtype
-            gate = _scaled(u_g, entries[0][3], scales[0], entries[0][4], cdt)
-            up = _scaled(u_u, entries[1][3], scales[1], entries[1][4], cdt)
+            gate = _scaled(u_g, entries[0][3], scales[0], entries[0][4], cdt, meta_gu)
+            up = _scaled(u_u, entries[1][3], scales[1], entries[1][4], cdt, meta_gu)
             h = glu_forward(gate, up, ctx.activation)
             dy2 = _runtime.as_rows(dy)
             d_down = scale_grad(2, dy2, meta_down.compute_dtype, False)

@@ -2,14 +2,24 @@ r"""The LoRA branch's Triton kernels and their launchers (derivation: :mod:`lean
 
 - ``_dropout_kernel``: m * x for the mask of one seed (``tl.rand(seed, row * width + col)``), cast once.
 - ``_lowrank_add_kernel``: base + s * m * (P @ Q) for a small rank-R product, formed in fp32 registers, cast once and
-  stored in place; in backward it also writes m * x for dA, so the mask is generated once per pass.
+  stored in place; in backward it also writes m * x for dA, so the mask is generated once per pass; for DoRA's
+  forward it also writes y = g u + b from the u it stores (``lowrank_add_scale_triton``: u and y in one pass).
 - ``_skinny_matmul_kernel`` (C[M, r] = A[M, K] @ B[K, r], split-K) and ``_skinny_tn_kernel``
   (C[r, K] = P[M, r]^T @ X[M, K], split-M): the products xa = x A^T, g = s dY B, dA = g^T (m*x), dB = s dY^T xa,
   reading the activation tile as stored and multiplying it by the small factor in fp32 registers
   (:func:`leantune.ops._dot.mixed_dot`); partials of the splits are summed by torch in a fixed order (deterministic).
 - ``_column_dot_kernel``: c[K] = sum over rows of a[M, K] * b[M, K] in fp32 (DoRA's dm = sum_i dY_ij u_ij), both
   read as stored and upcast in registers, split-M partials summed like the skinny kernels': one launch where a
-  chunked torch chain needs five per 16 MiB chunk (two upcasts, the product, its sum, the accumulation).
+  chunked torch chain needs five per 16 MiB chunk (two upcasts, the product, its sum, the accumulation). No DoRA
+  node calls it (their backward needs dY' with dm: ``_scale_column_dot_kernel``); it is the dm-only form.
+- ``_column_scale_kernel``: y[M, K] = x * g[K] (+ b[K]) in fp32, one rounding to nearest even (DoRA's y = g u + b
+  where u is already formed, and dY' = g dY under a frozen magnitude): the values of torch's ``mul`` / ``addcmul``
+  with an fp32 g, in 16-byte vector accesses where torch's mixed-dtype elementwise path is scalar.
+- ``_scale_column_dot_kernel``: dY' = g * dY and the split-M fp32 partials of sum_i dY_ij u_ij (DoRA's backward) in
+  one read of dY and u, the column dot's partials and the column scale's values; in place into dY allowed.
+
+Stores of a rounded fp32 value go through ``_round_store``: under the interpreter its bf16 rounding is done in integer
+arithmetic (the interpreter's own fp32 -> bf16 cast truncates), so CPU tests compare bit for bit with torch.
 """
 
 from __future__ import annotations
@@ -48,16 +58,46 @@ def _dropout_kernel(
     tl.store(XD + rows64[:, None] * stride_xd + cols[None, :], xd.to(XD.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _round_store(ptrs, y, mask, INTERPRETED: tl.constexpr):
+    """Store fp32 ``y`` rounded to nearest even in the pointers' dtype. The card's cast does that; the interpreter's
+    fp32 -> bf16 cast truncates (triton 3.6 ``interpreter._convert_float`` without a rounding mode), so there the
+    bf16 bits are rounded in integer arithmetic (NaN kept quiet): the values the card stores."""
+    val = y.to(ptrs.dtype.element_ty)
+    if INTERPRETED:
+        if ptrs.dtype.element_ty == tl.bfloat16:
+            bits = y.to(tl.uint32, bitcast=True)
+            rounded = tl.where(y != y, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+            val = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(ptrs, val, mask=mask)
+
+
+@triton.jit
+def _column_affine(x, G, BIAS, cols, col_ok, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 x [rows, K] * G[cols] (+ BIAS[cols]): DoRA's g u + b, as torch's fp32 ``mul`` / ``addcmul`` forms it."""
+    g = tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = x * g
+    if HAS_BIAS:  # one FMA, as torch's addcmul on the CPU and (contracted by nvcc) on the card
+        b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if INTERPRETED:  # the interpreter's tl.fma rounds the product: an fp64 product (exact) and sum instead
+            y = (x.to(tl.float64) * g.to(tl.float64) + b.to(tl.float64)).to(tl.float32)
+        else:
+            y = tl.fma(x, g, b)
+    return y
+
+
 @_launch.bound
 @triton.jit
 def _lowrank_add_kernel(
-    BASE, P, Q, OUT, X, XD, SEEDS, seed_index,
-    stride_base, stride_p, stride_qr, stride_qk, stride_out, stride_x, stride_xd,
+    BASE, P, Q, OUT, X, XD, SEEDS, seed_index, G, BIAS, Y,
+    stride_base, stride_p, stride_qr, stride_qk, stride_out, stride_x, stride_xd, stride_y,
     n_rows, n_cols, rank, scale, p, inv_keep,
-    HAS_MASK: tl.constexpr, WRITE_XD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_MASK: tl.constexpr, WRITE_XD: tl.constexpr, WRITE_Y: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """OUT = cast(BASE + scale * m * (P @ Q)), P [n_rows, rank], Q [rank, n_cols]; optionally XD = cast(m * X)."""
+    """OUT = cast(BASE + scale * m * (P @ Q)), P [n_rows, rank], Q [rank, n_cols]; optionally XD = cast(m * X);
+    optionally (DoRA's y = g u + b on the u just formed) Y = cast(OUT[m, k] * G[k] (+ BIAS[k])) from the stored
+    OUT values, as ``_column_scale_kernel`` would form it from OUT: u and y in one pass."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rows64 = rows.to(tl.int64)
@@ -77,8 +117,11 @@ def _lowrank_add_kernel(
         keep = _keep(tl.load(SEEDS + seed_index), rows64, cols, n_cols, p)
         acc = acc * tl.where(keep, inv_keep, 0.0)
     base = tl.load(BASE + rows64[:, None] * stride_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = base + scale * acc
-    tl.store(OUT + rows64[:, None] * stride_out + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    out = (base + scale * acc).to(OUT.dtype.element_ty)
+    tl.store(OUT + rows64[:, None] * stride_out + cols[None, :], out, mask=mask)
+    if WRITE_Y:  # from the rounded u, the value the store above keeps
+        y = _column_affine(out.to(tl.float32), G, BIAS, cols, col_ok, HAS_BIAS, INTERPRETED)
+        _round_store(Y + rows64[:, None] * stride_y + cols[None, :], y, mask, INTERPRETED)
     if WRITE_XD:
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_MASK:
@@ -181,6 +224,46 @@ def _column_dot_kernel(A, B, C, stride_am, stride_bm, stride_cs, n_rows, n_cols,
     tl.store(C + split.to(tl.int64) * stride_cs + cols, acc, mask=col_ok)
 
 
+@_launch.bound
+@triton.jit
+def _column_scale_kernel(X, G, BIAS, Y, stride_x, stride_y, n_rows, n_cols,
+                         HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y = cast(X[m, k] * G[k] (+ BIAS[k])): DoRA's y = g u + b and dY' = g dY, in fp32 registers, one cast."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    col_ok = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = _column_affine(x, G, BIAS, cols, col_ok, HAS_BIAS, INTERPRETED)
+    _round_store(Y + rows64[:, None] * stride_y + cols[None, :], y, mask, INTERPRETED)
+
+
+@_launch.bound
+@triton.jit
+def _scale_column_dot_kernel(D, U, G, DS, C, stride_d, stride_u, stride_ds, stride_cs, n_rows, n_cols, m_per_split,
+                             INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """DS = cast(D[m, k] * G[k]) and C[split, K] = sum over this program's row slice of D[m, k] * U[m, k] (DoRA's
+    dY' = g dY and the partials of dm): D and U read once, products and sums in fp32 as ``_column_dot_kernel``'s.
+    DS may be D (in place): every element is loaded before the same program stores it."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    split = tl.program_id(1)
+    col_ok = cols < n_cols
+    g = tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)
+    m_start = split * m_per_split
+    m_end = tl.minimum(m_start + m_per_split, n_rows)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows64 = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows64 < m_end)[:, None] & col_ok[None, :]
+        d = tl.load(D + rows64[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + rows64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(d * u, 0)
+        _round_store(DS + rows64[:, None] * stride_ds + cols[None, :], d * g[None, :], mask, INTERPRETED)
+    tl.store(C + split.to(tl.int64) * stride_cs + cols, acc, mask=col_ok)
+
+
 # ----------------------------------------------------------------------------------------------------- launchers
 _BLOCK_N, _BLOCK_K = 64, 128
 
@@ -201,26 +284,47 @@ def dropout_triton(x, seeds, index, p, dtype):
 
 
 def lowrank_add_triton(base, lhs, rhs, scale, out_dtype, seeds, index, p, x):
+    """(cast(base + scale * m * (lhs @ rhs), out_dtype): in place into base when the dtypes match, m * x in lhs's
+    dtype or None); :func:`.passes._lowrank_add`'s Triton path."""
+    out, xd, _ = _lowrank_add(base, lhs, rhs, scale, out_dtype, seeds, index, p, x, None, None)
+    return out, xd
+
+
+def lowrank_add_scale_triton(base, lhs, rhs, scale, out_dtype, col_scale, col_bias=None):
+    """(u = cast(base + scale * lhs @ rhs, out_dtype), in place into base when the dtypes match; y = cast(u * col_scale
+    (+ col_bias)) per column, out_dtype): DoRA's u and y = g u + b in one pass, y the values :func:`column_scale`
+    forms from u (fp32 from the rounded u, one FMA with a bias, rounded once). base [N, K], lhs [N, R], rhs [R, K]
+    as :func:`lowrank_add_triton`; col_scale [K] fp32, col_bias [K] or None."""
+    out, _, y = _lowrank_add(base, lhs, rhs, scale, out_dtype, None, 0, 0.0, None, col_scale, col_bias)
+    return out, y
+
+
+def _lowrank_add(base, lhs, rhs, scale, out_dtype, seeds, index, p, x, col_scale, col_bias):
     n_rows, n_cols = base.shape
     out = base if out_dtype == base.dtype else _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
     xd = None if x is None else _runtime.empty((n_rows, n_cols), dtype=lhs.dtype, device=x.device)
+    y = None if col_scale is None else _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
     if not (n_rows and n_cols):
-        return out, xd
+        return out, xd, y
     rank = lhs.shape[1]
     if lhs.shape[1] > 1 and lhs.stride(1) != 1:
         lhs = lhs.contiguous()
     block_r = _runtime.rank_block(rank)
     has_mask = seeds is not None
+    col_scale = None if col_scale is None else col_scale.contiguous()
+    col_bias = None if col_bias is None else col_bias.contiguous()
     _lowrank_add_kernel[_grid(n_rows, n_cols)](
         base, lhs, rhs, out, x if x is not None else base, xd if xd is not None else base,
         seeds if has_mask else base, index,
+        col_scale if col_scale is not None else base, col_bias if col_bias is not None else base,
+        y if y is not None else base,
         base.stride(0), lhs.stride(0), rhs.stride(0), rhs.stride(1), out.stride(0),
-        x.stride(0) if x is not None else 0, xd.stride(0) if xd is not None else 0,
+        x.stride(0) if x is not None else 0, xd.stride(0) if xd is not None else 0, y.stride(0) if y is not None else 0,
         n_rows, n_cols, rank, float(scale), float(p), 1.0 / (1.0 - p) if has_mask else 1.0,
-        HAS_MASK=has_mask, WRITE_XD=x is not None,
-        BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, BLOCK_R=block_r, num_warps=4,
+        HAS_MASK=has_mask, WRITE_XD=x is not None, WRITE_Y=y is not None, HAS_BIAS=col_bias is not None,
+        INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, BLOCK_R=block_r, num_warps=4,
     )
-    return out, xd
+    return out, xd, y
 
 
 @functools.lru_cache(maxsize=1024)
@@ -351,3 +455,85 @@ def column_dot(a, b, *, block_m=32, block_k=128, num_warps=4, per_sm=4):
     if splits > 1:
         _sum_partials(dest, out)
     return out
+
+
+def _check_rows(name, t, shape):
+    if t.dim() != 2 or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be [M, K] = {list(shape)}, got {list(t.shape)}")
+
+
+def _check_columns(name, t, n_cols):
+    if t.dim() != 1 or t.shape[0] != n_cols:
+        raise ValueError(f"{name} must be a [K] = [{n_cols}] vector, got {list(t.shape)}")
+
+
+def column_scale(x, scale, bias=None, *, out=None, out_dtype=None):
+    """y [M, K] = x * scale (+ bias) per column, evaluated in fp32 and cast once to ``out_dtype`` (default x's dtype):
+    DoRA's y = g u + b and dY' = g dY. x [M, K] any float dtype, read as stored (a copy only for a column stride
+    other than 1); scale [K] (fp32: g = m / n) and bias [K] any float dtype, upcast in registers. The same values as
+    torch's ``torch.mul(x, scale, out=y)`` / ``torch.addcmul(bias, x, scale, out=y)`` for an fp32 scale (both form the
+    fp32 product and round it once; with a bias the GPU compiler may fuse the add into an FMA, as torch's CUDA kernel
+    does). ``out`` (an [M, K] tensor with unit column stride, may be x itself) receives y. Raises ValueError for
+    mismatched shapes."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {list(x.shape)}")
+    n_rows, n_cols = x.shape
+    _check_columns("scale", scale, n_cols)
+    if bias is not None:
+        _check_columns("bias", bias, n_cols)
+    if out is None:
+        out = _runtime.empty((n_rows, n_cols), dtype=out_dtype or x.dtype, device=x.device)
+    else:
+        _check_rows("out", out, x.shape)
+        if n_cols > 1 and out.stride(1) != 1:
+            raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
+    if not (n_rows and n_cols):
+        return out
+    x = x if x.stride(1) == 1 or n_cols == 1 else x.contiguous()
+    scale = scale.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    _column_scale_kernel[_grid(n_rows, n_cols)](
+        x, scale, bias if bias is not None else scale, out, x.stride(0), out.stride(0), n_rows, n_cols,
+        HAS_BIAS=bias is not None, INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        num_warps=4,
+    )
+    return out
+
+
+def scale_column_dot(dy, u, scale, *, out=None, out_dtype=None, block_m=32, block_k=128, num_warps=4, per_sm=4):
+    """(dY' [M, K] = dy * scale per column in fp32, cast once to ``out_dtype`` (default dy's dtype); c [K] fp32 =
+    sum over rows of dy * u): DoRA's dY' = g dY and dm's sum in one read of dy and u, where :func:`column_scale` and
+    :func:`column_dot` read dy twice. dy, u [M, K] any float dtypes (read as stored, fp32 registers); scale [K]. dY'
+    has :func:`column_scale`'s values and c :func:`column_dot`'s (the same split-M partials, summed by torch in a
+    fixed order: deterministic) for the same block and split arguments. ``out`` (an [M, K] tensor with unit column
+    stride, may be dy itself: in place) receives dY'. Raises ValueError for mismatched shapes."""
+    if dy.dim() != 2 or dy.shape != u.shape:
+        raise ValueError(f"scale_column_dot takes dy and u of one [M, K] shape, got {list(dy.shape)} and "
+                         f"{list(u.shape)}")
+    n_rows, n_cols = dy.shape
+    _check_columns("scale", scale, n_cols)
+    if out is None:
+        out = _runtime.empty((n_rows, n_cols), dtype=out_dtype or dy.dtype, device=dy.device)
+    else:
+        _check_rows("out", out, dy.shape)
+        if n_cols > 1 and out.stride(1) != 1:
+            raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
+    dot = _runtime.empty((n_cols,), dtype=torch.float32, device=dy.device)
+    if n_cols == 0:
+        return out, dot
+    if n_rows == 0:
+        return out, dot.zero_()
+    dy = dy if dy.stride(1) == 1 or n_cols == 1 else dy.contiguous()  # a copy: out may no longer alias dy, still right
+    u = u if u.stride(1) == 1 or n_cols == 1 else u.contiguous()
+    n_tiles = _runtime.cdiv(n_cols, block_k)
+    splits, per_split = _splits(dy.device, n_tiles, n_rows, block_m, per_sm)
+    dest = dot.view(1, n_cols) if splits == 1 else _runtime.empty((splits, n_cols), dtype=torch.float32,
+                                                                   device=dy.device)
+    _scale_column_dot_kernel[(n_tiles, splits)](
+        dy, u, scale.contiguous(), out, dest, dy.stride(0), u.stride(0), out.stride(0), dest.stride(0),
+        n_rows, n_cols, per_split, INTERPRETED=_runtime.KERNELS_INTERPRETED, BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+    if splits > 1:
+        _sum_partials(dest, dot)
+    return out, dot

@@ -128,7 +128,8 @@ def _cat_lora_A(projs, lora, ldt):
 
 def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True):
     """Outputs ``[N, out_j]`` (compute dtype) and xa_j of the projections sharing ``x2d``; seeds[first_seed:] are
-    theirs. ``add_lowrank=False`` leaves the s xa B^T terms out of the outputs (the caller fuses them)."""
+    theirs. ``add_lowrank=False`` leaves the s xa B^T terms out of the outputs (the caller fuses them); a sequence
+    of bools, one per projection, leaves out those of the projections marked False."""
     cdt, ldt = meta.compute_dtype, meta.lora_dtype
     ys = _frozen_forward(x2d.to(cdt), projs, cdt)
     lora = [j for j, (_, a, _, _) in enumerate(projs) if a is not None]
@@ -154,8 +155,9 @@ def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True):
                                         index=first_seed + k, p=meta.p)
             else:
                 xas[j] = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt) @ projs[j].lora_A.to(ldt).T
-    if add_lowrank:
-        for j in lora:
+    adds = [add_lowrank] * len(projs) if isinstance(add_lowrank, bool) else list(add_lowrank)
+    for j in lora:
+        if adds[j]:
             _lowrank_add(ys[j], xas[j], projs[j].lora_B.to(ldt).T, meta.scalings[j], cdt, meta.impl)
     return ys, xas
 
