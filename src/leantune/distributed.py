@@ -9,7 +9,7 @@ Engines (:func:`choose_engine`, :func:`wrap`):
 - ``ddp``: ``DistributedDataParallel(find_unused_parameters=False)`` (every adapter takes part in every forward),
   bucketing left to DDP, ``no_sync`` on all but the last micro-batch of a step (:func:`gradient_sync`).
 - ``fsdp``: FSDP2, ``fully_shard`` on each decoder layer (the classes the model names in ``_no_split_modules``), then
-  on the root; frozen base and adapters are sharded alike. ``MixedPrecisionPolicy(reduce_dtype=float32)`` with the
+  on the root (one process whose second copy of the parameters fits: the root alone, :func:`shards_layers`); frozen base and adapters are sharded alike. ``MixedPrecisionPolicy(reduce_dtype=float32)`` with the
   parameters' own dtypes for compute: the base as loaded (bf16 on CUDA), PEFT's fp32 adapters kept fp32, so a rank
   computes what the single-process run computes. What is gathered when: a layer's parameters are all-gathered in its
   pre-forward hook and freed after its forward; the root's (embeddings, final norm, ``lm_head``) once per forward of
@@ -19,10 +19,12 @@ Engines (:func:`choose_engine`, :func:`wrap`):
   gradients are formed, and gradients are reduce-scattered in fp32.
 - ``auto``: FSDP2 when the frozen weights take more than half of one device's memory, else DDP (CPU: DDP).
 
-Loss normalisation. The only collectives leantune calls itself are sums of a few numbers (:func:`all_reduce_sum`):
-the count of target tokens of the whole global step (so every token weighs the same whichever rank holds it), the
-losses and token counts for metrics, and the stop flag of a Ctrl-C / SIGTERM (:func:`any_rank`), so every rank stops
-after the same step. Both engines average gradients over ranks; the loss that is backpropagated is therefore the
+Loss normalisation. The only collectives leantune calls itself are sums of a few numbers: the step's loss for metrics
+(:func:`all_reduce_on_device`, read with the step's record), the stop flag of a Ctrl-C / SIGTERM (:func:`any_rank`,
+through a gloo group of host tensors), so every rank stops after the same step, and eval sums
+(:func:`all_reduce_sum`). The count of target tokens of the whole global step (so every token weighs the same
+whichever rank holds it) is counted by every rank on the host (``leantune train``: every rank holds the whole
+split), or all-reduced when a caller does not pass it. Both engines average gradients over ranks; the loss that is backpropagated is therefore the
 rank's share of the global token mean times the world size (:func:`loss_scale`), which makes N ranks x K
 micro-batches the same update as one process with the whole batch.
 
