@@ -131,7 +131,11 @@ def init(world: World, device: str) -> str:
         _OWNED.append(dist.group.WORLD)
     _HOST.clear()
     if dist.get_backend() != "gloo":  # every rank passes here, in the same order (new_group is collective)
-        _HOST.append(dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT))
+        try:
+            _HOST.append(dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT))
+        except (RuntimeError, ValueError) as exc:  # e.g. no gloo in this build: the flag then goes through NCCL
+            print(f"leantune: warning: no gloo group for the per-step stop flag ({str(exc).splitlines()[0]}); "
+                  "it is summed on the device, which waits for each step to finish", flush=True)
     return device
 
 
@@ -351,8 +355,11 @@ def any_rank(flag: bool, world: World, device: str) -> bool:
     so the answer waits for the peers, never for the device's queue (``device`` unused, kept for the callers)."""
     if not world.distributed:
         return flag
+    group = host_group()
+    if group is None and dist.get_backend() != "gloo":  # no host group could be made: through the device (a sync)
+        return all_reduce_sum([1.0 if flag else 0.0], world, device)[0] > 0
     tensor = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-    dist.all_reduce(tensor, group=host_group())
+    dist.all_reduce(tensor, group=group)
     return bool(tensor.numpy()[0] > 0)  # numpy: host memory by construction (a device tensor would raise)
 
 
