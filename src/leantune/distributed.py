@@ -9,7 +9,7 @@ Engines (:func:`choose_engine`, :func:`wrap`):
 - ``ddp``: ``DistributedDataParallel(find_unused_parameters=False)`` (every adapter takes part in every forward),
   bucketing left to DDP, ``no_sync`` on all but the last micro-batch of a step (:func:`gradient_sync`).
 - ``fsdp``: FSDP2, ``fully_shard`` on each decoder layer (the classes the model names in ``_no_split_modules``), then
-  on the root; frozen base and adapters are sharded alike. ``MixedPrecisionPolicy(reduce_dtype=float32)`` with the
+  on the root (one process whose second copy of the parameters fits: the root alone, :func:`shards_layers`); frozen base and adapters are sharded alike. ``MixedPrecisionPolicy(reduce_dtype=float32)`` with the
   parameters' own dtypes for compute: the base as loaded (bf16 on CUDA), PEFT's fp32 adapters kept fp32, so a rank
   computes what the single-process run computes. What is gathered when: a layer's parameters are all-gathered in its
   pre-forward hook and freed after its forward; the root's (embeddings, final norm, ``lm_head``) once per forward of
@@ -19,10 +19,12 @@ Engines (:func:`choose_engine`, :func:`wrap`):
   gradients are formed, and gradients are reduce-scattered in fp32.
 - ``auto``: FSDP2 when the frozen weights take more than half of one device's memory, else DDP (CPU: DDP).
 
-Loss normalisation. The only collectives leantune calls itself are sums of a few numbers (:func:`all_reduce_sum`):
-the count of target tokens of the whole global step (so every token weighs the same whichever rank holds it), the
-losses and token counts for metrics, and the stop flag of a Ctrl-C / SIGTERM (:func:`any_rank`), so every rank stops
-after the same step. Both engines average gradients over ranks; the loss that is backpropagated is therefore the
+Loss normalisation. The only collectives leantune calls itself are sums of a few numbers: the step's loss for metrics
+(:func:`all_reduce_on_device`, read with the step's record), the stop flag of a Ctrl-C / SIGTERM (:func:`any_rank`,
+through a gloo group of host tensors), so every rank stops after the same step, and eval sums
+(:func:`all_reduce_sum`). The count of target tokens of the whole global step (so every token weighs the same
+whichever rank holds it) is counted by every rank on the host (``leantune train``: every rank holds the whole
+split), or all-reduced when a caller does not pass it. Both engines average gradients over ranks; the loss that is backpropagated is therefore the
 rank's share of the global token mean times the world size (:func:`loss_scale`), which makes N ranks x K
 micro-batches the same update as one process with the whole batch.
 
@@ -108,6 +110,7 @@ def check_launch(requested: str, device: str) -> World | None:
 
 
 _OWNED = []  # the process group leantune created (a caller's own group is left to the caller)
+_HOST = []  # a gloo group over the same ranks for host numbers when the default group is NCCL (see host_group)
 
 
 def init(world: World, device: str) -> str:
@@ -120,19 +123,35 @@ def init(world: World, device: str) -> str:
         if dist.get_world_size() != world.size or dist.get_rank() != world.rank:
             raise LeantuneError(f"a process group of {dist.get_world_size()} ranks already exists, but the "
                                 f"environment says rank {world.rank} of {world.size}")
-        return device
-    if device.startswith("cuda"):
+    elif device.startswith("cuda"):
         dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=torch.device(device))
+        _OWNED.append(dist.group.WORLD)
     else:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    _OWNED.append(dist.group.WORLD)
+        _OWNED.append(dist.group.WORLD)
+    _HOST.clear()
+    if dist.get_backend() != "gloo":  # every rank passes here, in the same order (new_group is collective)
+        try:
+            _HOST.append(dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT))
+        except (RuntimeError, ValueError) as exc:  # e.g. no gloo in this build: the flag then goes through NCCL
+            print(f"leantune: warning: no gloo group for the per-step stop flag ({str(exc).splitlines()[0]}); "
+                  "it is summed on the device, which waits for each step to finish", flush=True)
     return device
+
+
+def host_group():
+    """The process group for numbers that live on the host (the stop flag): gloo, so that reading the sum back
+    waits for the peers only. Through the default NCCL group the sum would sit behind the step's queued kernels,
+    and reading it would wait for the device to finish the step (the next step's host work could not overlap it).
+    None: the default group (gloo already)."""
+    return _HOST[0] if _HOST else None
 
 
 def shutdown() -> None:
     """Destroy the process group :func:`init` created (none other)."""
     if _OWNED and dist.is_initialized():
         _OWNED.clear()
+        _HOST.clear()  # destroyed with the default group
         dist.destroy_process_group()
 
 
@@ -216,8 +235,10 @@ def wrap(model: torch.nn.Module, world: World, device: str, from_main: bool = Fa
             full, kept = model.state_dict(), [b.detach().clone() for b in _unsaved_buffers(model)]
         mesh = init_device_mesh(torch.device(device).type, (world.size,))
         policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        layers = decoder_layers(model)
+        if shards_layers(model, world, device):
+            for layer in layers:
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         if from_main:
             _allocate(model, device)
@@ -229,6 +250,30 @@ def wrap(model: torch.nn.Module, world: World, device: str, from_main: bool = Fa
                 dist.broadcast(buffer, src=0)
         return model
     return model
+
+
+def shards_layers(model: torch.nn.Module, world: World, device: str) -> bool:
+    """Whether FSDP2 gets a group per decoder layer (True) or the root's one group only (False: one process whose
+    second copy of the parameters fits).
+
+    One process has nothing to shard: its "shard" is a whole copy of each parameter, and the gathered copy is a
+    second one. Per layer, each layer's copy is made in its pre-forward hook and again before its backward (one
+    copy launch per parameter) and dropped after each, with hooks around every layer forward, checkpoint
+    recompute and backward: host time that a one-process step pays on every layer (world size 1 ran at 0.60x the
+    plain run's tokens/s on an H200 at 1B; benchmarks/fsdp_host_profile.py). With the root's group alone the copy
+    is made once per forward and kept until after the backward, and the hooks run once per step; the parameters
+    take twice their bytes for the step. So one process keeps per-layer groups only when twice the parameters
+    would pass half of the CUDA device's memory (the case where ``--distributed auto`` picks FSDP2 at all), and
+    always on the CPU drops them. The numbers are the same either way (a one-process gather and reduction are
+    copies)."""
+    if world.size > 1:
+        return True
+    if torch.device(device).type != "cuda":
+        return False
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    index = torch.device(device).index
+    capacity = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).total_memory
+    return 2 * weights > capacity / 2
 
 
 def _allocate(model: torch.nn.Module, device: str) -> None:
@@ -257,14 +302,28 @@ def gradient_sync(model: torch.nn.Module, world: World, enabled: bool):
     if world.engine == "ddp" and not enabled:
         with model.no_sync():
             yield
-    elif world.engine == "fsdp":
-        model.set_requires_gradient_sync(enabled)
+    elif world.engine == "fsdp" and not enabled:
+        # FSDP2's setter walks every module of the model (about 2 ms a call at 1B on the host): it is called only
+        # around the micro-batches that skip the reduction, and the state outside this block is always True
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+def fused_adamw(device: str, world: World) -> bool:
+    """Whether AdamW runs fused (``torch.optim.AdamW(fused=True)``): always on CUDA, and under FSDP2 on the CPU too.
+
+    FSDP2's parameters are DTensors, for which PyTorch's default is the for-each AdamW on CUDA and the per-tensor
+    loop on the CPU: every one of its ~12 ops then goes through DTensor's dispatch with the whole parameter list
+    (per parameter on the CPU), host time that grows with the adapter count (measured in
+    benchmarks/fsdp_host_profile.py). The fused op is one dispatch for all of them; DTensor shards it elementwise, so
+    each rank updates its own shard exactly as the plain run updates the whole tensor.
+    """
+    return torch.device(device).type == "cuda" or world.engine == "fsdp"
 
 
 def loss_scale(world: World) -> float:
@@ -282,11 +341,26 @@ def all_reduce_sum(values: list[float], world: World, device: str) -> list[float
     return tensor.tolist()
 
 
+def all_reduce_on_device(value: torch.Tensor, world: World) -> torch.Tensor:
+    """The sum over ranks of a 0-dim tensor, as a float64 tensor on its device, never read back here (the step
+    log reads it with the step's other numbers; no host sync). Sums what ``all_reduce_sum`` would (float64)."""
+    total = value.detach().reshape(()).to(torch.float64, copy=True)  # a copy: the sum is written in place
+    if world.distributed:
+        dist.all_reduce(total)
+    return total
+
+
 def any_rank(flag: bool, world: World, device: str) -> bool:
-    """True on every rank when ``flag`` is true on any (one collective)."""
+    """True on every rank when ``flag`` is true on any: one collective of a host tensor on the host group (gloo),
+    so the answer waits for the peers, never for the device's queue (``device`` unused, kept for the callers)."""
     if not world.distributed:
         return flag
-    return all_reduce_sum([1.0 if flag else 0.0], world, device)[0] > 0
+    group = host_group()
+    if group is None and dist.get_backend() != "gloo":  # no host group could be made: through the device (a sync)
+        return all_reduce_sum([1.0 if flag else 0.0], world, device)[0] > 0
+    tensor = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return bool(tensor.numpy()[0] > 0)  # numpy: host memory by construction (a device tensor would raise)
 
 
 def gather_objects(value, world: World) -> list:

@@ -158,7 +158,7 @@ def run_one(spec: RunSpec) -> dict:
     graphed = spec.impl.endswith("+graph")
     if graphed and (not cuda or world.size > 1):
         raise Skip("CUDA-graph steps run on one CUDA device (leantune.graphs.CapturedStep)")
-    optimizer = adamw_with_state(params, spec.lr, fused=cuda and world.engine != "fsdp", capturable=graphed)
+    optimizer = adamw_with_state(params, spec.lr, fused=distributed.fused_adamw(device, world), capturable=graphed)
     _sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -64,6 +64,12 @@ class PackedData:
         """Tokens the loss counts (after transformers' shift, position 0's label is never used)."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
+    def counts(self, index) -> tuple[int, int]:
+        """(target tokens, tokens) of the rows ``index``: ``select(index)``'s ``num_targets()`` and token count,
+        without copying the rows."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        return int((self.labels[index, 1:] != IGNORE_INDEX).sum()), index.numel() * self.input_ids.shape[1]
+
 
 def chitchat_path() -> Path:
     """Path of the embedded chitchat ``dataset.json`` (located through ``leantune.assets``, never imported)."""

@@ -79,20 +79,23 @@ GRAPH_WARMUP = 3  # --cuda-graphs: eager steps before the capture (Triton compil
 STEP_CAPTURE = None  # --cuda-graphs: CapturedStep's capture (None: CUDA graphs on CUDA); tests set a CPU recorder
 
 
-def accumulate_gradients(model, micro_batches: list[PackedData], device: str, world: World = World()) -> torch.Tensor:
+def accumulate_gradients(model, micro_batches: list[PackedData], device: str, world: World = World(),
+                         step_targets: int | None = None) -> torch.Tensor:
     """Forward and backward every micro-batch, each loss divided by the global step's total target tokens.
 
     Gradients accumulate in ``.grad``; returns this process's share of the step's mean loss per target token (the
     sum of its micro losses, a 0-dim tensor on ``device``, never read back here; summed over ranks it is the global
     step's mean). With K micro-batches of B rows on W ranks this equals one batch of K*B*W rows (loss and gradients;
-    tested). Several processes: one all-reduce of the target count, gradients reduced by the engine on the last
+    tested). Several processes: the global step's target count is ``step_targets`` when the caller counted it on
+    the host (``leantune train`` does: every rank holds the whole split, ``PackedData.counts``), else one
+    all-reduce of it (which reads the sum back: a host sync); gradients reduced by the engine on the last
     micro-batch only.
 
     No device-to-host sync (docs/design.md, "No host sync in a step"): the target count comes from the host-built
     rows, inputs go up from pinned memory without blocking, the packed rows' documents are told to the attention and
     mask code from the host copy (``remember_documents``), and the loss stays on the device.
     """
-    num_items_t = _step_num_items(micro_batches, device, world)
+    num_items_t = _step_num_items(micro_batches, device, world, step_targets)
     scale = distributed.loss_scale(world)  # the engines average over ranks; the token mean sums
     total = None
     for k, batch in enumerate(micro_batches):
@@ -107,11 +110,14 @@ def accumulate_gradients(model, micro_batches: list[PackedData], device: str, wo
     return total
 
 
-def _step_num_items(micro_batches: list[PackedData], device: str, world: World) -> torch.Tensor:
-    """The global step's target-token count (summed over ranks), a 0-dim int64 tensor on ``device`` (>= 1)."""
-    local = sum(batch.num_targets() for batch in micro_batches)  # host-built rows: no device read
-    num_items = int(distributed.all_reduce_sum([local], world, device)[0])
-    return torch.full((), max(num_items, 1), dtype=torch.int64, device=device)
+def _step_num_items(micro_batches: list[PackedData], device: str, world: World,
+                    step_targets: int | None = None) -> torch.Tensor:
+    """The global step's target-token count (summed over ranks; ``step_targets`` when the caller counted it), a
+    0-dim int64 tensor on ``device`` (>= 1)."""
+    if step_targets is None:
+        local = sum(batch.num_targets() for batch in micro_batches)  # host-built rows: no device read
+        step_targets = int(distributed.all_reduce_sum([local], world, device)[0])
+    return torch.full((), max(step_targets, 1), dtype=torch.int64, device=device)
 
 
 def _to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
@@ -337,7 +343,7 @@ def _prepare(config: TrainConfig) -> _Run:
     # a float lr here, so the scheduler's base_lrs stay floats; CapturedStep makes it a device tensor (the
     # scheduler's fill_ then reaches the replays)
     run.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
-                                      fused=device.startswith("cuda") and run.world.engine != "fsdp",
+                                      fused=distributed.fused_adamw(device, run.world),
                                       **({"capturable": True} if graphs else {}))
     run.scheduler = cosine_schedule(run.optimizer, total_steps, warmup, config.min_lr_ratio)
     if resume_from is not None:  # applied before the folder is claimed: a mismatch leaves it as it was
@@ -425,7 +431,6 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
     checkpoint), None when every step ran."""
     config, model, device, metrics, world = run.config, run.model, run.device, run.metrics, run.world
     params = [p for p in model.parameters() if p.requires_grad]
-    local_rows = config.batch_size * config.grad_accum
     if run.start_step == 0:
         eval_loss = evaluate(model, run.eval_data, config.batch_size, device)
         run.initial_eval_loss = eval_loss
@@ -439,16 +444,9 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
     done = run.start_step
     with GracefulInterrupt() as interrupt:
         for step in range(run.start_step, run.total_steps):
-            rows = step_rows(step, len(run.train_data), local_rows * world.size, config.seed)
-            rows = rows[world.rank * local_rows:(world.rank + 1) * local_rows]  # this rank's share
-            micro_batches = [run.train_data.select(rows[k * config.batch_size:(k + 1) * config.batch_size])
-                             for k in range(config.grad_accum)]
+            micro_batches, step_targets, tokens = step_batches(run, step)
             timer = log.start()
-            loss, grad_norm, lr = train_step(run, micro_batches, params)
-            tokens = sum(b.input_ids.numel() for b in micro_batches)
-            if world.distributed:  # the global step's (a collective of a few numbers; it reads the loss back)
-                loss, tokens = distributed.all_reduce_sum([float(loss), tokens], world, device)
-                tokens = int(tokens)
+            loss, grad_norm, lr = train_step(run, micro_batches, params, step_targets)
             done = step + 1
             log.record(done, timer, loss, grad_norm, lr, tokens)
             if config.eval_every and done % config.eval_every == 0 and done < run.total_steps:
@@ -459,7 +457,8 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
                 say(f"step {done}: eval loss {eval_loss:.4f}")
             if on_step is not None:
                 on_step(done)
-            if distributed.any_rank(interrupt.requested, world, device):  # every rank stops after the same step
+            # every rank stops after the same step (a host collective: the device's queue is not waited for)
+            if distributed.any_rank(interrupt.requested, world, device):
                 log.flush()
                 interrupt.requested = True
                 interrupt.signum = interrupt.signum or signal.SIGTERM  # a peer's signal (torchrun forwards SIGTERM)
@@ -478,21 +477,42 @@ def _fit(run: _Run, progress: bool, on_step) -> RunResult | None:
                      model=model)
 
 
-def train_step(run: _Run, micro_batches: list[PackedData], params: list):
+def step_batches(run: _Run, step: int) -> tuple[list[PackedData], int | None, int]:
+    """(micro-batches, step targets, tokens) of optimizer step ``step`` on this rank: its share of the global
+    step's rows (``step_rows``) as ``--grad-accum`` micro-batches, and, under several processes, the global step's
+    target count (None for one process: ``accumulate_gradients`` counts its micro-batches); tokens: the global
+    step's. The counts are the host's: every rank holds the whole split, so each counts what an all-reduce of the
+    ranks' counts would give (integers, exactly), without a collective or a device read."""
+    config, world = run.config, run.world
+    local_rows = config.batch_size * config.grad_accum
+    global_rows = step_rows(step, len(run.train_data), local_rows * world.size, config.seed)
+    rows = global_rows[world.rank * local_rows:(world.rank + 1) * local_rows]  # this rank's share
+    micro_batches = [run.train_data.select(rows[k * config.batch_size:(k + 1) * config.batch_size])
+                     for k in range(config.grad_accum)]
+    if world.distributed:
+        return (micro_batches, *run.train_data.counts(global_rows))
+    return micro_batches, None, sum(b.input_ids.numel() for b in micro_batches)
+
+
+def train_step(run: _Run, micro_batches: list[PackedData], params: list, step_targets: int | None = None):
     """One optimizer step: the micro-batches' forwards and backwards, clipping, the update, the schedule. Returns
     (loss, grad_norm, lr): the loss and the norm as 0-dim tensors on the device (the norm a float NaN when clipping
     is off), never read back here (no device-to-host sync; tests/test_no_sync.py). With ``--cuda-graphs`` the
-    same step replays from graphs (``_graph_step``)."""
+    same step replays from graphs (``_graph_step``). Several processes: ``step_targets`` is the global step's target
+    count (``step_batches``), and the loss returned is the global step's mean, a float64 sum over ranks on the
+    device (read at the log point with the step's other numbers)."""
     lr = scheduled_lr(run.scheduler)
     if run.captured is not None:
         loss, grad_norm = _graph_step(run, micro_batches)
         run.scheduler.step()  # a fill_ of the optimizer's lr tensor, which the next replay reads
         return loss, grad_norm, lr
-    loss = accumulate_gradients(run.wrapped, micro_batches, run.device, run.world)
+    loss = accumulate_gradients(run.wrapped, micro_batches, run.device, run.world, step_targets)
     grad_norm = _clip(params, run.config.max_grad_norm)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if run.world.distributed:
+        loss = distributed.all_reduce_on_device(loss, run.world)
     return loss, grad_norm, lr
 
 
