@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from leantune.ops.lora import kernels
+from leantune.ops.lora import column_kernels, kernels
 
 LAYERS = 32
 PROJECTIONS = {"q": 4096, "k": 1024, "v": 1024, "o": 4096, "gate": 14336, "up": 14336, "down": 4096}
@@ -63,16 +63,16 @@ def measure(rows, width, rank, reps, device):
         torch.mul(u, g, out=y)
 
     def old_backward():
-        kernels.column_dot(dy, u)
+        column_kernels.column_dot(dy, u)
         torch.mul(dy, g, out=y)
 
     return {
         "fwd_old": timed(old_forward, reps, device),
         "fwd_new": timed(lambda: kernels.lowrank_add_scale_triton(u, xa, lora_B.T, 2.0, bf16, g), reps, device),
         "mul_old": timed(lambda: torch.mul(u, g, out=y), reps, device),
-        "mul_new": timed(lambda: kernels.column_scale(u, g, out=y), reps, device),
+        "mul_new": timed(lambda: column_kernels.column_scale(u, g, out=y), reps, device),
         "bwd_old": timed(old_backward, reps, device),
-        "bwd_new": timed(lambda: kernels.scale_column_dot(dy, u, g), reps, device),
+        "bwd_new": timed(lambda: column_kernels.scale_column_dot(dy, u, g), reps, device),
     }
 
 

@@ -376,9 +376,9 @@ def test_nf4_moe_build_quantises_experts_layer_by_layer(tmp_path, monkeypatch):
     """A MoE config: LoRA on attention and the expert stacks in every build; ``leantune+nf4`` puts the stacks in NF4
     one layer at a time (at each layer's quantisation no other layer holds a materialised bf16 stack), the codes
     those of the bf16 build's stacks (same seeded draws), and the frozen bytes count the codes, not placeholders."""
-    from transformers import MixtralConfig
-
     import importlib
+
+    from transformers import MixtralConfig
 
     from leantune import ops
     from leantune.bench.flops import frozen_weight_bytes

@@ -129,18 +129,18 @@ def test_frozen_row_norms_are_kept_until_the_weight_changes(backend):
 def test_column_dot_matches_float64(dtype, monkeypatch):
     """The Triton column dot (DoRA's dm = sum_i dY_ij u_ij): fp32 products and sums of 16-bit inputs read as stored,
     against float64, on shapes off the block sizes, split over rows (partials) and with a column-strided input."""
-    from leantune.ops.lora import kernels
+    from leantune.ops.lora import column_kernels
 
     for rows, cols, per_sm in ((37, 300, 4), (200, 129, 64), (1, 5, 4)):
         a = torch.randn(rows, cols, device=DEVICE).to(dtype)
         b = torch.randn(rows, 2 * cols, device=DEVICE).to(dtype)[:, ::2]  # column stride 2
-        got = kernels.column_dot(a, b, per_sm=per_sm)
+        got = column_kernels.column_dot(a, b, per_sm=per_sm)
         want = (a.to(F64) * b.to(F64)).sum(0)
         assert got.dtype == torch.float32 and got.shape == (cols,)
         assert rel_err(got, want) <= 1e-6, (rows, cols)
-    assert torch.equal(kernels.column_dot(a[:0], b[:0]), torch.zeros(a.shape[1], device=DEVICE))
+    assert torch.equal(column_kernels.column_dot(a[:0], b[:0]), torch.zeros(a.shape[1], device=DEVICE))
     with pytest.raises(ValueError, match="column_dot takes two"):
-        kernels.column_dot(a, b[:, :-1])
+        column_kernels.column_dot(a, b[:, :-1])
 
 
 def _strided_rows(rows, cols, dtype, scale=1.0):
@@ -154,7 +154,7 @@ def test_column_scale_matches_torch_bitwise(dtype):
     torch's fp32 evaluation of the same inputs, ``torch.mul`` / ``torch.addcmul`` into a 16-bit ``out``: bit for bit
     (without a bias on the card too; with one, the CUDA compilers' FMA contraction may differ by one rounding), on
     shapes off the 64 x 128 tile, row-strided and column-strided inputs, 16-bit and fp32 biases, and in place."""
-    from leantune.ops.lora import kernels
+    from leantune.ops.lora import column_kernels
 
     for rows, cols in ((70, 300), (1, 5), (129, 128)):
         scale = torch.rand(cols, device=DEVICE) * 2 + 0.1
@@ -162,7 +162,7 @@ def test_column_scale_matches_torch_bitwise(dtype):
                   (3.0 * torch.randn(rows, 2 * cols, device=DEVICE)).to(dtype)[:, ::2])  # column stride 2
         for x in inputs:
             for bias in (None, torch.randn(cols, device=DEVICE).to(dtype), torch.randn(cols, device=DEVICE)):
-                got = kernels.column_scale(x, scale, bias)
+                got = column_kernels.column_scale(x, scale, bias)
                 want = torch.empty(x.shape, dtype=dtype, device=DEVICE)
                 if bias is None:
                     torch.mul(x, scale, out=want)
@@ -177,10 +177,10 @@ def test_column_scale_matches_torch_bitwise(dtype):
                 assert rel_err(got, ref) <= 2.0 ** -8  # one 16-bit rounding (bf16 unit roundoff)
         x = inputs[0].contiguous()
         want = torch.mul(x, scale, out=torch.empty_like(x))
-        assert kernels.column_scale(x, scale, out=x) is x and torch.equal(x, want)  # in place
-    assert kernels.column_scale(x[:0], scale).shape == (0, x.shape[1])
+        assert column_kernels.column_scale(x, scale, out=x) is x and torch.equal(x, want)  # in place
+    assert column_kernels.column_scale(x[:0], scale).shape == (0, x.shape[1])
     with pytest.raises(ValueError, match="scale must be"):
-        kernels.column_scale(x, scale[:-1])
+        column_kernels.column_scale(x, scale[:-1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -188,25 +188,25 @@ def test_scale_column_dot_is_column_scale_and_column_dot_in_one_pass(dtype):
     """DoRA's backward kernel: dY' = g dY bit for bit as :func:`column_scale` (and torch.mul), dm's sum bit for bit as
     :func:`column_dot` with the same split-M partials and within 1e-6 of float64, on shapes off the tiles, split over
     rows (per_sm 64: partials under the interpreter's four programs too), strided inputs, in place into dY."""
-    from leantune.ops.lora import kernels
+    from leantune.ops.lora import column_kernels
 
     for rows, cols, per_sm in ((37, 300, 4), (200, 129, 64), (1, 5, 4)):
         dy = _strided_rows(rows, cols, dtype)
         u = torch.randn(rows, 2 * cols, device=DEVICE).to(dtype)[:, ::2]  # column stride 2
         scale = torch.rand(cols, device=DEVICE) + 0.5
-        scaled, dot = kernels.scale_column_dot(dy, u, scale, per_sm=per_sm)
+        scaled, dot = column_kernels.scale_column_dot(dy, u, scale, per_sm=per_sm)
         assert scaled.dtype == dtype and scaled.shape == (rows, cols) and dot.dtype == torch.float32
         assert torch.equal(scaled, torch.mul(dy, scale, out=torch.empty(rows, cols, dtype=dtype, device=DEVICE)))
-        assert torch.equal(scaled, kernels.column_scale(dy, scale))
-        assert torch.equal(dot, kernels.column_dot(dy, u, per_sm=per_sm)), (rows, cols)
+        assert torch.equal(scaled, column_kernels.column_scale(dy, scale))
+        assert torch.equal(dot, column_kernels.column_dot(dy, u, per_sm=per_sm)), (rows, cols)
         assert rel_err(dot, (dy.to(F64) * u.to(F64)).sum(0)) <= 1e-6
         inplace = dy.clone()
-        out, dot_inplace = kernels.scale_column_dot(inplace, u, scale, out=inplace, per_sm=per_sm)
+        out, dot_inplace = column_kernels.scale_column_dot(inplace, u, scale, out=inplace, per_sm=per_sm)
         assert out is inplace and torch.equal(inplace, scaled) and torch.equal(dot_inplace, dot)
-    empty, zeros = kernels.scale_column_dot(dy[:0], u[:0], scale)
+    empty, zeros = column_kernels.scale_column_dot(dy[:0], u[:0], scale)
     assert empty.shape == (0, cols) and torch.equal(zeros, torch.zeros(cols, device=DEVICE))
     with pytest.raises(ValueError, match="scale_column_dot takes"):
-        kernels.scale_column_dot(dy, u[:, :-1], scale)
+        column_kernels.scale_column_dot(dy, u[:, :-1], scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -215,7 +215,7 @@ def test_lowrank_add_with_dora_scaling_writes_u_and_y_in_one_pass(dtype):
     in place, bit for bit the plain low-rank kernel's u, and y = g u + b bit for bit what :func:`column_scale` (and
     on the CPU torch.mul / torch.addcmul) forms from that u; both within two 16-bit roundings of float64. Shapes off
     the tiles, a row-strided base, ranks below and above one rank block (16), 16-bit and fp32 biases."""
-    from leantune.ops.lora import kernels
+    from leantune.ops.lora import column_kernels, kernels
 
     for rows, cols, rank in ((70, 300, 3), (1, 5, 1), (129, 130, 20)):
         wide = torch.randn(rows, 2 * cols + 3, device=DEVICE).to(dtype)
@@ -226,7 +226,7 @@ def test_lowrank_add_with_dora_scaling_writes_u_and_y_in_one_pass(dtype):
             want_u, _ = kernels.lowrank_add_triton(plain_base, xa, lora_B.T, 0.7, dtype, None, 0, 0.0, None)
             u, y = kernels.lowrank_add_scale_triton(base, xa, lora_B.T, 0.7, dtype, scale, bias)
             assert u is base and torch.equal(u, want_u) and y.dtype == dtype
-            assert torch.equal(y, kernels.column_scale(u, scale, bias))
+            assert torch.equal(y, column_kernels.column_scale(u, scale, bias))
             if DEVICE == "cpu":
                 torch_y = torch.empty(rows, cols, dtype=dtype, device=DEVICE)
                 if bias is None:

@@ -53,7 +53,7 @@ def test_one_process_fsdp2_trains_as_the_plain_run_with_the_roots_group_only(tin
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    plain = loop.train(_settings(tiny, tmp_path / "plain"), progress=False)
+    loop.train(_settings(tiny, tmp_path / "plain"), progress=False)
     for name, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)

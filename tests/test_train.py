@@ -345,10 +345,10 @@ def test_cuda_graphs_loop_drives_captured_step_as_the_eager_loop(tiny, tmp_path,
 
     common = {"max_steps": 6, "grad_accum": 2, "max_grad_norm": 0.05, "eval_every": 3, "save_every": 2,
               "patch": "on", "warmup_steps": 2}
-    eager = train(tiny_config(tiny, tmp_path / "eager", **common), progress=False)
+    train(tiny_config(tiny, tmp_path / "eager", **common), progress=False)
     monkeypatch.setattr(loop, "STEP_CAPTURE", recorder)
     monkeypatch.setattr(loop, "GRAPH_WARMUP", 2)
-    graphs = train(tiny_config(tiny, tmp_path / "graphs", cuda_graphs=True, **common), progress=False)
+    train(tiny_config(tiny, tmp_path / "graphs", cuda_graphs=True, **common), progress=False)
     assert len(replays) == 4 * (2 + 1)  # steps 3-6 replayed: 2 micro-batches and the update each
     assert json.loads((tmp_path / "graphs" / "run.json").read_text())["config"]["cuda_graphs"] is True
     records = lambda run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

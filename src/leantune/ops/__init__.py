@@ -16,8 +16,8 @@ from .fp8 import FP8Weight, dequantize_blocks, dequantize_fp8, quantize_fp8, req
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs
-from .moe import ExpertWeights, moe_experts
 from .lora import DoraWeights, LoraWeights, dora_linear, lora_linear, lora_mlp, lora_qkv
+from .moe import ExpertWeights, moe_experts
 from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from .rms_norm import rms_norm
 from .rope import rope

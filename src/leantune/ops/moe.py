@@ -61,7 +61,6 @@ Facts relied on (transformers 5.17, ``models/<family>/modeling_<family>.py``; PE
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch

@@ -41,6 +41,8 @@ import weakref
 from torch import nn
 
 from ._model import hf_model as _hf_model
+from .document_attention import install_dispatchers as install_mask_dispatchers
+from .experts import experts_activation, experts_base, experts_status, float_class
 from .families import ACTIVATIONS, FAMILIES, NOT_COVERED, SINK_IMPLEMENTATIONS, Family, family_for
 from .forwards import (
     LOSS_CALLS_ATTR,
@@ -53,8 +55,6 @@ from .forwards import (
     lora_status,
     unbind,
 )
-from .document_attention import install_dispatchers as install_mask_dispatchers
-from .experts import experts_activation, experts_base, experts_status, float_class
 from .lora_status import is_dora
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
 from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp

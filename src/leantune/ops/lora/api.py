@@ -59,8 +59,8 @@ from __future__ import annotations
 import torch
 
 from .. import _runtime
-from ..glu import ACTIVATIONS, glu_backward, glu_forward
 from ..fp8 import FP8Weight
+from ..glu import ACTIVATIONS, glu_backward, glu_forward
 from ..nf4 import NF4Weight, dequantize_nf4
 from .entries import LoraWeights, _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
 from .glu_lowrank import glu_forward_lowrank

@@ -53,10 +53,10 @@ and was the largest item of the 8B profile: 736 calls, 90 ms a step). On the Tri
 - forward (and each checkpoint recompute): y = g u + b is the epilogue of the Triton low-rank add that completes u
   (:func:`.kernels.lowrank_add_scale_triton`, u and y written in one pass from the rounded u) when the adapters'
   dtype is not the compute dtype (PEFT's fp32 adapters under a 16-bit base); with one dtype throughout, the add is
-  cuBLAS's addmm and y one :func:`.kernels.column_scale` pass;
+  cuBLAS's addmm and y one :func:`.column_kernels.column_scale` pass;
 - backward with a trained magnitude: dY' = g dY and dm's sum in one read of dY and u
-  (:func:`.kernels.scale_column_dot`, split-M fp32 partials summed by torch in a fixed order); a frozen magnitude
-  needs dY' alone (:func:`.kernels.column_scale`).
+  (:func:`.column_kernels.scale_column_dot`, split-M fp32 partials summed by torch in a fixed order); a frozen magnitude
+  needs dY' alone (:func:`.column_kernels.column_scale`).
 
 Each forms the same fp32 value as torch's ``torch.mul`` / ``torch.addcmul(bias, u, g)`` (one FMA with a bias) and
 rounds it once to nearest even. The torch path (the CPU reference) keeps those torch calls and dm in row chunks.
@@ -71,8 +71,9 @@ import torch
 from .. import _runtime
 from ..fp8 import FP8Weight
 from ..nf4 import NF4Weight
+from .column_kernels import column_scale, scale_column_dot
 from .entries import _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
-from .kernels import column_scale, lowrank_add_scale_triton, scale_column_dot, skinny_matmul
+from .kernels import lowrank_add_scale_triton, skinny_matmul
 from .passes import _lowrank_add, _skinny_ok, group_backward, group_forward
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of the norm and of dm are bounded to this many elements (16 MiB)
@@ -137,7 +138,7 @@ def _row_sumsq(weight) -> torch.Tensor:
 
 def _rowdot(dy, u) -> torch.Tensor:
     """sum_i dy_ij u_ij in fp32 ``[out]`` on the torch path, in row chunks (bounded fp32 temporary). The Triton path
-    forms it inside :func:`.kernels.scale_column_dot` with dY' (a DoRA backward always needs both)."""
+    forms it inside :func:`.column_kernels.scale_column_dot` with dY' (a DoRA backward always needs both)."""
     if dy.dtype == u.dtype == torch.float32:
         return (dy * u).sum(0)
     total = torch.zeros(dy.shape[1], dtype=torch.float32, device=dy.device)
@@ -149,9 +150,9 @@ def _rowdot(dy, u) -> torch.Tensor:
 
 def _scale_columns(u, scale, bias, dtype, meta, out=None) -> torch.Tensor:
     """y = g * u + b (``scale`` g fp32 ``[out]``, bias ``[out]`` or None) evaluated in fp32 and rounded once to
-    ``dtype``, into ``out`` (u itself allowed) or a new buffer: DoRA's output and dY' = g * dY. On the Triton path one
-    kernel (:func:`.kernels.column_scale`: the same values as the torch chain, vectorised where torch's mixed-dtype
-    mul takes its scalar cast path), else ``torch.mul`` / ``torch.addcmul``."""
+    ``dtype``, into ``out`` (u itself allowed) or a new buffer: DoRA's output and dY' = g * dY. On the Triton path
+    one kernel (:func:`.column_kernels.column_scale`: the same values as the torch chain, vectorised where torch's
+    mixed-dtype mul takes its scalar cast path), else ``torch.mul`` / ``torch.addcmul``."""
     if meta.impl == "triton":
         return column_scale(u, scale, bias, out=out, out_dtype=dtype)
     y = torch.empty(u.shape, dtype=dtype, device=u.device) if out is None else out
@@ -175,7 +176,7 @@ def _dora_output(u, xa, lora_B, scaling, scale, bias, meta):
 def _scale_grad(dy, u, scale, norm, need_m, dtype, meta, out=None):
     """(dY' = g * dY rounded once to ``dtype``, into ``out`` (dY itself allowed) or a new buffer; dm's fp32
     sum_i dY_ij u_ij / n_j, or None without ``need_m``). On the Triton path with dm one kernel reads dY and u once
-    for both (:func:`.kernels.scale_column_dot`); the sum is formed before dY is overwritten either way."""
+    for both (:func:`.column_kernels.scale_column_dot`); the sum is formed before dY is overwritten either way."""
     if need_m and meta.impl == "triton":
         scaled, dot = scale_column_dot(dy, u, scale, out=out, out_dtype=dtype)
         return scaled, dot / norm
@@ -252,8 +253,8 @@ def _check_entry(name, proj, in_features, device):
         proj = (proj.weight, proj.lora_A, proj.lora_B, proj.scaling, proj.bias)
     (weight, lora_A, lora_B, bias), scaling = _check_projection(name, proj, in_features, device)
     if isinstance(weight, (NF4Weight, FP8Weight)):  # the DoRA nodes read dense weights only
-        raise ValueError(f"{name}weight must be a dense tensor in a DoRA call (an NF4Weight or FP8Weight is not supported: the "
-                         "norm ||W + s B A|| reads W)")
+        raise ValueError(f"{name}weight must be a dense tensor in a DoRA call (an NF4Weight or FP8Weight is not "
+                         "supported: the norm ||W + s B A|| reads W)")
     if magnitude is not None:
         if lora_A is None:
             raise ValueError(f"{name}lora_A and {name}lora_B must be tensors for DoRA (DoRA needs an adapter)")
