@@ -306,6 +306,22 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tiny, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is handler  # restored after the run
 
 
+def test_a_run_on_the_users_data_needs_no_embedded_dataset(tiny, tmp_path, monkeypatch):
+    """--data given: the chitchat package is never looked up (the card's first fsdp1 call, 2026-12-03, failed with
+    "the embedded dataset is missing" on a run with its own --data). Without --data the same run names the package."""
+    from leantune import assets
+
+    def missing():
+        raise FileNotFoundError("package 'chitchat_dataset' is not installed")
+
+    monkeypatch.setattr(assets, "chitchat_path", missing)
+    result = train(tiny_config(tiny, tmp_path / "run", max_steps=1, eval_every=0, save_every=0), progress=False)
+    assert result.summary["steps"] == 1
+    with pytest.raises(LeantuneError, match="the embedded dataset is missing: package 'chitchat_dataset'"):
+        train(tiny_config(tiny, tmp_path / "default", data=None, max_steps=1, eval_every=0, save_every=0),
+              progress=False)
+
+
 def test_seq_len_default_on_cpu_is_said_recorded_and_resumed(tiny, tmp_path, capsys):
     """No --seq-len on the CPU: 256 (config.DEFAULT_SEQ_LEN), said in one line, in run.json, and what --resume
     continues with (its run.json is the resumed run's base)."""

@@ -284,7 +284,8 @@ def _prepare(config: TrainConfig) -> _Run:
     check_quantize(kind, model_path, config.quantize)
     tokenizer = load_tokenizer(kind, model_path)
     use_chat_template(tokenizer, config.chat_template)
-    data_path = canonical(config.data, chitchat_path())
+    # the embedded set is looked up only when it is used: a run on the user's data needs no chitchat package
+    data_path = chitchat_path() if config.data is None else canonical(config.data)
     resumed = (distributed.on_main(lambda: run_folder.check_resume(config, output, model_path, data_path))
                if resume_from is not None else None)
     rows_per_step = config.batch_size * config.grad_accum * size

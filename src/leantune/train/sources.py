@@ -88,11 +88,9 @@ def spec_from_toml(value):
     return value
 
 
-def canonical(spec: str | None, default: Path) -> Path:
+def canonical(spec: str) -> Path:
     """The path ``run.json`` records for ``--data``: the file itself for one source, else the list with absolute
     paths (so a resumed run is checked against the same files however they were spelled)."""
-    if spec is None:
-        return default
     sources = parse_spec(spec)
     if len(sources) == 1:
         return sources[0][0]
