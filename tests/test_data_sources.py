@@ -212,6 +212,8 @@ def test_mixing_by_weight(tmp_path, tokenizer):
         sources.parse_spec(f"{a}:0.5,{b}")
     with pytest.raises(LeantuneError, match="must be > 0"):
         sources.parse_spec(f"{a}:0,{b}:1")
+    with pytest.raises(LeantuneError, match=r"the weight of .*a.jsonl must be > 0, got -1.0"):
+        sources.parse_spec(f"{a}:-1,{b}:2")  # a negative weight is a weight, not part of the path
     odd = tmp_path / "x,y:0.5.jsonl"  # an existing path is one source whatever it holds
     assert sources.parse_spec(str(odd)) == [(odd, None)] or not odd.exists()
     toml = tmp_path / "run.toml"

@@ -37,7 +37,7 @@ from .records import SHAREGPT_ROLES, _check_record, _encode, _eos, read_records,
 
 DATASETS_SUFFIXES = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
-_WEIGHT = re.compile(r"(.+):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
+_WEIGHT = re.compile(r"(.+):([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")  # a sign too, so -1 is refused as a weight
 
 
 @dataclass(frozen=True)
