@@ -71,3 +71,38 @@ def test_rms_norm_triton_kernel_writes_the_codes_in_its_own_pass(monkeypatch):
 def test_rms_norm_fp8_out_must_be_a_bool():
     with pytest.raises(ValueError, match="fp8_out"):
         ops.rms_norm(torch.randn(2, 4), None, fp8_out=1)
+
+
+# ---------------------------------------------------------------------------------------------------------- GLU
+@pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
+@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(6, 37), (2, 3, 130), (4, 1)])
+def test_glu_side_output_is_quantize_rows_of_the_stored_h(backend, activation, dtype, shape):
+    rows = int(torch.tensor(shape[:-1]).prod())
+    gate = rows_with_specials((rows, shape[-1]), dtype).view(shape)
+    up = rows_with_specials((rows, shape[-1]), dtype, specials=False).view(shape)
+    h, quantized = glu.glu_forward(gate, up, activation, fp8_out=True)
+    h_plain = glu.glu_forward(gate, up, activation)
+    assert torch.equal(h.isnan(), h_plain.isnan()) and torch.equal(h.nan_to_num(), h_plain.nan_to_num())
+    assert_same_quantisation(quantized, fp8._quantize_rows_torch(h.reshape(rows, shape[-1])),
+                             f"{backend} {activation} {dtype} {shape}")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_glu_side_output_over_column_blocks_with_a_partial_last_one(dtype, monkeypatch):
+    """Rows wider than the block (the I = 28672 case, here 64-wide blocks and 300 columns): h and its absmax block
+    by block, then h read back for the codes; strided gate/up (two halves of a fused gate_up output)."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    gate_up = rows_with_specials((5, 600), dtype)
+    gate, up = gate_up[:, :300], gate_up[:, 300:]
+    h, quantized = glu._forward_triton(gate, up, "swiglu", dtype, True, block=64)
+    assert torch.equal(h.nan_to_num(), glu.glu_forward(gate, up, "swiglu").nan_to_num())
+    assert_same_quantisation(quantized, fp8._quantize_rows_torch(h), str(dtype))
+
+
+def test_glu_side_output_of_no_rows(backend):
+    h, (codes, scales) = glu.glu_forward(torch.empty(0, 8, device=DEVICE), torch.empty(0, 8, device=DEVICE),
+                                         "swiglu", fp8_out=True)
+    assert h.shape == codes.shape == (0, 8) and scales.shape == (0,)

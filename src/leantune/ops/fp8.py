@@ -208,6 +208,34 @@ def store_row_quantisation(Q, S, x, rows, cols, row_mask, mask, n_cols):
     return scale
 
 
+@triton.jit
+def row_absmax(absmax, x, mask):
+    """max(absmax, max_c |x[:, c]|) over the entries of the fp32 tile ``x [ROWS, BLOCK]`` inside ``mask``, NaN kept
+    (torch's amax propagates it)."""
+    block_max = tl.reduce(tl.where(mask, tl.abs(x), 0.0), 1, _max_propagating_nan)
+    return tl.maximum(absmax, block_max, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def quantized_row_pass(T, Q, S, x, absmax, rows, cols, row_mask, mask, stride_row, n_cols,
+                       BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """The end of a kernel that wrote ``T [n_rows, n_cols]`` (unit column stride) block by block and kept the rows'
+    ``absmax``: s into S[rows], the codes into the contiguous ``Q`` (uint8). ``ONE_BLOCK``: the row fits one block,
+    whose fp32 values ``x`` (as stored) are still in registers and give the codes; else T is read back block by
+    block as stored (just written by this program: mostly L2 hits on the card)."""
+    scale = _row_scales(absmax)
+    tl.store(S + rows, scale, mask=row_mask)
+    if ONE_BLOCK:
+        _store_codes(Q, x, scale, rows, cols, mask, n_cols)
+    else:
+        tl.debug_barrier()  # the reads below see every thread's stores of T
+        for start in range(0, n_cols, BLOCK):
+            block_cols = start + cols
+            block_mask = row_mask[:, None] & (block_cols < n_cols)[None, :]
+            stored = tl.load(T + rows[:, None] * stride_row + block_cols[None, :], mask=block_mask, other=0.0)
+            _store_codes(Q, stored_fp32(stored), scale, rows, block_cols, block_mask, n_cols)
+
+
 @_launch.bound
 @triton.jit
 def _quantize_rows_kernel(
