@@ -14,6 +14,7 @@ from test_fp8_kernels import assert_same_quantisation
 
 from leantune import ops
 from leantune.ops import fp8, glu
+from leantune.ops.lora import glu_lowrank
 
 rms_norm_module = importlib.import_module("leantune.ops.rms_norm")
 
@@ -106,3 +107,22 @@ def test_glu_side_output_of_no_rows(backend):
     h, (codes, scales) = glu.glu_forward(torch.empty(0, 8, device=DEVICE), torch.empty(0, 8, device=DEVICE),
                                          "swiglu", fp8_out=True)
     assert h.shape == codes.shape == (0, 8) and scales.shape == (0,)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
+@pytest.mark.parametrize("dtype,lora_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("n_rows,n_cols", [(19, 150), (3, 7)])
+def test_lora_glu_side_output_is_quantize_rows_of_the_stored_h(backend, dtype, lora_dtype, n_rows, n_cols):
+    """The LoRA MLP's fused gate/up low-rank GLU pass (whole rows per program with fp8_out: 19 rows over 16-row
+    blocks, 150 columns over 128-column tiles): h, the in-place gate/up, and the codes of h as stored."""
+    gate = rows_with_specials((n_rows, n_cols), dtype)
+    up = rows_with_specials((n_rows, n_cols), dtype, specials=False)
+    xa_g, xa_u = (torch.randn(n_rows, r).to(lora_dtype).to(DEVICE) for r in (4, 3))
+    b_g, b_u = (torch.randn(n_cols, r).to(lora_dtype).to(DEVICE) for r in (4, 3))
+    gate2, up2 = gate.clone(), up.clone()
+    h_plain = glu_lowrank.glu_forward_lowrank(gate2, up2, xa_g, b_g, 0.5, xa_u, b_u, 2.0, "swiglu")
+    h, quantized = glu_lowrank.glu_forward_lowrank(gate, up, xa_g, b_g, 0.5, xa_u, b_u, 2.0, "swiglu", fp8_out=True)
+    for got, ref in ((h, h_plain), (gate, gate2), (up, up2)):
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+    assert_same_quantisation(quantized, fp8._quantize_rows_torch(h), f"{backend} {dtype} {lora_dtype}")
