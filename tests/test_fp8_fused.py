@@ -126,3 +126,92 @@ def test_lora_glu_side_output_is_quantize_rows_of_the_stored_h(backend, dtype, l
     for got, ref in ((h, h_plain), (gate, gate2), (up, up2)):
         assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
     assert_same_quantisation(quantized, fp8._quantize_rows_torch(h), f"{backend} {dtype} {lora_dtype}")
+
+
+# ---------------------------------------------------------------------------------------------- the LoRA ops
+def fp8_projection(out_features, in_features, dtype, rank=3):
+    w = ops.quantize_fp8(torch.randn(out_features, in_features).to(DEVICE), dtype=dtype)
+    lora_a = (torch.randn(rank, in_features) * 0.3).to(DEVICE).requires_grad_()
+    lora_b = (torch.randn(out_features, rank) * 0.3).to(DEVICE).requires_grad_()
+    return ops.LoraWeights(w, lora_a, lora_b, 0.75)
+
+
+def count_separate_passes(monkeypatch):
+    """Counts the separate activation quantisation passes of the LoRA passes (``passes.quantize_rows``)."""
+    passes = importlib.import_module("leantune.ops.lora.passes")
+    calls = []
+    original = passes.quantize_rows
+
+    def counted(t, **kwargs):
+        calls.append(tuple(t.shape))
+        return original(t, **kwargs)
+
+    monkeypatch.setattr(passes, "quantize_rows", counted)
+    return calls
+
+
+def separate_glu_quantisation(monkeypatch):
+    """The old path: lora_mlp's GLU without its side output, h's codes from a separate quantize_rows pass."""
+    api = importlib.import_module("leantune.ops.lora.api")
+    passes = importlib.import_module("leantune.ops.lora.passes")
+    for name in ("glu_forward", "glu_forward_lowrank"):
+        original = getattr(api, name)
+
+        def separate(*args, fp8_out=False, _original=original, **kwargs):
+            h = _original(*args, **kwargs)
+            return (h, passes.quantize_rows(h)) if fp8_out else h
+
+        monkeypatch.setattr(api, name, separate)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_lora_ops_take_the_quantised_input_and_skip_their_own_pass(backend, dtype, monkeypatch):
+    """lora_qkv / lora_linear / lora_mlp with ``x_quantized``: outputs and gradients bit for bit those of the
+    separate pass, with no quantize_rows call in forward (lora_mlp's down reads the GLU's codes)."""
+    calls = count_separate_passes(monkeypatch)
+    x = (torch.randn(2, 5, 24) * 3).to(dtype).to(DEVICE).requires_grad_()
+    q, k, v = (fp8_projection(n, 24, dtype) for n in (16, 8, 8))
+    gate, up, down = fp8_projection(40, 24, dtype), fp8_projection(40, 24, dtype), fp8_projection(24, 40, dtype)
+    dy = torch.randn(2, 5, 24).to(dtype).to(DEVICE)
+
+    def run(x_quantized):
+        calls.clear()
+        outs = (*ops.lora_qkv(x, q, k, v, x_quantized=x_quantized),
+                ops.lora_linear(x, *q, x_quantized=x_quantized),
+                ops.lora_mlp(x, gate, up, down, x_quantized=x_quantized))
+        forward_calls = list(calls)
+        loss = sum((o.float() * o.float()).sum() for o in outs[:4]) + (outs[4].float() * dy.float()).sum()
+        params = [x, *(t for p in (q, gate, up, down) for t in (p.lora_A, p.lora_B))]
+        return outs, torch.autograd.grad(loss, params), forward_calls
+
+    with monkeypatch.context() as m:
+        separate_glu_quantisation(m)
+        outs_ref, grads_ref, calls_ref = run(None)
+    assert len(calls_ref) == 4  # the separate passes: qkv's x, lora_linear's x, the MLP's x and h
+    outs, grads, calls_fused = run(fp8.quantize_rows(x.detach().reshape(10, 24)))
+    assert calls_fused == [], calls_fused
+    for got, ref in zip((*outs, *grads), (*outs_ref, *grads_ref)):
+        assert torch.equal(got, ref)
+
+
+def test_x_quantized_is_ignored_where_the_gemm_input_is_a_cast_of_x(backend, monkeypatch):
+    """An fp32 x under a bf16 base: the GEMM reads x cast to bf16, not x, so the given codes are not used."""
+    calls = count_separate_passes(monkeypatch)
+    x = torch.randn(4, 24, device=DEVICE)
+    q = fp8_projection(16, 24, torch.bfloat16)
+    ref = ops.lora_linear(x, *q)
+    wrong = (torch.zeros(4, 24, dtype=fp8.E4M3, device=DEVICE), torch.ones(4, device=DEVICE))
+    calls.clear()
+    assert torch.equal(ops.lora_linear(x, *q, x_quantized=wrong), ref) and calls == [(4, 24)]
+
+
+def test_bad_x_quantized_raises_before_any_kernel():
+    x = torch.randn(3, 8)
+    q = fp8_projection(4, 8, torch.float32)
+    codes, scales = fp8.quantize_rows(x)
+    for bad in ((codes,), (codes.float(), scales), (codes[:2], scales), (codes, scales[:2].double()),
+                (codes.t(), scales), "codes"):
+        with pytest.raises(ValueError, match="x_quantized"):
+            ops.lora_linear(x, *q, x_quantized=bad)
+    with pytest.raises(ValueError, match="x_quantized"):
+        ops.lora_mlp(x, q, q, fp8_projection(8, 4, torch.float32), x_quantized=(codes, scales[:1]))
