@@ -215,3 +215,59 @@ def test_bad_x_quantized_raises_before_any_kernel():
             ops.lora_linear(x, *q, x_quantized=bad)
     with pytest.raises(ValueError, match="x_quantized"):
         ops.lora_mlp(x, q, q, fp8_projection(8, 4, torch.float32), x_quantized=(codes, scales[:1]))
+
+
+# ------------------------------------------------------------------------------------------ the patched model
+def tiny_fp8_llama():
+    import copy
+
+    import peft
+    import transformers
+
+    import leantune
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=136, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    leantune.quantize(model, "fp8")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                       init_lora_weights=False))
+    leantune.patch(model)
+    return model, copy
+
+
+def step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_patched_fp8_llama_fuses_every_norm_and_glu_quantisation_and_changes_nothing(backend, checkpointing,
+                                                                                      monkeypatch):
+    """Loss and LoRA gradients bit for bit those of the separate-pass path; from the second step on the separate
+    pass runs for o_proj's input only (SDPA's output: 2 layers x 1 in forward, again in a checkpointed recompute)."""
+    model, copy = tiny_fp8_llama()
+    if checkpointing:
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    model.to(DEVICE)
+    reference = copy.deepcopy(model)
+    calls = count_separate_passes(monkeypatch)
+    with monkeypatch.context() as m:  # the old path: every GEMM input quantised in a separate pass
+        separate_glu_quantisation(m)
+        fp8_inputs = importlib.import_module("leantune.patch.fp8_inputs")
+        m.setattr(fp8_inputs, "wanted", lambda norm: False)
+        loss_ref, grads_ref = step(reference, ids)
+    forwards = 2 if checkpointing else 1
+    assert len(calls) == forwards * 2 * 4, calls  # per layer: the inputs of q/k/v, o_proj, gate/up and down
+    step(model, ids)  # the first step teaches the norms that FP8 groups read their outputs
+    calls.clear()
+    loss, grads = step(model, ids)
+    assert calls == [(22, 48)] * (forwards * 2), calls  # o_proj's input (48 = heads x head_dim), per layer
+    assert torch.equal(loss, loss_ref)
+    assert grads.keys() == grads_ref.keys() and all(torch.equal(grads[n], grads_ref[n]) for n in grads)

@@ -206,12 +206,13 @@ class LoraMLPFunction(torch.autograd.Function):
                                                      x_quantized=x_quantized)
             # an FP8 down reading h as it is (h in its compute dtype): the GLU pass also writes h's e4m3 codes
             fp8_out = isinstance(down_p.weight, FP8Weight) and gate.dtype == meta_down.compute_dtype
+            side = {"fp8_out": True} if fp8_out else {}
             if fuse:
                 ldt = meta_gu.lora_dtype
                 h = glu_forward_lowrank(gate, up, xa_g, gate_p.lora_B.to(ldt), meta_gu.scalings[0],
-                                        xa_u, up_p.lora_B.to(ldt), meta_gu.scalings[1], activation, fp8_out=fp8_out)
+                                        xa_u, up_p.lora_B.to(ldt), meta_gu.scalings[1], activation, **side)
             else:
-                h = glu_forward(gate, up, activation, fp8_out=fp8_out)
+                h = glu_forward(gate, up, activation, **side)
             h, h_quantized = h if fp8_out else (h, None)
             (y,), (xa_d,) = group_forward(h, _dequantized([down_p], meta_down.compute_dtype, first_slot=2), meta_down,
                                           seeds, n_gu_lora, x_quantized=h_quantized)
