@@ -58,7 +58,8 @@ import triton
 import triton.language as tl
 
 from . import _launch, _runtime
-from .fp8 import E4M3, MAX_ONE_BLOCK, _quantize_rows_torch, quantized_row_pass, row_absmax, stored_fp32
+from ._fp8_rows import quantized_row_pass, row_absmax, stored_fp32
+from .fp8 import E4M3, MAX_ONE_BLOCK, _quantize_rows_torch
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu_erf")
 APPROXIMATIONS = {"tanh": "geglu_tanh", "none": "geglu_erf"}

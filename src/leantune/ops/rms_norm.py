@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from . import _launch, _runtime
-from .fp8 import E4M3, _quantize_rows_torch, store_row_quantisation, stored_fp32
+from ._fp8_rows import store_row_quantisation, stored_fp32
+from .fp8 import E4M3, _quantize_rows_torch
 
 CASTINGS = ("llama", "gemma")
 MAX_HIDDEN = 65536  # one row per program in registers

@@ -24,7 +24,8 @@ import triton.language as tl
 
 from .. import _dot, _launch, _runtime
 from .._dot import mixed_dot
-from ..fp8 import E4M3, quantized_row_pass, row_absmax, stored_fp32
+from .._fp8_rows import quantized_row_pass, row_absmax, stored_fp32
+from ..fp8 import E4M3
 from ..glu import check_inputs, glu_activation, glu_forward
 
 
