@@ -55,8 +55,12 @@ Bytes (predicted times at 4 TB/s, not yet measured on the card; the torch chains
 1 written) + 4 B per row, 0.013 ms at 4096 x 4096 and 0.044 ms at 4096 x 14336; the fused dY quantisation the same
 + 4 B per column; the transpose 2 B per weight, 0.008 ms for 4096 x 4096 and 0.029 ms for 14336 x 4096.
 
-The activation quantisation runs here as a separate pass (the "naive FP8"); :func:`fp8_linear` takes an already
-quantised activation (``x_quantized=(x_fp8, x_scale)``) for kernels that emit one.
+Fused activation quantisation. :func:`fp8_linear` takes an already quantised activation (``x_quantized=(x_fp8,
+x_scale)``); the RMSNorm (``ops.rms_norm(..., fp8_out=True)``) and GLU kernels (``glu_forward(..., fp8_out=True)``,
+the LoRA MLP's fused gate/up pass) write those codes of their output in the same pass, with the jit pieces of
+:mod:`leantune.ops._fp8_rows` (bit for bit :func:`quantize_rows` of the stored output), and a patched model hands
+them on (:mod:`leantune.patch.fp8_inputs`). Inputs no kernel of ours makes (o_proj's, from SDPA) keep the separate
+pass here.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _runtime
+from ._fp8_rows import _load_fp32, _max_propagating_nan, _row_scales, _store_codes
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -127,58 +132,6 @@ class FP8Weight:
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
-@triton.jit
-def _max_propagating_nan(a, b):
-    # tl.max's default combine may drop a NaN on the card (max.f32 returns the other operand): torch's amax keeps it
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _e4m3_codes(v):
-    """The e4m3fn codes (int32 in [0, 255]) of fp32 ``v`` in [-448, 448] or NaN, rounded to nearest even, in integer
-    arithmetic on v's bits: the same on the card and in the interpreter, whose fp32 -> float8e4nv cast rounds ties
-    away from zero (1.0625 -> 1.125), loses mantissa carries (1.9375 -> 1) and truncates subnormals (triton 3.6
-    ``interpreter._convert_float``)."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = bits & 0x7FFFFFFF
-    # |v| >= 2^-6 (bits 0x3C800000), e4m3 normals: drop 20 of fp32's 23 mantissa bits to nearest even (a carry into
-    # the exponent is the right result), rebias the exponent from 127 to 7 (120 << 3 in code units)
-    an = tl.minimum(a, 0x43E00000)  # 448: keeps NaN bits (discarded below) from overflowing int32 here
-    normal = ((an + 0x7FFFF + ((an >> 20) & 1)) >> 20) - (120 << 3)
-    # |v| < 2^-6, e4m3 subnormals (spacing 2^-9): the code is round(|v| 2^9) = round(m 2^(e - 141)) with m the 24-bit
-    # significand and e the biased fp32 exponent (e >= 1 here or 0 for fp32 subnormals, where the shift caps at 31
-    # and the code is 0); a code of 8 is 2^-6, the smallest normal, encoded right by the same integer
-    e = a >> 23
-    m = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
-    shift = tl.minimum(141 - tl.maximum(e, 1), 31)
-    sub = (m + ((1 << (shift - 1)) - 1) + ((m >> shift) & 1)) >> shift
-    codes = tl.where(a >= 0x3C800000, normal, sub)
-    codes = tl.where(a > 0x7F800000, 0x7F, codes)  # NaN (no infinities reach here: the quotient is clamped)
-    return codes | sign
-
-
-@triton.jit
-def _load_fp32(T, M, rows, cols, mask, stride_row, stride_col, n_cols,
-               BF16_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr):
-    """t[rows, cols] as fp32 (times m[cols] with a multiplier): exactly ``t.float()`` (and ``* m``)."""
-    ptrs = T + rows[:, None] * stride_row + cols[None, :] * stride_col
-    if BF16_BITS:  # bf16 read as int16 bits: bf16 -> fp32 is a 16-bit shift (the interpreter's cast loses subnormals)
-        x = (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_MULTIPLIER:
-        x = x * tl.load(M + cols, mask=cols < n_cols, other=0.0)[None, :]
-    return x
-
-
-@triton.jit
-def _store_codes(Q, x, scale, rows, cols, mask, n_cols):
-    """q = e4m3(clamp(x / s, -448, 448)) with IEEE fp32 division (``/`` is approximate on the card)."""
-    quotient = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    quotient = tl.clamp(quotient, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(Q + rows[:, None] * n_cols + cols[None, :], _e4m3_codes(quotient).to(tl.uint8), mask=mask)
-
 
 @_launch.bound
 @triton.jit
@@ -206,8 +159,7 @@ def _quantize_rows_kernel(
             x = _load_fp32(T, M, rows, block_cols, mask, stride_row, stride_col, n_cols, BF16_BITS, HAS_MULTIPLIER)
             absmax = tl.maximum(absmax, tl.reduce(tl.abs(x), 1, _max_propagating_nan),
                                 propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.math.div_rn(absmax, tl.full([ROWS], 448.0, tl.float32))
-    scale = tl.maximum(scale, 1.1754943508222875e-38, propagate_nan=tl.PropagateNan.ALL)  # 2^-126
+    scale = _row_scales(absmax)
     tl.store(S + rows, scale, mask=row_mask)
     if ONE_BLOCK:
         _store_codes(Q, x, scale, rows, cols, mask, n_cols)

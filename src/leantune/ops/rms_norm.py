@@ -17,6 +17,11 @@ Saved for backward: x and the per-row rstd (fp32, 4 bytes a row); x_hat is recom
 in fp32: each program of the backward kernel loops over a block of rows and keeps its partial sum in registers,
 writes one fp32 row of partials, and one small reduction over programs finishes it. (Returning dw matters: norm
 weights are trainable parameters, and a kernel that drops their gradient silently freezes them.)
+
+FP8 side output (``fp8_out=True``): the forward kernel also writes y quantised per row for an e4m3 GEMM that reads
+it (q/k/v or gate/up on an FP8 base, :mod:`leantune.ops.fp8`): s = max(absmax(y) / 448, 2^-126), q = e4m3(y / s) of
+y as stored (rounded to its dtype first), from the row already in registers: one more reduction and 1 B + 4 B per
+row written, instead of a separate pass that reads y again (2 B bf16) and writes the same. Not differentiable.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import triton
 import triton.language as tl
 
 from . import _launch, _runtime
+from ._fp8_rows import store_row_quantisation, stored_fp32
+from .fp8 import E4M3, _quantize_rows_torch
 
 CASTINGS = ("llama", "gemma")
 MAX_HIDDEN = 65536  # one row per program in registers
@@ -35,9 +42,9 @@ MAX_HIDDEN = 65536  # one row per program in registers
 @_launch.bound
 @triton.jit
 def _rms_norm_forward_kernel(
-    X, W, Y, RSTD,
+    X, W, Y, RSTD, Q, S,
     stride_x, stride_y, n_rows, n_cols, eps, offset,
-    HAS_WEIGHT: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, GEMMA: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     # A [ROWS, BLOCK] tile per program: more bytes in flight per program when rows are short.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -56,7 +63,10 @@ def _rms_norm_forward_kernel(
             y = x_hat.to(X.dtype.element_ty).to(tl.float32) * w
     else:
         y = x_hat
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    y = y.to(Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if FP8_OUT:  # quantize_rows(y) of y as stored: the row is in registers, its absmax one more reduction
+        store_row_quantisation(Q, S, stored_fp32(y), rows, cols, row_mask, mask, n_cols)
 
 
 @_launch.bound
@@ -104,21 +114,27 @@ def _tile_rows(n_cols: int) -> int:
     return max(1, min(16, 4096 // _runtime.next_power_of_2(n_cols)))
 
 
-def _forward_triton(x, weight, eps, offset, gemma, out_dtype, *, rows=None, num_warps=None):
+def _forward_triton(x, weight, eps, offset, gemma, out_dtype, fp8_out=False, *, rows=None, num_warps=None):
+    """(y, rstd, (codes, scales) with ``fp8_out`` else None)."""
     n_rows, n_cols = x.shape
     y = _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = _runtime.empty((n_rows,), dtype=torch.float32, device=x.device)
+    quantized = None
+    if fp8_out:
+        quantized = (_runtime.empty((n_rows, n_cols), dtype=E4M3, device=x.device),
+                     _runtime.empty((n_rows,), dtype=torch.float32, device=x.device))
     if n_rows == 0:
-        return y, rstd
+        return y, rstd, quantized
     block = _runtime.next_power_of_2(n_cols)
     rows = rows or _tile_rows(n_cols)
     _rms_norm_forward_kernel[(_runtime.cdiv(n_rows, rows),)](
         x, weight if weight is not None else x, y, rstd,
+        quantized[0].view(torch.uint8) if fp8_out else rstd, quantized[1] if fp8_out else rstd,
         x.stride(0), y.stride(0), n_rows, n_cols, eps, offset,
-        HAS_WEIGHT=weight is not None, GEMMA=gemma, BLOCK=block, ROWS=rows,
+        HAS_WEIGHT=weight is not None, GEMMA=gemma, FP8_OUT=fp8_out, BLOCK=block, ROWS=rows,
         num_warps=num_warps or _runtime.num_warps_for(block * rows),
     )
-    return y, rstd
+    return y, rstd, quantized
 
 
 def _backward_triton(dy, x, weight, rstd, offset, gemma, *, rows=None, num_warps=None, per_sm=1, num_stages=1):
@@ -145,7 +161,7 @@ def _backward_triton(dy, x, weight, rstd, offset, gemma, *, rows=None, num_warps
     return dx, dw
 
 
-def _forward_torch(x, weight, eps, offset, gemma, out_dtype):
+def _forward_torch(x, weight, eps, offset, gemma, out_dtype, fp8_out=False):
     x_f32 = x.float()
     rstd = torch.rsqrt(x_f32.pow(2).mean(-1) + eps)
     x_hat = x_f32 * rstd[:, None]
@@ -155,7 +171,7 @@ def _forward_torch(x, weight, eps, offset, gemma, out_dtype):
         y = (x_hat * (offset + weight.float())).to(x.dtype)
     else:
         y = (weight * x_hat.to(x.dtype)).to(out_dtype)
-    return y, rstd
+    return y, rstd, _quantize_rows_torch(y) if fp8_out else None
 
 
 def _backward_torch(dy, x, weight, rstd, offset, gemma):
@@ -176,10 +192,11 @@ def _backward_torch(dy, x, weight, rstd, offset, gemma):
 
 # ------------------------------------------------------------------------------------------------ autograd + API
 class RMSNormFunction(torch.autograd.Function):
-    """Autograd node of :func:`rms_norm`; saves x (as rows) and rstd [rows] fp32."""
+    """Autograd node of :func:`rms_norm`; saves x (as rows) and rstd [rows] fp32. With ``fp8_out`` it also returns
+    the e4m3 codes and scales of y (non-differentiable: backward ignores their incoming gradients)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, gemma):
+    def forward(ctx, x, weight, eps, offset, gemma, fp8_out=False):
         x2d = _runtime.as_rows(x)
         impl = _runtime.backend(x.device)
         if weight is None or gemma:
@@ -187,24 +204,28 @@ class RMSNormFunction(torch.autograd.Function):
         else:
             out_dtype = torch.promote_types(weight.dtype, x.dtype)
         forward = _forward_triton if impl == "triton" else _forward_torch
-        y, rstd = forward(x2d, weight, eps, offset, gemma, out_dtype)
+        y, rstd, quantized = forward(x2d, weight, eps, offset, gemma, out_dtype, fp8_out)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.impl, ctx.offset, ctx.gemma, ctx.x_shape = impl, offset, gemma, x.shape
-        return _runtime.distinct_output(y.view(x.shape))
+        y = _runtime.distinct_output(y.view(x.shape))
+        if quantized is None:
+            return y
+        ctx.mark_non_differentiable(*quantized)
+        return y, *quantized
 
     @staticmethod
     @_runtime.first_derivative_only
-    def backward(ctx, dy):
+    def backward(ctx, dy, *_quantized_grads):
         x2d, weight, rstd = ctx.saved_tensors
         dy2d = _runtime.as_rows(dy)
         backward = _backward_triton if ctx.impl == "triton" else _backward_torch
         dx, dw = backward(dy2d, x2d, weight, rstd, ctx.offset, ctx.gemma)
         if weight is not None and not ctx.needs_input_grad[1]:
             dw = None
-        return dx.view(ctx.x_shape), dw, None, None, None
+        return dx.view(ctx.x_shape), dw, None, None, None, None
 
 
-def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
+def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama", fp8_out=False):
     """Root-mean-square normalisation of the last dim, with gradients for ``x`` and ``weight``.
 
     Args:
@@ -214,14 +235,21 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
         offset: ``casting="gemma"`` only: the scale is ``offset + weight`` formed in fp32 (Gemma passes 1.0).
         casting: ``"llama"`` (HF LlamaRMSNorm, Mistral, Qwen2/3: ``weight * x_hat.to(x.dtype)``) or ``"gemma"``
             (HF Gemma RMSNorm: ``(x_hat * (offset + weight.float())).to(x.dtype)``).
+        fp8_out: also return y quantised per row for an FP8 GEMM that reads it (``lora_qkv``/``lora_mlp``/
+            ``lora_linear``'s ``x_quantized``): on the Triton path written by the same kernel pass from the row in
+            registers (no separate quantisation pass over y); on the torch path ``quantize_rows`` of y.
 
     Returns:
-        ``y`` of x's shape; dtype ``promote(weight, x)`` for llama with a weight (as HF), else ``x.dtype``.
+        ``y`` of x's shape; dtype ``promote(weight, x)`` for llama with a weight (as HF), else ``x.dtype``. With
+        ``fp8_out``: ``(y, (codes, scales))``, codes ``float8_e4m3fn [rows, H]`` (rows = x's leading dims
+        flattened) and scales fp32 ``[rows]``, bit for bit :func:`~leantune.ops.fp8.quantize_rows` of y as stored
+        (s = max(absmax / 448, 2^-126), :mod:`leantune.ops.fp8`; NaN/inf in y propagate as there). They carry no
+        gradient; y's backward is unchanged.
 
     Raises:
         ValueError: non-float or unsupported dtype, weight not ``[H]``, tensors on different devices, unknown
             ``casting``, ``offset`` not a finite number or non-zero with ``casting="llama"`` or without a weight, eps
-            negative or not finite, or H = 0 or > 65536.
+            negative or not finite, H = 0 or > 65536, or ``fp8_out`` not a bool.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _runtime.check_tensor("x", x)
@@ -244,5 +272,10 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama"):
         _runtime.check_tensor("weight", weight)
         _runtime.check_shape("weight", weight, (hidden,), "x's last dim")
     _runtime.check_same_device(x=x, weight=weight)
+    if not isinstance(fp8_out, bool):
+        raise ValueError(f"fp8_out must be True or False, got {fp8_out!r}")
     _runtime.backend(x.device)  # raise configuration errors before any work
-    return RMSNormFunction.apply(x, weight, eps, offset, casting == "gemma")
+    if not fp8_out:
+        return RMSNormFunction.apply(x, weight, eps, offset, casting == "gemma")
+    y, codes, scales = RMSNormFunction.apply(x, weight, eps, offset, casting == "gemma", True)
+    return y, (codes, scales)

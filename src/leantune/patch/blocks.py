@@ -5,7 +5,8 @@ QK-norm placement, RoPE style and per-layer switch, gated or plain MLP), never o
 Both mirror HF's forwards of transformers 5.17 (``models/<family>/modeling_<family>.py``: e.g. ``Qwen3Attention``,
 ``Phi3Attention``, ``Olmo2Attention``, ``HunYuanDenseV1Attention``, ``Phi3MLP``, ``ArceeMLP``) operation for
 operation, with the LoRA projections through ``ops.lora_qkv`` / ``ops.lora_mlp`` / ``ops.lora_linear`` (exactly where
-:mod:`.lora_status` says those reproduce PEFT's forward; PEFT's forward otherwise).
+:mod:`.lora_status` says those reproduce PEFT's forward; PEFT's forward otherwise). On an FP8 base q/k/v and gate/up
+take the e4m3 codes their input's RMSNorm wrote (:mod:`.fp8_inputs`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from . import fp8_inputs
 from ._common import call_original, hf_rope, reset_rope_active, rotate, served, set_rope_active
 from .families import SINK_IMPLEMENTATIONS, Family
 from .lora_status import fusable, fused_group, lora_status, project
@@ -76,7 +78,8 @@ def _gated(self, state, family: Family, x, modules, statuses):
                 split = _split_rows(weights[0]) if p == 0.0 or not training else None
                 weights = None if split is None else [*split, weights[1]]
             if weights is not None:
-                return ops.lora_mlp(x, *weights, activation=state.activation, dropout=p, training=training)
+                return ops.lora_mlp(x, *weights, activation=state.activation, dropout=p, training=training,
+                                    x_quantized=fp8_inputs.take(x, weights[:2]))
     if family.mlp == "gated_fused":
         gate, up = project(modules[0], x, statuses[0]).chunk(2, dim=-1)
     else:
@@ -141,7 +144,8 @@ def _qkv(self, family: Family, statuses, hidden_states):
     group = fused_group(statuses[:3], dora=True) if all(s is not None for s in statuses[:3]) else None
     if group is not None:
         (q_w, k_w, v_w), p, training = group
-        return ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training)
+        return ops.lora_qkv(hidden_states, q_w, k_w, v_w, dropout=p, training=training,
+                            x_quantized=fp8_inputs.take(hidden_states, (q_w, k_w, v_w)))
     # e.g. only o_proj fusable, or q/k/v with different dropout: one projection at a time
     return tuple(project(m, hidden_states, status)
                  for m, status in zip((self.q_proj, self.k_proj, self.v_proj), statuses))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from . import fp8_inputs
 from ._common import call_original as _call_original
 from ._common import rope_active as _rope_active
 from ._common import rotate as _rotate
@@ -114,12 +115,19 @@ def rope_installed(family: Family) -> bool:
 
 # ------------------------------------------------------------------------------------------------------ forwards
 def rms_norm_forward(self, hidden_states):
-    """HF ``*RMSNorm.forward`` as ``ops.rms_norm`` with the family's casting and offset."""
+    """HF ``*RMSNorm.forward`` as ``ops.rms_norm`` with the family's casting and offset (with its FP8 side output
+    where y feeds FP8 projections: :mod:`.fp8_inputs`)."""
     if not _served(hidden_states, self.weight):
         return _call_original(self, hidden_states)
     family = self._leantune.family
     eps = getattr(self, family.norm_eps_attr)
-    return ops.rms_norm(hidden_states, self.weight, eps, offset=family.norm_offset, casting=family.norm_casting)
+    # the e4m3 codes of y too, written by the norm's kernel, when y feeds FP8 projections (:mod:`.fp8_inputs`)
+    fp8_out = fp8_inputs.wanted(self)
+    out = ops.rms_norm(hidden_states, self.weight, eps, offset=family.norm_offset, casting=family.norm_casting,
+                       fp8_out=fp8_out)
+    y, quantized = out if fp8_out else (out, None)
+    fp8_inputs.record(y, self, quantized)
+    return y
 
 
 def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap, head_logits=None):

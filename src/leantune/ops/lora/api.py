@@ -62,7 +62,16 @@ from .. import _runtime
 from ..fp8 import FP8Weight
 from ..glu import ACTIVATIONS, glu_backward, glu_forward
 from ..nf4 import NF4Weight, dequantize_nf4
-from .entries import LoraWeights, _check_dropout, _check_projection, _check_x, _meta, _no_autocast, _Proj
+from .entries import (
+    LoraWeights,
+    _check_dropout,
+    _check_projection,
+    _check_x,
+    _check_x_quantized,
+    _meta,
+    _no_autocast,
+    _Proj,
+)
 from .glu_lowrank import glu_forward_lowrank
 from .passes import (
     dropout_seeds,
@@ -142,15 +151,17 @@ class LoraGroupFunction(torch.autograd.Function):
     applied through ``meta``, so the body runs with autocast off)."""
 
     @staticmethod
-    def forward(ctx, meta, x, *tensors):
+    def forward(ctx, meta, x, x_codes, x_scales, *tensors):
         x2d = _runtime.as_rows(x)
+        x_quantized = None if x_codes is None else (x_codes, x_scales)
         count = len(tensors) // len(_Proj._fields)
         projs, _ = _Proj.unflatten(tensors, count)
         n_lora = sum(proj.lora_A is not None for proj in projs)
         seeds = dropout_seeds(n_lora, x.device) if meta.p > 0 and n_lora else None
         nf4_tensors, ctx.nf4 = _split_nf4(projs)
         with _no_autocast(x.device):
-            ys, xas = group_forward(x2d, _dequantized(projs, meta.compute_dtype), meta, seeds, 0)
+            ys, xas = group_forward(x2d, _dequantized(projs, meta.compute_dtype), meta, seeds, 0,
+                                    x_quantized=x_quantized)
         plain = [None if isinstance(t, _QUANTIZED) else t for t in tensors]
         ctx.save_for_backward(x2d, seeds, *plain, *xas, *nf4_tensors)
         ctx.meta, ctx.count, ctx.x_shape = meta, count, x.shape
@@ -163,12 +174,12 @@ class LoraGroupFunction(torch.autograd.Function):
         n_nf4 = _n_saved(ctx.nf4)
         projs, xas = _Proj.unflatten(rest[:len(rest) - n_nf4], ctx.count)
         projs = _join_nf4(projs, rest[len(rest) - n_nf4:], ctx.nf4)
-        need_x, *flags = ctx.needs_input_grad[1:]  # after meta: x, then the projections' tensors
+        need_x, flags = ctx.needs_input_grad[1], ctx.needs_input_grad[4:]  # meta, x, x's codes/scales, projections
         needs, _ = _Proj.unflatten(flags, ctx.count)
         with _no_autocast(x2d.device):
             projs = _dequantized(projs, ctx.meta.compute_dtype)
             dx, grads = group_backward(dys, x2d, xas, projs, ctx.meta, seeds, 0, need_x, needs)
-        return (None, None if dx is None else dx.view(ctx.x_shape), *_Proj.flatten(grads))
+        return (None, None if dx is None else dx.view(ctx.x_shape), None, None, *_Proj.flatten(grads))
 
 
 class LoraMLPFunction(torch.autograd.Function):
@@ -178,8 +189,9 @@ class LoraMLPFunction(torch.autograd.Function):
     buffers with d_gate/d_up."""
 
     @staticmethod
-    def forward(ctx, meta_gu, meta_down, activation, x, *tensors):
+    def forward(ctx, meta_gu, meta_down, activation, x, x_codes, x_scales, *tensors):
         x2d = _runtime.as_rows(x)
+        x_quantized = None if x_codes is None else (x_codes, x_scales)
         (gate_p, up_p, down_p), _ = _Proj.unflatten(tensors, 3)
         n_gu_lora = sum(proj.lora_A is not None for proj in (gate_p, up_p))
         n_lora = n_gu_lora + (down_p.lora_A is not None)
@@ -190,16 +202,21 @@ class LoraMLPFunction(torch.autograd.Function):
         nf4_tensors, ctx.nf4 = _split_nf4([gate_p, up_p, down_p])
         with _no_autocast(x.device):
             gate_w, up_w = _dequantized([gate_p, up_p], meta_gu.compute_dtype)
-            (gate, up), (xa_g, xa_u) = group_forward(x2d, [gate_w, up_w], meta_gu, seeds, 0, add_lowrank=not fuse)
+            (gate, up), (xa_g, xa_u) = group_forward(x2d, [gate_w, up_w], meta_gu, seeds, 0, add_lowrank=not fuse,
+                                                     x_quantized=x_quantized)
+            # an FP8 down reading h as it is (h in its compute dtype): the GLU pass also writes h's e4m3 codes
+            fp8_out = isinstance(down_p.weight, FP8Weight) and gate.dtype == meta_down.compute_dtype
+            side = {"fp8_out": True} if fp8_out else {}
             if fuse:
                 ldt = meta_gu.lora_dtype
                 h = glu_forward_lowrank(gate, up, xa_g, gate_p.lora_B.to(ldt), meta_gu.scalings[0],
-                                        xa_u, up_p.lora_B.to(ldt), meta_gu.scalings[1], activation)
+                                        xa_u, up_p.lora_B.to(ldt), meta_gu.scalings[1], activation, **side)
             else:
-                h = glu_forward(gate, up, activation)
+                h = glu_forward(gate, up, activation, **side)
+            h, h_quantized = h if fp8_out else (h, None)
             (y,), (xa_d,) = group_forward(h, _dequantized([down_p], meta_down.compute_dtype, first_slot=2), meta_down,
-                                          seeds, n_gu_lora)
-        del h  # recomputed in backward
+                                          seeds, n_gu_lora, x_quantized=h_quantized)
+        del h, h_quantized  # h recomputed in backward
         plain = [None if isinstance(t, _QUANTIZED) else t for t in tensors]
         ctx.save_for_backward(x2d, gate, up, seeds, *plain, xa_g, xa_u, xa_d, *nf4_tensors)
         ctx.metas, ctx.activation, ctx.x_shape, ctx.n_gu_lora = (meta_gu, meta_down), activation, x.shape, n_gu_lora
@@ -219,7 +236,8 @@ class LoraMLPFunction(torch.autograd.Function):
         projs, (xa_g, xa_u, xa_d) = _Proj.unflatten(rest[:len(rest) - n_nf4], 3)
         gate_p, up_p, down_p = _join_nf4(projs, rest[len(rest) - n_nf4:], ctx.nf4)
         meta_gu, meta_down = ctx.metas
-        need_x, *flags = ctx.needs_input_grad[3:]  # after the metas and activation: x, then the projections' tensors
+        # after the metas and activation: x, x's codes and scales, then the projections' tensors
+        need_x, flags = ctx.needs_input_grad[3], ctx.needs_input_grad[6:]
         (gate_needs, up_needs, down_needs), _ = _Proj.unflatten(flags, 3)
         with _no_autocast(x2d.device):
             h = glu_forward(gate, up, ctx.activation)
@@ -240,11 +258,12 @@ class LoraMLPFunction(torch.autograd.Function):
             gate_p, up_p = _dequantized([gate_p, up_p], meta_gu.compute_dtype)
             dx, gu_grads = group_backward([d_gate, d_up], x2d, [xa_g, xa_u], [gate_p, up_p], meta_gu, seeds, 0,
                                           need_x, [gate_needs, up_needs])
-        return (None, None, None, None if dx is None else dx.view(ctx.x_shape), *_Proj.flatten([*gu_grads, down_grads]))
+        return (None, None, None, None if dx is None else dx.view(ctx.x_shape), None, None,
+                *_Proj.flatten([*gu_grads, down_grads]))
 
 
 # ------------------------------------------------------------------------------------------------------- API
-def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, *, dropout=0.0, training=True):
+def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, *, dropout=0.0, training=True, x_quantized=None):
     """y = x W^T + b + s ((m*x) A^T) B^T with gradients for x, lora_A, lora_B, bias (and W if it requires grad).
 
     Args:
@@ -255,6 +274,11 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, *, dropout=0.0, t
         bias: ``[out]`` or None.
         dropout: p in [0, 1) applied to the LoRA branch's input (PEFT's ``lora_dropout``); only when ``training``
             (a bool).
+        x_quantized: ``(codes, scales)``: x already quantised per row, bit for bit ``fp8.quantize_rows`` of x as
+            rows (codes ``float8_e4m3fn [rows, in]`` contiguous, scales fp32 ``[rows]``), as ``ops.rms_norm(...,
+            fp8_out=True)`` writes it: the FP8 weights' GEMMs then read it instead of quantising x in a separate
+            pass. Used only where x is in the compute dtype (else the GEMM input is x cast, quantised here) and
+            ignored without an FP8 weight; not checked against x's values.
 
     Returns:
         ``y [..., out]`` in the compute dtype: weight's dtype, or autocast's under ``torch.autocast`` (PEFT/HF's).
@@ -263,24 +287,27 @@ def lora_linear(x, weight, lora_A, lora_B, scaling, bias=None, *, dropout=0.0, t
     Raises:
         ValueError: shapes that do not match or are empty (the message names the argument), non-float dtypes,
             lora_A/lora_B of different dtypes, tensors on different devices, dropout outside [0, 1), a scaling that
-            is not a finite number, a training flag that is not a bool.
+            is not a finite number, a training flag that is not a bool, an ``x_quantized`` that is not a pair of
+            tensors of those shapes, dtypes and device.
 
     Source: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; PEFT
     ``peft/tuners/lora/layer.py`` ``Linear.forward``; the derivation is in this module's docstring.
     """
-    return _lora_group(x, [("", LoraWeights(weight, lora_A, lora_B, scaling, bias))], dropout, training)[0]
+    return _lora_group(x, [("", LoraWeights(weight, lora_A, lora_B, scaling, bias))], dropout, training,
+                       x_quantized)[0]
 
 
-def _lora_group(x, named, dropout, training):
+def _lora_group(x, named, dropout, training, x_quantized=None):
     _check_x(x)
     dropout = _check_dropout(dropout)
+    x_codes, x_scales = _check_x_quantized(x_quantized, x)
     checked = [_check_projection(name, proj, x.shape[-1], x.device) for name, proj in named]
     meta = _meta([name.rstrip(".") or "the" for name, _ in named], checked, x, dropout, training)
     flat = _Proj.flatten(tensors for tensors, _ in checked)
-    return LoraGroupFunction.apply(meta, x, *flat)
+    return LoraGroupFunction.apply(meta, x, x_codes, x_scales, *flat)
 
 
-def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
+def lora_qkv(x, q, k, v, *, dropout=0.0, training=True, x_quantized=None):
     """The q, k, v projections of one x in one autograd node: ``(q_out, k_out, v_out)``.
 
     Args:
@@ -290,6 +317,8 @@ def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
             :class:`~leantune.ops.DoraWeights` (DoRA, :mod:`.dora`; then dropout must be inactive): each output is
             then :func:`~leantune.ops.dora_linear`'s (or lora_linear's for the others), still in one node.
         dropout, training: as :func:`lora_linear`; one independent mask per projection (seeds in order q, k, v).
+        x_quantized: as :func:`lora_linear`, for the three GEMMs (ignored by the DoRA node, which quantises x
+            itself).
 
     Returns:
         ``q_out [..., out_q]``, ``k_out [..., out_k]``, ``v_out [..., out_v]``, each exactly :func:`lora_linear`'s
@@ -305,11 +334,12 @@ def lora_qkv(x, q, k, v, *, dropout=0.0, training=True):
     from .dora import DoraWeights, dora_group  # .dora builds on this module: imported at call time
 
     if any(isinstance(proj, DoraWeights) for _, proj in named):
+        _check_x_quantized(x_quantized, x)
         return tuple(dora_group(x, named, dropout, training))
-    return tuple(_lora_group(x, named, dropout, training))
+    return tuple(_lora_group(x, named, dropout, training, x_quantized))
 
 
-def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=True):
+def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=True, x_quantized=None):
     """y = down(act(gate(x)) * up(x)), each projection a LoRA linear (HF LlamaMLP / GemmaMLP under PEFT).
 
     Args:
@@ -319,6 +349,9 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
         activation: ``"swiglu"`` (silu, Llama/Qwen/Mistral), ``"geglu_tanh"`` (gelu tanh, Gemma),
             ``"geglu_erf"`` (exact gelu).
         dropout, training: as :func:`lora_linear`; one mask per projection (seeds in order gate, up, down).
+        x_quantized: as :func:`lora_linear`, for gate/up (ignored by the DoRA node). An FP8 down weight reads
+            h's codes from the GLU pass that writes h (:mod:`leantune.ops.glu`, "FP8 side output"): no separate
+            quantisation pass over h either.
 
     Returns:
         ``y [..., H_out]`` in down's compute dtype. Saves x, gate and up outputs and ``[N, r]`` terms only.
@@ -334,6 +367,7 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
     """
     _check_x(x)
     dropout = _check_dropout(dropout)
+    x_codes, x_scales = _check_x_quantized(x_quantized, x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     from .dora import DoraWeights  # .dora builds on this module: imported at call time
@@ -352,4 +386,4 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
         p = max(meta_gu.p, meta_down.p)
         meta_gu, meta_down = meta_gu._replace(p=p), meta_down._replace(p=p)
     flat = _Proj.flatten(tensors for tensors, _ in (*gu, *dn))
-    return LoraMLPFunction.apply(meta_gu, meta_down, activation, x, *flat)
+    return LoraMLPFunction.apply(meta_gu, meta_down, activation, x, x_codes, x_scales, *flat)

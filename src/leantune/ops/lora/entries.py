@@ -1,15 +1,17 @@
 """What a LoRA node's entries are and how they are checked: ``LoraWeights`` (one projection as the user gives it),
-``_Proj`` (its tensors in a node's flat argument list), the input checks every LoRA op runs before any kernel, and the
-``Meta`` of projections that share an input. ``api`` (LoRA) and ``dora`` (DoRA) both build on this module."""
+``_Proj`` (its tensors in a node's flat argument list), the input checks every LoRA op runs before any kernel
+(``x_quantized`` included), and the ``Meta`` of projections that share an input. ``api`` (LoRA) and ``dora`` (DoRA)
+both build on this module."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from .. import _runtime
-from ..fp8 import FP8Weight
+from ..fp8 import E4M3, FP8Weight
 from ..nf4 import NF4Weight
 from .passes import Meta
 
@@ -107,6 +109,27 @@ def _check_x(x):
     _runtime.check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension [..., in], got a 0-dim tensor")
+
+
+def _check_x_quantized(x_quantized, x):
+    """``(codes, scales)`` or None from a ``x_quantized`` argument: codes ``float8_e4m3fn [rows, in]`` contiguous
+    (rows = x's leading dims flattened), scales fp32 ``[rows]``, on x's device."""
+    if x_quantized is None:
+        return None, None
+    if not isinstance(x_quantized, (tuple, list)) or len(x_quantized) != 2:
+        raise ValueError(f"x_quantized must be a (codes, scales) pair or None, got {type(x_quantized).__name__}")
+    codes, scales = x_quantized
+    rows = math.prod(x.shape[:-1])
+    expected = f"codes float8_e4m3fn contiguous of shape ({rows}, {x.shape[-1]}), scales float32 of shape ({rows},)"
+    if (not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor) or codes.dtype != E4M3
+            or scales.dtype != torch.float32 or tuple(codes.shape) != (rows, x.shape[-1])
+            or tuple(scales.shape) != (rows,) or not codes.is_contiguous()):
+        got = tuple(f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    for t in (codes, scales))
+        raise ValueError(f"x_quantized must be x quantised per row ({expected}), got {got}")
+    if codes.device != x.device or scales.device != x.device:
+        raise ValueError(f"x_quantized must be on x's device {x.device}, got {codes.device} and {scales.device}")
+    return codes, scales
 
 
 def _check_dropout(dropout):

@@ -6,6 +6,13 @@ adapters), rounds once to the stored dtype, writes gate/up back in place (the ca
 writes h from the rounded values, so h recomputed from the saved buffers in backward equals the forward's h.
 Traffic: reads 2, writes 3 [N, I] tensors, against 2 + 2 (two low-rank adds) + 2 + 1 (GLU) unfused.
 
+FP8 side output (``fp8_out=True``, the down projection on an FP8 base): a program then owns ``BLOCK_N`` whole rows
+and walks their column tiles (grid ``[N / BLOCK_N, 1]`` instead of ``[N / BLOCK_N, I / BLOCK_I]``), keeping each
+row's absmax of h as stored; it then reads its h back (just written: mostly L2 on the card) and writes the e4m3
+codes and scales (:func:`leantune.ops.fp8.quantize_rows`'s arithmetic, the helpers of :mod:`leantune.ops.fp8`).
+DRAM bytes per element: the above + 1 (codes), against + 3 for a separate quantisation pass over h (read 2, write
+1, bf16). The torch path: h, then ``quantize_rows(h)``.
+
 The activation and its formulas are :mod:`leantune.ops.glu`'s (this module imports them; glu knows nothing of LoRA).
 """
 
@@ -17,6 +24,8 @@ import triton.language as tl
 
 from .. import _dot, _launch, _runtime
 from .._dot import mixed_dot
+from .._fp8_rows import quantized_row_pass, row_absmax, stored_fp32
+from ..fp8 import E4M3
 from ..glu import check_inputs, glu_activation, glu_forward
 
 
@@ -38,20 +47,14 @@ def _lowrank_tile(XA, B, rows64, cols, row_ok, col_ok, stride_xa, stride_b, rank
     return acc
 
 
-@_launch.bound
 @triton.jit
-def _glu_forward_lowrank_kernel(
-    G, U, H, XA_G, B_G, XA_U, B_U,
-    stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
-    n_rows, n_cols, rank_g, rank_u, scale_g, scale_u,
-    ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
-):
-    """G = cast(G + s_g xa_g B_g^T), U likewise (in place), H = act(G) * U from the rounded G, U."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    rows64 = rows.to(tl.int64)
-    row_ok = rows < n_rows
+def _lowrank_glu_tile(G, U, H, XA_G, B_G, XA_U, B_U, rows64, cols, row_ok,
+                      stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
+                      n_cols, rank_g, rank_u, scale_g, scale_u,
+                      ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr):
+    """G = cast(G + s_g xa_g B_g^T), U likewise (in place), H = act(G) * U from the rounded G, U for one
+    [BLOCK_N, BLOCK_I] tile; returns (h as stored, in fp32; the tile's mask)."""
     col_ok = cols < n_cols
     mask = row_ok[:, None] & col_ok[None, :]
     acc_g = _lowrank_tile(XA_G, B_G, rows64, cols, row_ok, col_ok, stride_xag, stride_bg, rank_g,
@@ -66,38 +69,78 @@ def _glu_forward_lowrank_kernel(
     tl.store(U + rows64[:, None] * stride_u + cols[None, :], u, mask=mask)
     # h from the stored (rounded) gate/up: the backward's recompute from the saved buffers sees the same values
     act, _ = glu_activation(g.to(tl.float32), ACTIVATION)
-    h = act * u.to(tl.float32)
-    tl.store(H + rows64[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
+    h = (act * u.to(tl.float32)).to(H.dtype.element_ty)
+    tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+    return stored_fp32(h), mask
 
 
-def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, out_dtype, *, block_n=64,
-                            block_i=128, num_warps=8):
-    """``block_n``/``block_i``/``num_warps`` override the defaults (for tuning on the GPU)."""
+@_launch.bound
+@triton.jit
+def _glu_forward_lowrank_kernel(
+    G, U, H, XA_G, B_G, XA_U, B_U, Q, S,
+    stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
+    n_rows, n_cols, rank_g, rank_u, scale_g, scale_u,
+    ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr, FP8_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
+):
+    """One [BLOCK_N, BLOCK_I] tile (``_lowrank_glu_tile``); with FP8_OUT every tile of BLOCK_N whole rows, their
+    absmax alongside, then the rows' e4m3 codes from h read back."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    row_ok = rows < n_rows
+    if FP8_OUT:
+        absmax = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_I):
+            h, mask = _lowrank_glu_tile(G, U, H, XA_G, B_G, XA_U, B_U, rows64, start + tl.arange(0, BLOCK_I), row_ok,
+                                        stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
+                                        n_cols, rank_g, rank_u, scale_g, scale_u, ACTIVATION, DOT_MODE, UPCAST,
+                                        BLOCK_N, BLOCK_I, BLOCK_RG, BLOCK_RU)
+            absmax = row_absmax(absmax, h, mask)
+        unused = tl.zeros([BLOCK_N, BLOCK_I], dtype=tl.float32)  # ONE_BLOCK False: the codes pass reads h back
+        quantized_row_pass(H, Q, S, unused, absmax, rows64, tl.arange(0, BLOCK_I), row_ok, unused != 0.0, stride_h,
+                           n_cols, BLOCK_I, False)
+    else:
+        _lowrank_glu_tile(G, U, H, XA_G, B_G, XA_U, B_U, rows64, tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I),
+                          row_ok, stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
+                          n_cols, rank_g, rank_u, scale_g, scale_u, ACTIVATION, DOT_MODE, UPCAST,
+                          BLOCK_N, BLOCK_I, BLOCK_RG, BLOCK_RU)
+
+
+def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, out_dtype, fp8_out=False, *,
+                            block_n=None, block_i=128, num_warps=8):
+    """h (with ``fp8_out``: and its (codes, scales)); ``block_n``/``block_i``/``num_warps`` override the defaults
+    (for tuning on the GPU; block_n: 64, or 16 with ``fp8_out``, where a program owns whole rows, so that 4096
+    tokens still make 256 programs)."""
     n_rows, n_cols = gate.shape
+    block_n = block_n or (16 if fp8_out else 64)
     h = _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=gate.device)
+    codes = scales = None
+    if fp8_out:
+        codes = _runtime.empty((n_rows, n_cols), dtype=E4M3, device=gate.device)
+        scales = _runtime.empty((n_rows,), dtype=torch.float32, device=gate.device)
     xa_g, xa_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (xa_g, xa_u))
     b_g, b_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (b_g, b_u))
     lora_dtype = xa_g.dtype
     dot_mode = _dot.DOT_NATIVE if lora_dtype in (torch.float16, torch.bfloat16) else _dot.DOT_IEEE
-    grid = (_runtime.cdiv(n_rows, block_n), _runtime.cdiv(n_cols, block_i))
+    grid = (_runtime.cdiv(n_rows, block_n), 1 if fp8_out else _runtime.cdiv(n_cols, block_i))
     _glu_forward_lowrank_kernel[grid](
-        gate, up, h, xa_g, b_g, xa_u, b_u,
+        gate, up, h, xa_g, b_g, xa_u, b_u, codes.view(torch.uint8) if fp8_out else h, scales if fp8_out else h,
         gate.stride(0), up.stride(0), h.stride(0), xa_g.stride(0), b_g.stride(0), xa_u.stride(0), b_u.stride(0),
         n_rows, n_cols, xa_g.shape[1], xa_u.shape[1], float(s_g), float(s_u),
-        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED,
+        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED, FP8_OUT=fp8_out,
         BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=_runtime.rank_block(xa_g.shape[1]),
         BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), num_warps=num_warps,
     )
     if not torch.compiler.is_compiling():  # traced, the kernel's writes are functionalised: no version to bump
         torch.autograd.graph.increment_version(gate)  # written behind autograd's back
         torch.autograd.graph.increment_version(up)
-    return h
+    return (h, (codes, scales)) if fp8_out else h
 
 
-def _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation):
+def _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, fp8_out):
     for base, xa, b, s in ((gate, xa_g, b_g, s_g), (up, xa_u, b_u, s_u)):
         base.copy_(base.float() + s * (xa.float() @ b.float().T))  # summed in fp32, cast once by copy_
-    return glu_forward(gate, up, activation)  # h in gate's dtype (gate and up share it)
+    return glu_forward(gate, up, activation, fp8_out=fp8_out)  # h in gate's dtype (gate and up share it)
 
 
 def _overlap_rows(a, b):
@@ -116,7 +159,7 @@ def _overlap_rows(a, b):
     return a0 < b1 and b0 < a1
 
 
-def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, **launch):
+def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, *, fp8_out=False, **launch):
     """The LoRA MLP's gate/up low-rank terms fused into h = act(gate) * up, without autograd.
 
     gate <- cast(gate + s_g xa_g b_g^T), up <- cast(up + s_u xa_u b_u^T), written in place (the sum formed in fp32
@@ -130,10 +173,12 @@ def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, **
             (the LoRA dtype); r >= 1.
         s_g, s_u: scalings (real numbers).
         activation: one of :data:`leantune.ops.glu.ACTIVATIONS`.
+        fp8_out: also return h quantised per row (module docstring, "FP8 side output").
         **launch: Triton path only: ``block_n``, ``block_i``, ``num_warps`` (GPU tuning).
 
     Returns:
-        ``h [N, I]`` in gate's dtype (gate and up share it).
+        ``h [N, I]`` in gate's dtype (gate and up share it); with ``fp8_out`` ``(h, (codes float8_e4m3fn [N, I],
+        scales fp32 [N]))``, bit for bit :func:`~leantune.ops.fp8.quantize_rows` of h as stored.
 
     Raises:
         ValueError: shapes, dtypes, devices, strides or overlap as above; unknown activation.
@@ -161,9 +206,9 @@ def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, **
         raise ValueError(f"xa_g, b_g, xa_u, b_u must share a dtype (the LoRA dtype), got {sorted(map(str, dtypes))}")
     _runtime.check_same_device(gate=gate, up=up, xa_g=xa_g, b_g=b_g, xa_u=xa_u, b_u=b_u)
     with torch.no_grad():
-        if gate.numel() == 0:
-            return _runtime.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        if gate.numel() == 0:  # an empty h (and its quantisation) in gate's dtype
+            return glu_forward(gate, up, activation, fp8_out=fp8_out)
         if impl == "triton":
-            return _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, gate.dtype,
+            return _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, gate.dtype, fp8_out,
                                            **launch)
-        return _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation)
+        return _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, fp8_out)

@@ -126,12 +126,14 @@ def _cat_lora_A(projs, lora, ldt):
     return torch.cat([projs[j].lora_A.to(ldt) for j in lora])
 
 
-def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True):
+def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True, x_quantized=None):
     """Outputs ``[N, out_j]`` (compute dtype) and xa_j of the projections sharing ``x2d``; seeds[first_seed:] are
     theirs. ``add_lowrank=False`` leaves the s xa B^T terms out of the outputs (the caller fuses them); a sequence
-    of bools, one per projection, leaves out those of the projections marked False."""
+    of bools, one per projection, leaves out those of the projections marked False. ``x_quantized``: ``(codes,
+    scales)`` = ``quantize_rows(x2d)`` made by the kernel that wrote x2d, for the FP8 projections' GEMMs; used only
+    when x2d is in the compute dtype (else the GEMM input is x2d cast, which is quantised here)."""
     cdt, ldt = meta.compute_dtype, meta.lora_dtype
-    ys = _frozen_forward(x2d.to(cdt), projs, cdt)
+    ys = _frozen_forward(x2d.to(cdt), projs, cdt, x_quantized if x2d.dtype == cdt else None)
     lora = [j for j, (_, a, _, _) in enumerate(projs) if a is not None]
     xas = [None] * len(projs)
     if not lora:
@@ -219,10 +221,13 @@ def group_input_grad(dys, g_terms, projs, meta, seeds, first_seed):
     return dx
 
 
-def _frozen_forward(xc, projs, cdt):
+def _frozen_forward(xc, projs, cdt, x_quantized=None):
     """x W_j^T + b_j per projection in ``cdt``; an FP8Weight's GEMM runs in e4m3 (:func:`~leantune.ops.fp8.fp8_linear`)
-    on x quantised once per row for every FP8 projection of the group."""
-    x_fp8 = quantize_rows(xc) if any(isinstance(w, FP8Weight) for w, _, _, _ in projs) else None
+    on x quantised once per row for every FP8 projection of the group: ``x_quantized`` when the producer of x wrote
+    it (RMSNorm, the GLU), else a separate :func:`~leantune.ops.fp8.quantize_rows` pass here."""
+    x_fp8 = None
+    if any(isinstance(w, FP8Weight) for w, _, _, _ in projs):
+        x_fp8 = quantize_rows(xc) if x_quantized is None else x_quantized
     return [fp8_linear(xc, w, b, out_dtype=cdt, x_quantized=x_fp8) if isinstance(w, FP8Weight)
             else F.linear(xc, w.to(cdt), None if b is None else b.to(cdt)) for w, _, _, b in projs]
 
