@@ -287,12 +287,12 @@ def _backward_torch(dh, gate, up, activation, inplace):
 
 def _forward(gate, up, activation, impl, fp8_out=False):
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
-    if gate.numel() == 0:
-        h = _runtime.empty(gate.shape, dtype=out_dtype, device=gate.device)
-        return (h, _quantize_rows_torch(h.reshape(-1, h.shape[-1]))) if fp8_out else h
-    if impl == "triton":
+    if impl == "triton" and gate.numel():
         return _forward_triton(gate, up, activation, out_dtype, fp8_out)
-    h = _forward_torch(gate, up, activation, out_dtype)
+    if gate.numel():
+        h = _forward_torch(gate, up, activation, out_dtype)
+    else:
+        h = _runtime.empty(gate.shape, dtype=out_dtype, device=gate.device)
     return (h, _quantize_rows_torch(h.reshape(-1, h.shape[-1]))) if fp8_out else h
 
 
