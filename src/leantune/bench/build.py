@@ -21,8 +21,9 @@ bnb_4bit_compute_dtype=torch.bfloat16)`` loads, with PEFT's ``lora.bnb.Linear4bi
 ``lm_head`` stay bf16 as in ``leantune+nf4``, so the two differ only in their kernels (neither gets
 ``prepare_model_for_kbit_training``'s fp32 upcasts). ``leantune+fp8`` (experimental, issue #26): the same
 layer-by-layer build with the frozen linears as leantune's ``FP8Linear`` (e4m3, per-output-channel scales), then
-``leantune.patch``; the activation and dY are quantised in a separate pass before each ``_scaled_mm`` (the naive FP8
-baseline: no fused quantisation yet).
+``leantune.patch``; from the second forward on, the RMSNorm and GLU kernels write the per-token e4m3 codes of the
+q/k/v, gate/up and down inputs in their own pass (``patch/fp8_inputs.py``), while o_proj's input and dY still get a
+separate quantisation pass; ``leantune+fp8+graph`` is the same model stepped from CUDA graphs.
 
 The QLoRA models are built one decoder layer at a time (:func:`_build_quantized`): the model on the meta device,
 then each layer materialised, drawn from the same (seed, name) as the bf16 model's, and quantised before the next,
@@ -39,8 +40,10 @@ import zlib
 from .harness import load_config
 
 IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
-         "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8")
-QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8")
+         "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
+         "leantune+fp8+graph")
+QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
+             "leantune+fp8+graph")
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 _TILE_SUFFIX = re.compile(r"\+tiled(\d+)$")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -247,7 +250,7 @@ def _quantize_layer(layer, impl: str, names) -> None:
     FP8 keep the stacks in bf16."""
     from torch import nn
 
-    if impl.startswith("leantune") and impl != "leantune+fp8":
+    if impl.startswith("leantune") and not impl.startswith("leantune+fp8"):
         from ..quantize import expert_stacks, quantize_experts
 
         for module in list(layer.modules()):
@@ -258,7 +261,7 @@ def _quantize_layer(layer, impl: str, names) -> None:
         for child_name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child_name not in (*TARGETS, "base_layer"):
                 continue
-            if impl == "leantune+fp8":
+            if impl.startswith("leantune+fp8"):
                 from ..ops import quantize_fp8
                 from ..quantize import FP8Linear
 

@@ -101,7 +101,7 @@ def device_intervals(events, device: str) -> tuple[list[tuple[int, int]], int]:
     return intervals, kernels
 
 
-def top_kernels(events, device: str, steps: int, n: int = 12) -> list[dict]:
+def top_kernels(events, device: str, steps: int, n: int = 48) -> list[dict]:
     """The ``n`` kernels (on the CPU: operators) with the most device time in the recorded ``steps``, by name:
     ``{"name", "ms_per_step", "calls_per_step"}``, largest first (what a step's GPU time is spent on)."""
     totals: dict[str, list] = {}
