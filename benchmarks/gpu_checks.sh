@@ -193,12 +193,14 @@ part_dora_scale() {  # DoRA's column-scale kernels on the card: tests/test_dora.
 
 part_fp8() {  # #26 stage 2 on the card: the FP8 tests, then the 8B step with fused activation quantisation and its trace
   timeout $(bound 150) python3 -m pytest -q -n 8 -p no:cacheprovider -rs tests/test_fp8.py tests/test_fp8_kernels.py \
-    tests/test_fp8_fused.py tests/test_fp8_train.py > "$OUT/pytest-fp8.log" 2>&1
+    tests/test_fp8_fused.py tests/test_fp8_train.py tests/test_lora_glu.py > "$OUT/pytest-fp8.log" 2>&1
   echo "pytest (fp8) exit $?"; tail -2 "$OUT/pytest-fp8.log"; grep -E "^_{3,} test.* _{3,}$" "$OUT/pytest-fp8.log" | head
-  REPEAT=${REPEAT:-1} IMPLS=${IMPLS:-hf+peft,leantune+graph,leantune+fp8,leantune+fp8+graph} \
-    host_e2e fp8-8b --configs .gpu/llama3-8b --gc ${GC:-on} --seq 4096 --batch 1
+  REPEAT=${REPEAT:-1} IMPLS=${IMPLS:-hf+peft,leantune+graph,leantune+fp8+graph} \
+    host_e2e fp8-8b --configs .gpu/llama3-8b --gc on --seq 4096 --batch 1
   python3 benchmarks/top_kernels.py "$OUT/fp8-8b" --n 48 | grep -iE "^top|quant|transpose|_fp8|scaled|rms|glu|gemm|cutlass" \
     > "$OUT/fp8-trace.txt"; cat "$OUT/fp8-trace.txt"  # a separate quantisation pass shows as _quantize_rows_kernel
+  [ -z "${GC_OFF:-1}" ] || REPEAT=${REPEAT:-1} IMPLS=${GC_OFF_IMPLS:-hf+peft,leantune+fp8+graph} \
+    host_e2e fp8-8b-gcoff --configs .gpu/llama3-8b --gc off --seq 4096 --batch 1
 }
 
 part_moe_e2e() {  # #29: Qwen3-30B-A3B shape (48 layers, 128 experts, top-8), LoRA on attention and experts, 4096 x 1

@@ -983,3 +983,14 @@ def test_frozen_weight_bytes_of_4bit_models(tiny_config):
     pytest.importorskip("bitsandbytes")  # bitsandbytes keeps the absmax codes unpadded
     unpadded = nf4 - sum(256 * -(-(n // 64) // 256) - n // 64 for n in sizes)
     assert frozen_weight_bytes(build.build(dataclasses.replace(spec, impl="hf+peft+bnb"))[0]) == unpadded + bf16_rest
+
+
+def test_frozen_weight_bytes_of_fp8_models(tiny_config):
+    """The FP8 model's frozen bytes: per projection [out, in], out x in e4m3 codes and out fp32 scales; plus the bf16
+    rest (tied embedding, norms)."""
+    spec = RunSpec("leantune+fp8", tiny_config, seq=8, batch=1, gc=False, device="cpu")
+    model, config = build.build(spec)
+    shapes = [(64, 64), (32, 64), (32, 64), (64, 64), (96, 64), (96, 64), (64, 96)] * config.num_hidden_layers
+    fp8 = sum(out * inp + 4 * out for out, inp in shapes)
+    bf16_rest = 2 * (97 * 64 + (2 * config.num_hidden_layers + 1) * 64)
+    assert frozen_weight_bytes(model) == fp8 + bf16_rest

@@ -229,7 +229,7 @@ def tiny_fp8_llama():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=136, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)  # quantised where the backend runs
     leantune.quantize(model, "fp8")
     torch.manual_seed(1)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",

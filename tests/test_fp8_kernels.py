@@ -212,7 +212,7 @@ def compile_sm90(kernel, signature, constexprs, aligned, num_warps):
     info = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
                           text=True).stderr
     os.unlink(f.name)
-    return sorted(set(re.findall(r"\b(?:div|mul|abs|max|min|ld\.global|st\.global)\.[A-Za-z0-9.]+", ptx))), info
+    return sorted(set(re.findall(r"\b(?:div|mul|abs|max|min|cvt|ld\.global|st\.global)\.[A-Za-z0-9.]+", ptx))), info
 
 quant = {"T": "*i16", "M": "*fp32", "Q": "*u8", "S": "*fp32", "stride_row": "i32", "stride_col": "constexpr",
          "n_rows": "i32", "n_cols": "i32", "BF16_BITS": "constexpr", "HAS_MULTIPLIER": "constexpr",
@@ -233,7 +233,8 @@ print(json.dumps(out))
 def test_sm90_code_is_ieee_and_vectorised():
     """The kernels compiled for sm_90 (Triton's compiler and ptxas, no GPU needed; a fresh process, since this one
     interprets): IEEE fp32 division, product and abs (no flush-to-zero, no approximate divide), NaN-propagating
-    max, 128-bit global loads and stores, no spills. What the interpreter cannot show about the card's code."""
+    max, the hardware e4m3 conversion (round to nearest even, saturating), 128-bit global loads and stores, no
+    spills. What the interpreter cannot show about the card's code."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -246,5 +247,6 @@ def test_sm90_code_is_ieee_and_vectorised():
         assert "0 bytes spill stores" in info, (name, info)
         if name != "transpose":
             assert "div.rn.f32" in ops_ and "max.NaN.f32" in ops_, (name, ops_)
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ops_, (name, ops_)
             assert not [op for op in ops_ if ".ftz" in op or "approx" in op or "div.full" in op], (name, ops_)
     assert "mul.f32" in found["bf16 dY one block"][0]  # the multiplier's product, IEEE

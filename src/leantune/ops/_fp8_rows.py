@@ -9,6 +9,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._runtime import KERNELS_INTERPRETED
+
+# Compiled for the card, fp32 -> e4m3 is the hardware conversion (cvt.rn.satfinite.e4m3x2.f32: round to nearest even,
+# one instruction per two codes); the interpreter's cast is wrong (below), so there the codes come from integer
+# arithmetic on the bits. The two give the same codes (tests/test_fp8_kernels.py on the card against torch's cast,
+# on the CPU the integer form against the same references). Measured on the H200 (2026-12-03): with the integer form
+# the quantisation was compute-bound, ~0.07 ms per 4096 x 4096 against a 0.013 ms memory floor.
+NATIVE_E4M3 = tl.constexpr(not KERNELS_INTERPRETED)
+
 
 @triton.jit
 def _max_propagating_nan(a, b):
@@ -60,7 +69,14 @@ def _store_codes(Q, x, scale, rows, cols, mask, n_cols):
     """q = e4m3(clamp(x / s, -448, 448)) with IEEE fp32 division (``/`` is approximate on the card)."""
     quotient = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     quotient = tl.clamp(quotient, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(Q + rows[:, None] * n_cols + cols[None, :], _e4m3_codes(quotient).to(tl.uint8), mask=mask)
+    if NATIVE_E4M3:
+        codes = quotient.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        # a NaN keeps its sign bit, as torch's cast and the integer form do (the hardware writes 0x7F for any NaN)
+        nan_codes = (((quotient.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
+        codes = tl.where(quotient != quotient, nan_codes, codes)
+    else:
+        codes = _e4m3_codes(quotient).to(tl.uint8)
+    tl.store(Q + rows[:, None] * n_cols + cols[None, :], codes, mask=mask)
 
 
 @triton.jit

@@ -6,14 +6,12 @@ adapters), rounds once to the stored dtype, writes gate/up back in place (the ca
 writes h from the rounded values, so h recomputed from the saved buffers in backward equals the forward's h.
 Traffic: reads 2, writes 3 [N, I] tensors, against 2 + 2 (two low-rank adds) + 2 + 1 (GLU) unfused.
 
-FP8 side output (``fp8_out=True``, the down projection on an FP8 base): a program then owns ``BLOCK_N`` whole rows
-and walks their column tiles (grid ``[N / BLOCK_N, 1]`` instead of ``[N / BLOCK_N, I / BLOCK_I]``), keeping each
-row's absmax of h as stored; it then reads its h back and writes the e4m3 codes and scales
-(:func:`leantune.ops.fp8.quantize_rows`'s arithmetic, the jit pieces of :mod:`leantune.ops._fp8_rows`). DRAM
-bytes per element: the above + 1 (codes) when the read-back hits L2, against + 3 for a separate quantisation pass
-over h (read 2, write 1, bf16). Whether it does is unmeasured: 16 rows of I 14336 are 458 KB a program, ~60 MB over
-132 SMs against the H200's 50 MB L2, so at worst the bytes of the separate pass, one launch fewer. The torch path:
-h, then ``quantize_rows(h)``.
+FP8 side output (``fp8_out=True``, the down projection on an FP8 base): h, then its per-row e4m3 codes and scales
+from :mod:`leantune.ops.fp8`'s row quantiser (a second kernel, one more read of h). A first version put the
+quantisation in this kernel, with each program owning 16 whole rows (the row absmax needs every column): at 4,096
+tokens that is 256 programs for 132 SMs, and on the H200 the kernel took 66.5 ms a step against 39.4 ms for the
+tiled one (Llama-3-8B shape, 64 calls; benchmarks/RESULTS.md, 2026-12-03 ninth session), far more than the separate
+pass costs. The torch path: h, then ``quantize_rows(h)``.
 
 The activation and its formulas are :mod:`leantune.ops.glu`'s (this module imports them; glu knows nothing of LoRA).
 """
@@ -26,8 +24,7 @@ import triton.language as tl
 
 from .. import _dot, _launch, _runtime
 from .._dot import mixed_dot
-from .._fp8_rows import quantized_row_pass, row_absmax, stored_fp32
-from ..fp8 import E4M3
+from ..fp8 import _quantize_rows_triton
 from ..glu import check_inputs, glu_activation, glu_forward
 
 
@@ -49,14 +46,20 @@ def _lowrank_tile(XA, B, rows64, cols, row_ok, col_ok, stride_xa, stride_b, rank
     return acc
 
 
+@_launch.bound
 @triton.jit
-def _lowrank_glu_tile(G, U, H, XA_G, B_G, XA_U, B_U, rows64, cols, row_ok,
-                      stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
-                      n_cols, rank_g, rank_u, scale_g, scale_u,
-                      ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr):
+def _glu_forward_lowrank_kernel(
+    G, U, H, XA_G, B_G, XA_U, B_U,
+    stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
+    n_rows, n_cols, rank_g, rank_u, scale_g, scale_u,
+    ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
+):
     """G = cast(G + s_g xa_g B_g^T), U likewise (in place), H = act(G) * U from the rounded G, U for one
-    [BLOCK_N, BLOCK_I] tile; returns (h as stored, in fp32; the tile's mask)."""
+    [BLOCK_N, BLOCK_I] tile."""
+    rows64 = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    row_ok = rows64 < n_rows
     col_ok = cols < n_cols
     mask = row_ok[:, None] & col_ok[None, :]
     acc_g = _lowrank_tile(XA_G, B_G, rows64, cols, row_ok, col_ok, stride_xag, stride_bg, rank_g,
@@ -73,70 +76,30 @@ def _lowrank_glu_tile(G, U, H, XA_G, B_G, XA_U, B_U, rows64, cols, row_ok,
     act, _ = glu_activation(g.to(tl.float32), ACTIVATION)
     h = (act * u.to(tl.float32)).to(H.dtype.element_ty)
     tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
-    return stored_fp32(h), mask
-
-
-@_launch.bound
-@triton.jit
-def _glu_forward_lowrank_kernel(
-    G, U, H, XA_G, B_G, XA_U, B_U, Q, S,
-    stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
-    n_rows, n_cols, rank_g, rank_u, scale_g, scale_u,
-    ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr, FP8_OUT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
-):
-    """One [BLOCK_N, BLOCK_I] tile (``_lowrank_glu_tile``); with FP8_OUT every tile of BLOCK_N whole rows, their
-    absmax alongside, then the rows' e4m3 codes from h read back."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows64 = rows.to(tl.int64)
-    row_ok = rows < n_rows
-    if FP8_OUT:
-        absmax = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK_I):
-            h, mask = _lowrank_glu_tile(G, U, H, XA_G, B_G, XA_U, B_U, rows64, start + tl.arange(0, BLOCK_I), row_ok,
-                                        stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
-                                        n_cols, rank_g, rank_u, scale_g, scale_u, ACTIVATION, DOT_MODE, UPCAST,
-                                        BLOCK_N, BLOCK_I, BLOCK_RG, BLOCK_RU)
-            absmax = row_absmax(absmax, h, mask)
-        unused = tl.zeros([BLOCK_N, BLOCK_I], dtype=tl.float32)  # ONE_BLOCK False: the codes pass reads h back
-        quantized_row_pass(H, Q, S, unused, absmax, rows64, tl.arange(0, BLOCK_I), row_ok, unused != 0.0, stride_h,
-                           n_cols, BLOCK_I, False)
-    else:
-        _lowrank_glu_tile(G, U, H, XA_G, B_G, XA_U, B_U, rows64, tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I),
-                          row_ok, stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
-                          n_cols, rank_g, rank_u, scale_g, scale_u, ACTIVATION, DOT_MODE, UPCAST,
-                          BLOCK_N, BLOCK_I, BLOCK_RG, BLOCK_RU)
 
 
 def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, out_dtype, fp8_out=False, *,
-                            block_n=None, block_i=128, num_warps=8):
-    """h (with ``fp8_out``: and its (codes, scales)); ``block_n``/``block_i``/``num_warps`` override the defaults
-    (for tuning on the GPU; block_n: 64, or 16 with ``fp8_out``, where a program owns whole rows, so that 4096
-    tokens still make 256 programs)."""
+                            block_n=64, block_i=128, num_warps=8):
+    """h (with ``fp8_out``: and its (codes, scales), a second kernel); ``block_n``/``block_i``/``num_warps``
+    override the defaults (for tuning on the GPU)."""
     n_rows, n_cols = gate.shape
-    block_n = block_n or (16 if fp8_out else 64)
     h = _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=gate.device)
-    codes = scales = None
-    if fp8_out:
-        codes = _runtime.empty((n_rows, n_cols), dtype=E4M3, device=gate.device)
-        scales = _runtime.empty((n_rows,), dtype=torch.float32, device=gate.device)
     xa_g, xa_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (xa_g, xa_u))
     b_g, b_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (b_g, b_u))
     lora_dtype = xa_g.dtype
     dot_mode = _dot.DOT_NATIVE if lora_dtype in (torch.float16, torch.bfloat16) else _dot.DOT_IEEE
-    grid = (_runtime.cdiv(n_rows, block_n), 1 if fp8_out else _runtime.cdiv(n_cols, block_i))
-    _glu_forward_lowrank_kernel[grid](
-        gate, up, h, xa_g, b_g, xa_u, b_u, codes.view(torch.uint8) if fp8_out else h, scales if fp8_out else h,
+    _glu_forward_lowrank_kernel[(_runtime.cdiv(n_rows, block_n), _runtime.cdiv(n_cols, block_i))](
+        gate, up, h, xa_g, b_g, xa_u, b_u,
         gate.stride(0), up.stride(0), h.stride(0), xa_g.stride(0), b_g.stride(0), xa_u.stride(0), b_u.stride(0),
         n_rows, n_cols, xa_g.shape[1], xa_u.shape[1], float(s_g), float(s_u),
-        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED, FP8_OUT=fp8_out,
+        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED,
         BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=_runtime.rank_block(xa_g.shape[1]),
         BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), num_warps=num_warps,
     )
     if not torch.compiler.is_compiling():  # traced, the kernel's writes are functionalised: no version to bump
         torch.autograd.graph.increment_version(gate)  # written behind autograd's back
         torch.autograd.graph.increment_version(up)
-    return (h, (codes, scales)) if fp8_out else h
+    return (h, _quantize_rows_triton(h)) if fp8_out else h
 
 
 def _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, fp8_out):
