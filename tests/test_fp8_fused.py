@@ -59,6 +59,22 @@ def test_rms_norm_side_output_carries_no_gradient_and_leaves_backward_unchanged(
     assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)
 
 
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (22, 48)), (torch.bfloat16, (37, 4096)),
+                                         (torch.float16, (19, 1000))])
+def test_rms_norm_side_output_leaves_y_and_rstd_bit_for_bit(backend, dtype, shape):
+    """Plain random rows at the tiny FP8 Llama's shape (22 x 48, where a constexpr switch gave the card's FP8 variant
+    its own reduction order: y 1 ulp apart) and at model widths: y, and dx (which reads the saved rstd), identical."""
+    x = torch.randn(shape, device=DEVICE).to(dtype).requires_grad_()
+    w = (1 + torch.randn(shape[-1], device=DEVICE) / 4).to(dtype)
+    dy = torch.randn(shape, device=DEVICE).to(dtype)
+    y, _ = ops.rms_norm(x, w, 1e-6, fp8_out=True)
+    y_plain = ops.rms_norm(x, w, 1e-6)
+    assert torch.equal(y, y_plain)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    (dx_plain,) = torch.autograd.grad(y_plain, x, dy)
+    assert torch.equal(dx, dx_plain)
+
+
 def test_rms_norm_triton_kernel_writes_the_codes_in_its_own_pass(monkeypatch):
     """On the Triton path the codes come from the norm kernel, not from a quantisation launch."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")

@@ -40,12 +40,15 @@ MAX_HIDDEN = 65536  # one row per program in registers
 
 # ------------------------------------------------------------------------------------------------------ kernels
 @_launch.bound
-@triton.jit
+@triton.jit(do_not_specialize=["fp8_out"])
 def _rms_norm_forward_kernel(
     X, W, Y, RSTD, Q, S,
-    stride_x, stride_y, n_rows, n_cols, eps, offset,
-    HAS_WEIGHT: tl.constexpr, GEMMA: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    stride_x, stride_y, n_rows, n_cols, eps, offset, fp8_out,
+    HAS_WEIGHT: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
+    # fp8_out is a runtime 0/1, not specialised: with and without the side output it is one binary, so y and rstd
+    # are bit for bit the same either way (a constexpr gave the FP8 variant its own layouts and reduction order: 1 ulp
+    # apart on the card). An int, as the interpreter cannot take a bool argument.
     # A [ROWS, BLOCK] tile per program: more bytes in flight per program when rows are short.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -65,7 +68,7 @@ def _rms_norm_forward_kernel(
         y = x_hat
     y = y.to(Y.dtype.element_ty)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
-    if FP8_OUT:  # quantize_rows(y) of y as stored: the row is in registers, its absmax one more reduction
+    if fp8_out:  # quantize_rows(y) of y as stored: the row is in registers, its absmax one more reduction
         store_row_quantisation(Q, S, stored_fp32(y), rows, cols, row_mask, mask, n_cols)
 
 
@@ -129,9 +132,10 @@ def _forward_triton(x, weight, eps, offset, gemma, out_dtype, fp8_out=False, *, 
     rows = rows or _tile_rows(n_cols)
     _rms_norm_forward_kernel[(_runtime.cdiv(n_rows, rows),)](
         x, weight if weight is not None else x, y, rstd,
-        quantized[0].view(torch.uint8) if fp8_out else rstd, quantized[1] if fp8_out else rstd,
-        x.stride(0), y.stride(0), n_rows, n_cols, eps, offset,
-        HAS_WEIGHT=weight is not None, GEMMA=gemma, FP8_OUT=fp8_out, BLOCK=block, ROWS=rows,
+        # without the side output Q and S alias rstd with the codes' and scales' dtypes: the same signature
+        quantized[0].view(torch.uint8) if fp8_out else rstd.view(torch.uint8), quantized[1] if fp8_out else rstd,
+        x.stride(0), y.stride(0), n_rows, n_cols, eps, offset, int(fp8_out),
+        HAS_WEIGHT=weight is not None, GEMMA=gemma, BLOCK=block, ROWS=rows,
         num_warps=num_warps or _runtime.num_warps_for(block * rows),
     )
     return y, rstd, quantized
