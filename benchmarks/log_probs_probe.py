@@ -7,8 +7,8 @@ vocabulary), bf16, beside the plain torch path (``hidden @ weight.T`` in bf16, `
     PYTHONPATH=src python benchmarks/log_probs_probe.py --device cpu --n 256 --hidden 32 --vocab 1000 --torch-n 256
 
 Cases (rows): leantune with the gradient of the hidden states only (the lm_head frozen, as under LoRA: the GRPO
-case), at the op's default 32 MiB logits chunk, with the entropy returned too (what GRPOTrainer asks under
-``patch_trainer``; its gradient not asked for, as without an entropy bonus), at a 256 MiB chunk, and with the
+case), at the op's default 256 MiB logits chunk, with the entropy returned too (what GRPOTrainer asks under
+``patch_trainer``; its gradient not asked for, as without an entropy bonus), at the former 32 MiB default, and with the
 weight's gradient too (a trainable lm_head); then the torch path (hidden's gradient) at each ``--torch-n``.
 
 Inputs: hidden [N, H] ~ N(0, 1), weight [V, H] ~ N(0, 0.02^2) (logits of std ~1.3), tokens [N] int64 uniform,
@@ -212,9 +212,9 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp64 reference and the fp32 paths untouched by TF32
-    cases = [("leantune", leantune_path(), args.n, False, "32 MiB chunks"),
+    cases = [("leantune", leantune_path(), args.n, False, "256 MiB chunks (the default)"),
              ("leantune", leantune_path(entropy=True), args.n, False, GRPO_CASE),
-             ("leantune", leantune_path(chunk_mib=256), args.n, False, "256 MiB chunks"),
+             ("leantune", leantune_path(chunk_mib=32), args.n, False, "32 MiB chunks"),
              ("leantune", leantune_path(), args.n, True, "trainable lm_head")]
     cases += [("torch", torch_path, n, False, "") for n in args.torch_n]
     rows = []

@@ -27,7 +27,7 @@ def test_log_probs_probe_cpu_dry_run(tmp_path, capsys):
         ("leantune", 300, "hidden+weight"), ("torch", 300, "hidden"), ("torch", 64, "hidden")]
     for r in rows:
         assert r["status"] == "ok" and math.isfinite(r["ms"]) and r["ms"] > 0
-        # fp32 against float64 over every row (300 rows, chunks of 32 MiB: one chunk; the 256 MiB case too)
+        # fp32 against float64 over every row (300 rows: one chunk at 256 MiB and at 32 MiB)
         assert r["logp_err"] <= 1e-5 and r["dhidden_err"] <= 1e-5, r
         assert r["peak_gib"] is None  # no allocator statistics on the CPU
     out = capsys.readouterr().out.rstrip().splitlines()

@@ -28,7 +28,7 @@ when the weight or bias wants a gradient, token chunks otherwise). 2 N H V multi
 backward (dhidden only, or with dweight).
 
 Saved: hidden, weight, bias (references), tokens, lse [N] fp32 (and H [N] with the entropy). Extra peak: one
-logits chunk (``chunk_bytes``, default 32 MiB) plus O(N) fp32 rows. Under ``torch.autocast`` the inputs are cast to
+logits chunk (``chunk_bytes``, default 256 MiB) plus O(N) fp32 rows. Under ``torch.autocast`` the inputs are cast to
 the autocast dtype, as HF's ``lm_head`` would be; gradients come back in each input's dtype.
 """
 
@@ -44,7 +44,12 @@ import triton.language as tl
 from . import _launch, _runtime
 from ._loss import Options, check_options
 from .cross_entropy import _softcap, _softcap_torch, loss_rows, row_statistics, vocab_block
-from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, _logits_into, _recompute_backward, chunk_length, compute_inputs
+from .linear_cross_entropy import _logits_into, _recompute_backward, chunk_length, compute_inputs
+
+# Measured on the H200 at N 65,536, H 4,096, V 151,936 bf16, fwd + bwd of dhidden (benchmarks/RESULTS.md,
+# 2026-12-04): 632 ms and 0.53 GiB beyond the inputs at 32 MiB chunks (110 rows each), 391 ms and 0.72 GiB at
+# 256 MiB (the [N, V] torch path: 372 ms, 111 GiB). Narrow chunks leave the GEMMs short of rows.
+DEFAULT_LOG_PROBS_CHUNK_BYTES = 256 * 2**20
 
 _SCRATCH_STATISTICS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # row_statistics writes them beside entropy
 
@@ -185,7 +190,8 @@ def linear_log_probs(hidden, weight, tokens, bias=None, *, temperature=1.0, entr
         entropy: also return the entropy of softmax(z) per row (differentiable: an entropy bonus trains through it).
         ignore_index: rows with this token give logp 0 (and entropy 0) and no gradient.
         softcap: c > 0 or None: ``c tanh(x / c)`` applied to the logits before the temperature (Gemma 2).
-        chunk_bytes: byte budget of the logits work buffer (default 32 MiB): token chunks of
+        chunk_bytes: byte budget of the logits work buffer (default :data:`DEFAULT_LOG_PROBS_CHUNK_BYTES`, 256 MiB):
+            token chunks of
             ``chunk_bytes / (V * itemsize)`` rows forward; vocab tiles of ``chunk_bytes / (N * itemsize)`` columns
             backward when the weight or bias wants a gradient.
         checks: ``"eager"`` (a bad token raises ValueError, after one host sync) or ``"deferred"`` (no host sync: a
@@ -223,7 +229,7 @@ def linear_log_probs(hidden, weight, tokens, bias=None, *, temperature=1.0, entr
     if not isinstance(entropy, bool):
         raise ValueError(f"entropy must be a bool, got {entropy!r}")
     if chunk_bytes is None:
-        chunk_bytes = DEFAULT_CHUNK_BYTES["low"]
+        chunk_bytes = DEFAULT_LOG_PROBS_CHUNK_BYTES
     elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     _runtime.check_same_device(hidden=hidden, weight=weight, bias=bias, tokens=tokens)
