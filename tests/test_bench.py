@@ -417,6 +417,24 @@ def test_nf4_moe_build_quantises_experts_layer_by_layer(tmp_path, monkeypatch):
     assert nf4.leantune_summary["counts"]["experts_lora"] == 3
 
 
+def test_gpt_oss_builds_with_eager_attention_and_agrees(tmp_path):
+    """gpt-oss's class takes no sdpa (the card's first gpt-oss run stopped there): the bench builds it with eager
+    attention, and both sides run a step that agrees (leantune serves the sinks itself)."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64)
+    config.save_pretrained(tmp_path / "gpt-oss")
+    assert build.attention_implementation(config) == "eager"
+    assert build.attention_implementation(LlamaConfig(**TINY)) == "sdpa"
+    rows = [step.run_one_safe(RunSpec(impl, str(tmp_path / "gpt-oss"), seq=20, batch=1, gc=True, warmup=0, steps=1,
+                                      device="cpu")) for impl in ("hf+peft", "leantune")]
+    assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("error") for r in rows]
+    report.flag_agreement(rows)  # bf16 weights: the bench's own tolerance on the first loss and grad norm
+    assert [r["agreement"] for r in rows] == ["reference", "ok"], rows
+
+
 def test_child_dry_run_with_dora_agrees_with_peft(tiny_config):
     """--dora: PEFT's DoRA adapters on both sides; the patched run's first loss and grad norm agree with PEFT's."""
     runs = [step.run_one_safe(RunSpec(impl, tiny_config, seq=16, batch=1, gc=False, warmup=0, steps=1, device="cpu",

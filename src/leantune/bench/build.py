@@ -4,7 +4,8 @@ Every implementation gets the same weights: the model is built from its config, 
 (seed, parameter name) (:func:`seeded_init`), so the weights depend neither on the module classes (Liger swaps some)
 nor on the order they were built in. LoRA: r=16, alpha=32 on all 7 projections (a MoE config: also its expert stacks, PEFT ``target_parameters``
 ``mlp.experts.gate_up_proj`` / ``down_proj``), ``init_lora_weights=False``
-(non-zero B, so every gradient is non-trivial), adapters in fp32 (PEFT's default), sdpa attention, gradient
+(non-zero B, so every gradient is non-trivial), adapters in fp32 (PEFT's default), sdpa attention (eager for a model
+class that does not take sdpa, gpt-oss: :func:`attention_implementation`), gradient
 checkpointing non-reentrant with ``enable_input_require_grads``.
 
 Implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
@@ -38,6 +39,15 @@ import re
 import zlib
 
 from .harness import load_config
+
+
+def attention_implementation(config) -> str:
+    """"sdpa", or "eager" where transformers' causal-LM class for ``config`` does not support sdpa (gpt-oss:
+    SDPA has no sinks; leantune's patch serves the sinks under eager with ``ops.sink_attention``)."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
          "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
@@ -144,7 +154,7 @@ def _build_bf16(spec, config, device):
         apply_liger_kernel_to_llama()  # module-level: classes swapped before the model is built
     torch.manual_seed(spec.seed)
     with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention_implementation(config))
     seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec, model))
@@ -160,7 +170,7 @@ def _build_meta(spec, config):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention_implementation(config))
     names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec, model))
@@ -212,7 +222,7 @@ def _build_quantized(spec, config, device):
             raise Skip(f"bitsandbytes not importable ({exc})") from None
     torch.manual_seed(spec.seed)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention_implementation(config))
     hf = model
     names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))  # the bf16 model's names
     layers = list(model.get_decoder().layers)
