@@ -186,6 +186,44 @@ def test_glu_forward_backward_and_inplace(backend, activation):
     assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(9, 45), (2, 5, 24)])
+def test_glu_backward_into_the_halves_of_one_buffer(backend, activation, shape):
+    """``out=``: d_gate and d_up written through the row strides of the two halves of one [..., 2I] buffer (a MoE
+    gate_up gradient), equal to the out-of-place results; the rest of the buffer is the results, nothing unwritten
+    (the buffer starts as NaN)."""
+    gate, up = _inputs(shape, torch.bfloat16)
+    dh = torch.randn(shape, device=DEVICE)
+    expected = glu.glu_backward(dh, gate, up, activation)
+    buffer = torch.full((*shape[:-1], 2 * shape[-1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    halves = buffer.chunk(2, dim=-1)
+    result = glu.glu_backward(dh, gate, up, activation, out=halves)
+    assert all(r.data_ptr() == h.data_ptr() for r, h in zip(result, halves))
+    assert torch.equal(buffer, torch.cat(expected, dim=-1))
+
+
+def test_glu_backward_out_errors(backend):
+    gate, up = _inputs((4, 8), torch.float32)
+    dh = torch.randn(4, 8, device=DEVICE)
+    buffer = torch.empty(4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="out and inplace=True are exclusive"):
+        glu.glu_backward(dh, gate.detach(), up.detach(), "swiglu", inplace=True, out=buffer.chunk(2, dim=-1))
+    with pytest.raises(ValueError, match="out must be a pair of tensors"):
+        glu.glu_backward(dh, gate, up, "swiglu", out=buffer)
+    with pytest.raises(ValueError, match=r"out\[1\] must have shape \(4, 8\), dtype torch.float32"):
+        glu.glu_backward(dh, gate, up, "swiglu", out=(buffer[:, :8], buffer[:, 8:15]))
+    with pytest.raises(ValueError, match=r"out\[0\] must have unit last stride"):
+        glu.glu_backward(dh, gate, up, "swiglu", out=(buffer[:, ::2], buffer[:, 8:]))
+    with pytest.raises(ValueError, match="must not overlap"):  # columns 4..11 and 8..15 of each row
+        glu.glu_backward(dh, gate, up, "swiglu", out=(buffer[:, 4:12], buffer[:, 8:]))
+    tall = torch.empty(5, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="must not overlap"):  # rows 0-3 and rows 1-4 of the same columns
+        glu.glu_backward(dh, gate, up, "swiglu", out=(tall[:4, :8], tall[1:, :8]))
+    assert not glu._rows_overlap(buffer[:, :8], buffer[:, 8:])
+    assert not glu._rows_overlap(buffer[:2, :8], buffer[2:, :8])
+    assert glu._rows_overlap(buffer[:, 7:15], buffer[:, 8:])
+
+
 def test_saves_only_gate_and_up(backend):
     gate, up = _inputs((4, 30), torch.float32)
     saved = []

@@ -1,6 +1,8 @@
 """ops.moe_experts vs a float64 per-expert reference written from the formula (ops/moe.py docstring): values and
 gradients of x, top_k_weights and every LoRA factor; routing edge cases; bf16; deferred index checks; input errors."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,6 +197,20 @@ def test_backend_runs_its_grouped_gemms(backend, monkeypatch):
     _run(_case(5, 8, 4, 3, 2, 2))
     # forward: 4 grouped_mm; backward: 4 grouped_mm + 4 grouped_outer
     assert len(calls) == (12 if backend == "triton" else 0)
+
+
+@pytest.mark.parametrize("activation,interleaved,fused", [("swiglu", False, True), ("swiglu", True, False),
+                                                          ("clamped_swiglu", True, False)])
+def test_split_swiglu_runs_the_glu_kernels(backend, monkeypatch, activation, interleaved, fused):
+    """SwiGLU over g's two halves goes through ops.glu (h once in forward and again in backward's recompute, dg
+    once, written into dg's halves); interleaved layouts keep the torch chain. Values: test_values_and_grads."""
+    moe = importlib.import_module("leantune.ops.moe")
+    calls = []
+    for name in ("glu_forward", "glu_backward"):
+        original = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, __o=original, __n=name, **k: calls.append(__n) or __o(*a, **k))
+    _run(_case(6, 8, 4, 3, 2, 2), activation=activation, interleaved=interleaved)
+    assert calls == (["glu_forward", "glu_forward", "glu_backward"] if fused else [])
 
 
 def test_deferred_index_check(backend):

@@ -220,10 +220,12 @@ def _forward_triton(gate, up, activation, out_dtype, fp8_out=False, *, block=Non
     return (h.view(gate.shape), (codes, scales)) if fp8_out else h.view(gate.shape)
 
 
-def _backward_triton(dh, gate, up, activation, inplace, *, block=None, num_warps=None):
-    (dh2d, g2d, u2d), n_rows, n_cols = _layout(dh, gate, up)
+def _backward_triton(dh, gate, up, activation, inplace, *, out=None, block=None, num_warps=None):
+    (dh2d, g2d, u2d, *out2d), n_rows, n_cols = _layout(dh, gate, up, *(out or ()))
     if inplace:  # contiguous (checked), so g2d/u2d are views of the caller's buffers
         d_gate, d_up = g2d, u2d
+    elif out is not None:  # views of the caller's tensors, written through their row strides
+        d_gate, d_up = out2d
     else:
         d_gate = _runtime.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
         d_up = _runtime.empty((n_rows, n_cols), dtype=up.dtype, device=up.device)
@@ -239,6 +241,8 @@ def _backward_triton(dh, gate, up, activation, inplace, *, block=None, num_warps
             torch.autograd.graph.increment_version(gate)  # see the change (traced, the writes are functionalised)
             torch.autograd.graph.increment_version(up)
         return gate, up
+    if out is not None:
+        return tuple(out)
     return d_gate.view(gate.shape), d_up.view(up.shape)
 
 
@@ -296,14 +300,20 @@ def _forward(gate, up, activation, impl, fp8_out=False):
     return (h, _quantize_rows_torch(h.reshape(-1, h.shape[-1]))) if fp8_out else h
 
 
-def _backward(dh, gate, up, activation, impl, inplace):
+def _backward(dh, gate, up, activation, impl, inplace, out=None):
     if gate.numel() == 0:
         if inplace:
             return gate, up
+        if out is not None:
+            return tuple(out)
         return (_runtime.empty(gate.shape, dtype=gate.dtype, device=gate.device),
                 _runtime.empty(up.shape, dtype=up.dtype, device=up.device))
-    backward = _backward_triton if impl == "triton" else _backward_torch
-    return backward(dh, gate, up, activation, inplace)
+    if impl == "triton":
+        return _backward_triton(dh, gate, up, activation, inplace, out=out)
+    d_gate, d_up = _backward_torch(dh, gate, up, activation, inplace)
+    if out is not None:
+        return out[0].copy_(d_gate), out[1].copy_(d_up)
+    return d_gate, d_up
 
 
 # ------------------------------------------------------------------------------------------------------ checks
@@ -356,7 +366,7 @@ def glu_forward(gate, up, activation, *, fp8_out=False):
         return _forward(gate, up, activation, impl, fp8_out)
 
 
-def glu_backward(dh, gate, up, activation, *, inplace=False):
+def glu_backward(dh, gate, up, activation, *, inplace=False, out=None):
     """(d_gate, d_up) of h = act(gate) * up for incoming ``dh``, without autograd (formulas in the module docstring).
 
     Args:
@@ -365,15 +375,20 @@ def glu_backward(dh, gate, up, activation, *, inplace=False):
         activation: one of ``ACTIVATIONS``.
         inplace: write d_gate into gate's buffer and d_up into up's buffer and return them (gate and up must be
             contiguous and must not overlap); saves two allocations where the caller owns gate/up.
+        out: ``(d_gate, d_up)`` tensors to write the results into and return instead (gate's / up's shape and
+            dtype, gate's device, unit last stride, e.g. the two halves of one ``[..., 2I]`` gradient buffer, which
+            saves the concatenation); not with ``inplace``.
 
     Returns:
         ``(d_gate, d_up)`` with gate's / up's dtype and shape.
 
     Raises:
-        ValueError: as :func:`glu_forward`, dh's shape differs from gate's, or ``inplace`` with non-contiguous
-            or overlapping gate/up.
+        ValueError: as :func:`glu_forward`, dh's shape differs from gate's, ``inplace`` with non-contiguous
+            or overlapping gate/up, or ``out`` not as above.
     """
     impl = check_inputs(gate, up, activation, dh)
+    if out is not None:
+        _check_out(out, gate, up, inplace)
     if inplace:
         for name, t in (("gate", gate), ("up", up)):
             if not t.is_contiguous():
@@ -381,7 +396,52 @@ def glu_backward(dh, gate, up, activation, *, inplace=False):
         if _overlap(gate, up):
             raise ValueError("gate and up must not overlap in memory with inplace=True")
     with torch.no_grad():
-        return _backward(dh, gate, up, activation, impl, inplace)
+        return _backward(dh, gate, up, activation, impl, inplace, out)
+
+
+def _check_out(out, gate, up, inplace):
+    if inplace:
+        raise ValueError("out and inplace=True are exclusive")
+    if not isinstance(out, (tuple, list)) or len(out) != 2 or not all(isinstance(t, torch.Tensor) for t in out):
+        raise ValueError(f"out must be a pair of tensors (d_gate, d_up), got {type(out).__name__}")
+    for name, t, ref in (("out[0]", out[0], gate), ("out[1]", out[1], up)):
+        if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+            raise ValueError(f"{name} must have shape {tuple(ref.shape)}, dtype {ref.dtype} and device "
+                             f"{ref.device}, got {tuple(t.shape)}, {t.dtype}, {t.device}")
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit last stride, got strides {tuple(t.stride())}")
+    if _rows_overlap(*out):
+        raise ValueError("out[0] and out[1] must not overlap in memory")
+
+
+def _viewable_as_rows(t):
+    """Whether ``t [..., I]`` views as ``[rows, I]`` without a copy (its leading dims nest: stride = next dim's
+    stride x size)."""
+    return all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(t.dim() - 2))
+
+
+def _rows_overlap(a, b):
+    """Whether two tensors share an element, exact for ``[rows, I]`` views with one row stride s >= I (the halves
+    of a ``[rows, 2I]`` buffer: element offsets d apart overlap iff some row shift k gives |d - k s| < I), else
+    conservative (their address spans intersect). False under torch.compile (no data pointers)."""
+    if torch.compiler.is_compiling() or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a2d, b2d = (t.view(-1, t.shape[-1]) if t.dim() >= 2 and _viewable_as_rows(t) else None for t in (a, b))
+    size = a.element_size()
+    diff = b.data_ptr() - a.data_ptr()
+    if (a2d is not None and b2d is not None and b2d.shape == a2d.shape and b2d.stride() == a2d.stride()
+            and a2d.stride(1) == 1 and a2d.stride(0) >= a2d.shape[1] and diff % size == 0
+            and b.element_size() == size):
+        (rows, width), stride = a2d.shape, a2d.stride(0)
+        d = diff // size
+        shifts = range(-(rows - 1), rows)
+        k = min(max(round(d / stride), shifts.start), shifts.stop - 1) if stride else 0
+        return any(abs(d - j * stride) < width for j in (k - 1, k, k + 1) if j in shifts)
+    def span(t):  # first and one-past-last byte the tensor can touch
+        start = t.data_ptr()
+        return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 class GLUFunction(torch.autograd.Function):

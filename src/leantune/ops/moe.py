@@ -41,6 +41,10 @@ a time, e.g. Mixtral-8x7B's gate_up 8 x 28672 x 4096 x 2 B = 1.9 GB in bf16 (0.9
 GEMMs that read it. The next lever (not built): dequantise per chunk of experts into a reused workspace and run the
 grouped GEMM per chunk (``offsets`` sliced), bounding the transient to a chunk.
 
+Activation: SwiGLU over g's two halves (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) runs as :func:`ops.glu.glu_forward`
+/ ``glu_backward`` (one Triton pass each way on the Triton backend, dg written straight into the halves of one
+[N k, 2I] buffer); gpt-oss's interleaved clamped SwiGLU is a chain of torch ops in fp32.
+
 Grouped GEMMs: Triton backend ``ops.moe_kernels.grouped_mm`` / ``grouped_outer`` (one launch for all experts,
 low-rank term in the same pass); torch backend ``torch._grouped_mm`` (its CPU and CUDA kernels need 16-byte-aligned
 strides: operands whose widths are not are zero-padded first, exact).
@@ -68,6 +72,7 @@ import torch.nn.functional as F
 
 from . import _loss, _runtime
 from .nf4 import NF4Weight, dequantize_nf4
+from .glu import glu_backward, glu_forward
 
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 CHECKS = ("eager", "deferred")
@@ -173,7 +178,16 @@ def _split(g: torch.Tensor, interleaved: bool):
     return g.chunk(2, dim=-1)
 
 
+def _fused_glu(cfg) -> bool:
+    """SwiGLU over the two halves of g runs as ops.glu's kernels (one pass each way, no fp32 copies of gate/up:
+    on the card the torch chain below was ~10 passes over [pairs, I] fp32 per layer); the interleaved clamped
+    SwiGLU of gpt-oss keeps the torch chain."""
+    return cfg.activation == "swiglu" and not cfg.interleaved
+
+
 def _act_forward(g, cfg):
+    if _fused_glu(cfg):
+        return glu_forward(*g.chunk(2, dim=-1), "swiglu")
     gate, up = (t.float() for t in _split(g, cfg.interleaved))
     if cfg.activation == "swiglu":
         return (F.silu(gate) * up).to(g.dtype)
@@ -183,6 +197,10 @@ def _act_forward(g, cfg):
 
 def _act_backward(dh, g, cfg):
     """dL/dg [M, 2I] (in g's dtype, the layout of g) from dh [M, I] (formulas: module docstring)."""
+    if _fused_glu(cfg):
+        dg = _runtime.empty(g.shape, dtype=g.dtype, device=g.device)
+        glu_backward(dh, *g.chunk(2, dim=-1), "swiglu", out=dg.chunk(2, dim=-1))  # written into dg's halves
+        return dg
     gate, up = (t.float() for t in _split(g, cfg.interleaved))
     dh = dh.float()
     if cfg.activation == "swiglu":
