@@ -204,8 +204,9 @@ part_fp8() {  # #26 stage 2 on the card: the FP8 tests, then the 8B step with fu
 }
 
 part_moe_e2e() {  # #29: Qwen3-30B-A3B shape (48 layers, 128 experts, top-8), LoRA on attention and experts, 4096 x 1
+  # (~2 min; warm-up 2: with 1, leantune+graph's capture step fell into the timed steps)
   timeout $(bound 540) python3 -m leantune bench e2e --configs .gpu/qwen3-30b-a3b --seq 4096 --batch 1 --gc on \
-    --steps ${STEPS:-10} --warmup 1 --impls ${IMPLS:-hf+peft,leantune} --matmul-tflops 700 \
+    --steps ${STEPS:-10} --warmup 2 --impls ${IMPLS:-hf+peft,leantune+graph} --matmul-tflops 700 \
     --budget-s $(( $(bound 540) - 10 )) --compare --out "$OUT/moe-e2e" > "$OUT/moe-e2e.log" 2>&1
   echo "moe-e2e exit $?"; grep -E "tokens/s|x[0-9.]+, peak|not run" "$OUT/moe-e2e.log" | tail -6
   sed -n '/^Step times/,$p' "$OUT/moe-e2e/results.md" 2>/dev/null
