@@ -8,7 +8,7 @@ from conftest import DEVICE, ON_GPU
 from reference import assert_close, geglu_ref, grads64, swiglu_ref
 
 from leantune import ops
-from leantune.ops import glu
+from leantune.ops import _runtime, glu
 
 # tl.sigmoid is 1 / (1 + exp(-x)): exp overflows to inf for very negative x (giving the right 0); numpy warns about it
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -219,9 +219,9 @@ def test_glu_backward_out_errors(backend):
     tall = torch.empty(5, 16, device=DEVICE)
     with pytest.raises(ValueError, match="must not overlap"):  # rows 0-3 and rows 1-4 of the same columns
         glu.glu_backward(dh, gate, up, "swiglu", out=(tall[:4, :8], tall[1:, :8]))
-    assert not glu._rows_overlap(buffer[:, :8], buffer[:, 8:])
-    assert not glu._rows_overlap(buffer[:2, :8], buffer[2:, :8])
-    assert glu._rows_overlap(buffer[:, 7:15], buffer[:, 8:])
+    assert not _runtime.rows_overlap(buffer[:, :8], buffer[:, 8:])
+    assert not _runtime.rows_overlap(buffer[:2, :8], buffer[2:, :8])
+    assert _runtime.rows_overlap(buffer[:, 7:15], buffer[:, 8:])
 
 
 def test_saves_only_gate_and_up(backend):

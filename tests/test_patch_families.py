@@ -94,12 +94,21 @@ def loss_and_grads(model, input_ids, labels, **kwargs):
     return out.loss.detach(), out.logits, grads
 
 
+NOISE_FLOOR = 1e-2  # of the largest gradient norm: see assert_grads_close
+
+
 def assert_grads_close(grads, ref_grads, tol=1e-4):
+    """||g - ref|| <= tol * max(||ref||, NOISE_FLOOR * the largest reference norm), per parameter. The floor: in a
+    short row a saturated softmax leaves q/k gradients ~1e-7 of the model's largest, made of fp32 rounding on both
+    sides (seen at 5 tokens, granite, one draw in ~30: errors 3e-7 against a largest norm of 2.7): those are compared
+    at the floor (an error above 1e-6 of the largest norm still fails), every other one relatively."""
     assert grads.keys() == ref_grads.keys()
+    floor = NOISE_FLOOR * max(float(ref.double().norm()) for ref in ref_grads.values())
     for name, ref in ref_grads.items():
         assert ref.norm() > 0, f"{name}: reference gradient is zero (LoRA B must be non-zero)"
-        err = rel_err(grads[name], ref)
-        assert err <= tol, f"{name}: gradient relative error {err:.3g} > {tol}"
+        norm = float(ref.double().norm())
+        err = rel_err(grads[name], ref) * norm / max(norm, floor)
+        assert err <= tol, f"{name}: gradient error {err:.3g} (relative to max(||ref||, floor)) > {tol}"
 
 
 @pytest.fixture(autouse=True)

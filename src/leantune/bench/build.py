@@ -154,7 +154,8 @@ def _build_bf16(spec, config, device):
         apply_liger_kernel_to_llama()  # module-level: classes swapped before the model is built
     torch.manual_seed(spec.seed)
     with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention_implementation(config))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                 attn_implementation=attention_implementation(config))
     seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec, model))
@@ -170,7 +171,8 @@ def _build_meta(spec, config):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention_implementation(config))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                 attn_implementation=attention_implementation(config))
     names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec, model))
@@ -222,7 +224,8 @@ def _build_quantized(spec, config, device):
             raise Skip(f"bitsandbytes not importable ({exc})") from None
     torch.manual_seed(spec.seed)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention_implementation(config))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                 attn_implementation=attention_implementation(config))
     hf = model
     names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))  # the bf16 model's names
     layers = list(model.get_decoder().layers)

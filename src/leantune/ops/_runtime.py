@@ -251,3 +251,33 @@ def check_real(name: str, value, *, low: float | None = None, high: float | None
             expected_range = f"{'<' if high_open else '<='} {high:g}"
         fail(expected_range)
     return number
+
+
+def _viewable_as_rows(t):
+    """Whether ``t [..., I]`` views as ``[rows, I]`` without a copy (its leading dims nest: stride = next dim's
+    stride x size)."""
+    return all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(t.dim() - 2))
+
+
+def rows_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share an element, exact for ``[rows, I]`` views with one row stride s >= I (the halves
+    of a ``[rows, 2I]`` buffer: element offsets d apart overlap iff some row shift k gives |d - k s| < I), else
+    conservative (their address spans intersect). False under torch.compile (no data pointers)."""
+    if torch.compiler.is_compiling() or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a2d, b2d = (t.view(-1, t.shape[-1]) if t.dim() >= 2 and _viewable_as_rows(t) else None for t in (a, b))
+    size = a.element_size()
+    diff = b.data_ptr() - a.data_ptr()
+    if (a2d is not None and b2d is not None and b2d.shape == a2d.shape and b2d.stride() == a2d.stride()
+            and a2d.stride(1) == 1 and a2d.stride(0) >= a2d.shape[1] and diff % size == 0
+            and b.element_size() == size):
+        (rows, width), stride = a2d.shape, a2d.stride(0)
+        d = diff // size
+        shifts = range(-(rows - 1), rows)
+        k = min(max(round(d / stride), shifts.start), shifts.stop - 1) if stride else 0
+        return any(abs(d - j * stride) < width for j in (k - 1, k, k + 1) if j in shifts)
+    def span(t):  # first and one-past-last byte the tensor can touch
+        start = t.data_ptr()
+        return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

@@ -71,8 +71,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _loss, _runtime
-from .nf4 import NF4Weight, dequantize_nf4
 from .glu import glu_backward, glu_forward
+from .nf4 import NF4Weight, dequantize_nf4
 
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 CHECKS = ("eager", "deferred")
