@@ -85,4 +85,10 @@ def test_glu_forward_lowrank_strided_factors_and_errors(backend):
         with pytest.raises(ValueError, match=match):
             call()
     assert torch.equal(gate, before), "a rejected call must not write"
+    # the two halves of one [N, 2I] buffer (a fused gate_up output) do not overlap: accepted, written in place
+    fused = torch.cat([before, up], dim=1)
+    h_halves = glu_forward_lowrank(fused[:, :40], fused[:, 40:], *terms[0], *terms[1], "geglu_erf")
+    ref_gate, ref_up, ref_h = _lowrank_ref(before, up, terms, "geglu_erf")
+    for name, out, ref in (("gate", fused[:, :40], ref_gate), ("up", fused[:, 40:], ref_up), ("h", h_halves, ref_h)):
+        assert_close(name + " (halves)", out, ref, torch.float32)
 

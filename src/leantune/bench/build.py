@@ -44,10 +44,11 @@ from .harness import load_config
 def attention_implementation(config) -> str:
     """"sdpa", or "eager" where transformers' causal-LM class for ``config`` does not support sdpa (gpt-oss:
     SDPA has no sinks; leantune's patch serves the sinks under eager with ``ops.sink_attention``)."""
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+
 
 IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
          "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",

@@ -274,8 +274,9 @@ def rows_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         (rows, width), stride = a2d.shape, a2d.stride(0)
         d = diff // size
         shifts = range(-(rows - 1), rows)
-        k = min(max(round(d / stride), shifts.start), shifts.stop - 1) if stride else 0
+        k = min(max(round(d / stride), shifts.start), shifts.stop - 1)  # the nearest row shift, then its neighbours
         return any(abs(d - j * stride) < width for j in (k - 1, k, k + 1) if j in shifts)
+
     def span(t):  # first and one-past-last byte the tensor can touch
         start = t.data_ptr()
         return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()

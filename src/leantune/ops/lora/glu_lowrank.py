@@ -108,22 +108,6 @@ def _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation,
     return glu_forward(gate, up, activation, fp8_out=fp8_out)  # h in gate's dtype (gate and up share it)
 
 
-def _overlap_rows(a, b):
-    """Whether the byte ranges spanned by two [N, I] tensors (any row stride) intersect; conservative for interleaved
-    row-strided halves of one buffer (e.g. a fused gate_up output), which the caller then must not pass. Under
-    torch.compile: False, unchecked (dynamo has no data pointers). The kernel's in-place writes are then traced as a
-    user-defined Triton kernel that mutates gate and up, which functionalisation serves with buffers of their own,
-    so nothing saved is overwritten there; :func:`leantune.ops.lora_mlp`, the one caller, passes two fresh
-    projection outputs either way."""
-    if torch.compiler.is_compiling() or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    def span(t):
-        start = t.data_ptr()
-        return start, start + ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
 def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, *, fp8_out=False, **launch):
     """The LoRA MLP's gate/up low-rank terms fused into h = act(gate) * up, without autograd.
 
@@ -156,7 +140,9 @@ def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, *,
     for name, t in (("gate", gate), ("up", up)):
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{name} must have unit last stride (written in place), got strides {tuple(t.stride())}")
-    if _overlap_rows(gate, up):
+    # exact for the halves of one [N, 2I] buffer (accepted: the kernel writes through row strides), conservative
+    # otherwise; unchecked under torch.compile, where the in-place writes are functionalised (no saved buffer is hit)
+    if _runtime.rows_overlap(gate, up):
         raise ValueError("gate and up must not overlap in memory (both are written in place)")
     n_rows, n_cols = gate.shape
     for suffix, xa, b in (("g", xa_g, b_g), ("u", xa_u, b_u)):
