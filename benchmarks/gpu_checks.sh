@@ -203,6 +203,14 @@ part_fp8() {  # #26 stage 2 on the card: the FP8 tests, then the 8B step with fu
     host_e2e fp8-8b-gcoff --configs .gpu/llama3-8b --gc off --seq 4096 --batch 1
 }
 
+part_lora_probe() {  # the low-rank kernels' fp32 x fp32 products as tf32x3: the CUDA tests of their kernels, then ms per call
+  timeout $(bound 240) python3 -m pytest -q -n 8 -p no:cacheprovider -rs tests/test_lora.py tests/test_lora_glu.py \
+    tests/test_dora.py tests/test_glu.py tests/test_moe_kernels.py tests/test_moe.py > "$OUT/pytest-lowrank.log" 2>&1
+  echo "pytest (lowrank) exit $?"; tail -2 "$OUT/pytest-lowrank.log"; grep -E "^_{3,} test.* _{3,}$" "$OUT/pytest-lowrank.log" | head
+  timeout $(bound 120) python3 benchmarks/lora_probe.py > "$OUT/lora_probe.md" 2>&1; echo "lora_probe exit $?"
+  cat "$OUT/lora_probe.md"
+}
+
 part_moe_e2e() {  # #29: Qwen3-30B-A3B shape (48 layers, 128 experts, top-8), LoRA on attention and experts, 4096 x 1
   # (~2 min; warm-up 2: with 1, leantune+graph's capture step fell into the timed steps)
   timeout $(bound 540) python3 -m leantune bench e2e --configs .gpu/qwen3-30b-a3b --seq 4096 --batch 1 --gc on \

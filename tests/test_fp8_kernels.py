@@ -43,7 +43,8 @@ def random_rows(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (7, 100), (9, 4099), (3, fp8.MAX_ONE_BLOCK + 9), (2, 0), (0, 5)])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 100), (9, 4099), (5, fp8.QUANT_ONE_BLOCK + 1),
+                                   (3, fp8.MAX_ONE_BLOCK + 9), (2, 0), (0, 5)])
 def test_quantize_rows_kernel_is_the_torch_quantisation_bit_for_bit(dtype, shape):
     t = random_rows(shape, dtype)
     assert_same_quantisation(fp8.quantize_rows(t), fp8._quantize_rows_torch(t), f"{dtype} {shape}")

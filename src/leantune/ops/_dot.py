@@ -8,6 +8,12 @@ upcast copy of the wide operand (the LoRA skinny products in lora.py, the gate/u
   exactly (8 + 8 + 8 mantissa bits); every bf16 x bf16 product is exact in fp32, so three bf16 tensor-core dots with
   fp32 accumulation give the fp32 product up to summation order.
 - DOT_MODE 2: both tiles of one 16-bit dtype: one native dot with fp32 accumulation.
+- DOT_MODE 3: both tiles upcast to fp32, three TF32 tensor-core dots (Triton's ``tf32x3``: each operand split into a
+  TF32 head and a TF32 tail, head x head + head x tail + tail x head): relative error ~2^-21 of sum |lhs||rhs| per
+  product against fp32 FMA's 2^-24. For fp32 x fp32 products that are added to a 16-bit value and rounded to it
+  (:func:`fp32_product_mode`), where the difference is ~2^-12 of the final rounding; the FMA dot of mode 0 made
+  those kernels compute-bound (the LoRA low-rank adds, benchmarks/RESULTS.md 2026-12-04). The interpreter computes
+  it as an fp32 product.
 
 UPCAST (set under Triton's interpreter, whose bf16 dot is garbage) feeds the dots fp32 copies of the same parts.
 """
@@ -17,7 +23,7 @@ import triton
 import triton.language as tl
 
 # DOT_MODE values, for the launchers (the kernels compare against the literals)
-DOT_IEEE, DOT_SPLIT3, DOT_NATIVE = 0, 1, 2
+DOT_IEEE, DOT_SPLIT3, DOT_NATIVE, DOT_TF32X3 = 0, 1, 2, 3
 
 
 def dot_mode(low_dtype: torch.dtype, factor_dtype: torch.dtype, precision: str = "auto") -> int:
@@ -32,6 +38,12 @@ def dot_mode(low_dtype: torch.dtype, factor_dtype: torch.dtype, precision: str =
     if low_dtype == torch.bfloat16 and factor_dtype == torch.float32:
         return DOT_SPLIT3
     return DOT_IEEE  # fp16 activations with fp32 factors: no exact fp16 split (range), fp32 FMA
+
+
+def fp32_product_mode(out_dtype: torch.dtype) -> int:
+    """DOT_MODE for an fp32 x fp32 product added to a value stored in ``out_dtype``: ``tf32x3`` when the sum is
+    rounded to 16 bits (mode 3: its error is far below that rounding), exact fp32 FMA for an fp32 store."""
+    return DOT_TF32X3 if out_dtype in (torch.float16, torch.bfloat16) else DOT_IEEE
 
 
 @triton.jit
@@ -49,6 +61,8 @@ def mixed_dot(acc, lhs, rhs, LOW_LEFT: tl.constexpr, DOT_MODE: tl.constexpr, UPC
     """acc + lhs @ rhs in fp32; the low-precision tile is lhs when LOW_LEFT, else rhs (the other is the factor)."""
     if DOT_MODE == 0:
         acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="ieee")
+    elif DOT_MODE == 3:
+        acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="tf32x3")
     elif DOT_MODE == 1:
         if LOW_LEFT:
             hi, mid, lo = split3(rhs.to(tl.float32))

@@ -40,10 +40,10 @@ after: what CI proves.
 Kernels (Triton backend: CUDA, or the interpreter on the CPU). The pieces around the GEMMs are two Triton kernels;
 the torch backend keeps the torch chains, which are the reference the kernels equal bit for bit
 (tests/test_fp8_kernels.py):
-- ``_quantize_rows_kernel``: s and q above in one pass over t (any strides; rows up to 16384 wide stay in registers,
-  wider ones loop twice over 4096-column blocks). With a column multiplier m it quantises t diag(m) formed in
-  registers: :func:`quantize_grad_output`, g = dY diag(s_w) without an fp32 copy of dY. The fp32 division is
-  ``tl.math.div_rn`` (Triton's ``/`` is approximate on the card); the absmax reduction and the clamp propagate NaN
+- ``_quantize_rows_kernel``: s and q above in one pass over t (any strides; rows up to 8192 wide stay in registers,
+  wider ones loop twice over 2048-column blocks: ``QUANT_ONE_BLOCK``, measured). With a column multiplier m it
+  quantises t diag(m) formed in registers: :func:`quantize_grad_output`, g = dY diag(s_w) without an fp32 copy of
+  dY. The fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate on the card); the absmax reduction and the clamp propagate NaN
   explicitly; the rounding to e4m3 is integer arithmetic on the quotient's bits (Triton 3.6's interpreter casts
   fp32 to float8e4nv wrongly: ties away from zero, lost mantissa carries, truncated subnormals), and bf16 inputs
   are read as their bits (a 16-bit shift is the exact fp32 value). The sm_90 PTX (compiled on the CPU by
@@ -183,8 +183,12 @@ def _transpose_kernel(W, WT, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.
 
 
 # ---------------------------------------------------------------------------------------------------- quantisation
-MAX_ONE_BLOCK = 16384  # widest row a program holds in registers (14336, the MLP width, fits); wider: LOOP_BLOCK blocks
-LOOP_BLOCK = 4096
+MAX_ONE_BLOCK = 16384  # widest row a fused kernel (ops.glu) holds in registers (14336, the MLP width, fits)
+# The row quantiser's launch, from device times on the H200 (2026-12-04, benchmarks/lora_probe.py, 4096 rows, dY with
+# W's scales): rows up to QUANT_ONE_BLOCK wide in registers, 4096-wide ones two to a program (0.0252 ms against
+# 0.0277 one to a program; floor 0.0126); wider ones loop over LOOP_BLOCK columns, two rows and 4 warps to a program
+# (14336: 0.0967 ms against 0.1177 for one 16384 block; floor 0.0440).
+QUANT_ONE_BLOCK, LOOP_BLOCK = 8192, 2048
 
 
 def _check_rows(t, name: str) -> None:
@@ -202,16 +206,20 @@ def _quantize_rows_triton(t: torch.Tensor, multiplier: torch.Tensor | None = Non
     scale = _runtime.empty((n_rows,), dtype=torch.float32, device=t.device)
     if n_rows == 0:
         return q, scale
-    one_block = block is None and n_cols <= MAX_ONE_BLOCK
+    one_block = block is None and n_cols <= QUANT_ONE_BLOCK
     block = block or (_runtime.next_power_of_2(n_cols) if one_block else LOOP_BLOCK)
     one_block = n_cols <= block
-    rows = rows or max(1, min(16, 4096 // block))  # ~4K elements a program, as ops.rms_norm
+    if one_block:  # ~4K elements a program (8K for 4096-wide rows), as ops.rms_norm
+        rows = rows or (2 if block == 4096 else max(1, min(16, 4096 // block)))
+        num_warps = num_warps or (8 if block == 4096 else _runtime.num_warps_for(block * rows))
+    else:
+        rows, num_warps = rows or 2, num_warps or 4
     bf16 = t.dtype == torch.bfloat16
     _quantize_rows_kernel[(_runtime.cdiv(n_rows, rows),)](
         t.view(torch.int16) if bf16 else t, multiplier if multiplier is not None else scale, q.view(torch.uint8),
         scale, t.stride(0), t.stride(1), n_rows, n_cols,
         BF16_BITS=bf16, HAS_MULTIPLIER=multiplier is not None, BLOCK=block, ROWS=rows, ONE_BLOCK=one_block,
-        num_warps=num_warps or _runtime.num_warps_for(block * rows),
+        num_warps=num_warps,
     )
     return q, scale
 

@@ -41,7 +41,7 @@ import triton.language as tl
 from . import _dot, _runtime
 from ._dot import mixed_dot
 
-DOT_TF32 = 3  # a fourth DOT_MODE, local to this file: fp32 operands, TF32 tensor cores (16-bit stores only)
+DOT_TF32 = 4  # a fifth DOT_MODE, local to this file: fp32 operands, TF32 tensor cores (16-bit stores only)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -49,7 +49,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 @triton.jit
 def _dot_any(acc, lhs, rhs, LOW_LEFT: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + lhs @ rhs in fp32: mixed_dot's modes, plus DOT_TF32."""
-    if DOT_MODE == 3:
+    if DOT_MODE == 4:
         acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="tf32")
     else:
         acc = mixed_dot(acc, lhs, rhs, LOW_LEFT, DOT_MODE, UPCAST)

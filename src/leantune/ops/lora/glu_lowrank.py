@@ -1,10 +1,16 @@
 r"""The LoRA MLP's forward pass: the gate/up low-rank terms fused into the GLU (:func:`glu_forward_lowrank`).
 
 ``glu_forward_lowrank`` is the LoRA MLP's forward pass (PEFT: gate = x W_g^T + s_g xa_g B_g^T, likewise up): per
-``[BLOCK_N, BLOCK_I]`` tile it loads the base gate/up, adds s * xa @ B^T (a ``tl.dot`` over r in fp32; IEEE for fp32
-adapters), rounds once to the stored dtype, writes gate/up back in place (the caller saves them for backward) and
-writes h from the rounded values, so h recomputed from the saved buffers in backward equals the forward's h.
+``[BLOCK_N, BLOCK_I]`` tile it loads the base gate/up, adds s * xa @ B^T (a ``tl.dot`` over r in fp32; fp32 adapters:
+``tf32x3`` into a 16-bit gate/up, exact FMA into fp32 ones, :func:`leantune.ops._dot.fp32_product_mode`), rounds
+once to the stored dtype, writes gate/up back in place (the caller saves them for backward) and writes h from the
+rounded values, so h recomputed from the saved buffers in backward equals the forward's h.
 Traffic: reads 2, writes 3 [N, I] tensors, against 2 + 2 (two low-rank adds) + 2 + 1 (GLU) unfused.
+
+Launch (device times on the H200, 2026-12-04, benchmarks/lora_probe.py, [4096, 14336] bf16 with fp32 factors r 16):
+64 x 128 tiles, 4 warps, gate and up loaded before the low-rank dots, the dots in ``tf32x3``: 0.231 ms, against
+0.518 ms for 8 warps, loads after the dots and exact FMA dots (0.344 ms with FMA dots and the rest as now); the
+kernel's memory floor is 0.147 ms.
 
 FP8 side output (``fp8_out=True``, the down projection on an FP8 base): h, then its per-row e4m3 codes and scales
 from :mod:`leantune.ops.fp8`'s row quantiser (a second kernel, one more read of h). A first version put the
@@ -52,7 +58,7 @@ def _glu_forward_lowrank_kernel(
     G, U, H, XA_G, B_G, XA_U, B_U,
     stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
     n_rows, n_cols, rank_g, rank_u, scale_g, scale_u,
-    ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr, BASE_FIRST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
 ):
     """G = cast(G + s_g xa_g B_g^T), U likewise (in place), H = act(G) * U from the rounded G, U for one
@@ -62,15 +68,20 @@ def _glu_forward_lowrank_kernel(
     row_ok = rows64 < n_rows
     col_ok = cols < n_cols
     mask = row_ok[:, None] & col_ok[None, :]
+    if BASE_FIRST:  # both loads in flight before the low-rank dots
+        g = tl.load(G + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+        u = tl.load(U + rows64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
     acc_g = _lowrank_tile(XA_G, B_G, rows64, cols, row_ok, col_ok, stride_xag, stride_bg, rank_g,
                           DOT_MODE, UPCAST, BLOCK_RG, BLOCK_N, BLOCK_I)
-    g = tl.load(G + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = (g + scale_g * acc_g).to(G.dtype.element_ty)
+    if not BASE_FIRST:
+        g = tl.load(G + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    g = (g.to(tl.float32) + scale_g * acc_g).to(G.dtype.element_ty)
     tl.store(G + rows64[:, None] * stride_g + cols[None, :], g, mask=mask)
     acc_u = _lowrank_tile(XA_U, B_U, rows64, cols, row_ok, col_ok, stride_xau, stride_bu, rank_u,
                           DOT_MODE, UPCAST, BLOCK_RU, BLOCK_N, BLOCK_I)
-    u = tl.load(U + rows64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = (u + scale_u * acc_u).to(U.dtype.element_ty)
+    if not BASE_FIRST:
+        u = tl.load(U + rows64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    u = (u.to(tl.float32) + scale_u * acc_u).to(U.dtype.element_ty)
     tl.store(U + rows64[:, None] * stride_u + cols[None, :], u, mask=mask)
     # h from the stored (rounded) gate/up: the backward's recompute from the saved buffers sees the same values
     act, _ = glu_activation(g.to(tl.float32), ACTIVATION)
@@ -79,20 +90,21 @@ def _glu_forward_lowrank_kernel(
 
 
 def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, out_dtype, fp8_out=False, *,
-                            block_n=64, block_i=128, num_warps=8):
-    """h (with ``fp8_out``: and its (codes, scales), a second kernel); ``block_n``/``block_i``/``num_warps``
-    override the defaults (for tuning on the GPU)."""
+                            block_n=64, block_i=128, num_warps=4, base_first=True):
+    """h (with ``fp8_out``: and its (codes, scales), a second kernel); ``block_n``/``block_i``/``num_warps``/
+    ``base_first`` override the defaults (for tuning on the GPU)."""
     n_rows, n_cols = gate.shape
     h = _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=gate.device)
     xa_g, xa_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (xa_g, xa_u))
     b_g, b_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (b_g, b_u))
     lora_dtype = xa_g.dtype
-    dot_mode = _dot.DOT_NATIVE if lora_dtype in (torch.float16, torch.bfloat16) else _dot.DOT_IEEE
+    dot_mode = (_dot.DOT_NATIVE if lora_dtype in (torch.float16, torch.bfloat16)
+                else _dot.fp32_product_mode(gate.dtype))
     _glu_forward_lowrank_kernel[(_runtime.cdiv(n_rows, block_n), _runtime.cdiv(n_cols, block_i))](
         gate, up, h, xa_g, b_g, xa_u, b_u,
         gate.stride(0), up.stride(0), h.stride(0), xa_g.stride(0), b_g.stride(0), xa_u.stride(0), b_u.stride(0),
         n_rows, n_cols, xa_g.shape[1], xa_u.shape[1], float(s_g), float(s_u),
-        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED,
+        ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED, BASE_FIRST=base_first,
         BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=_runtime.rank_block(xa_g.shape[1]),
         BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), num_warps=num_warps,
     )
@@ -123,7 +135,7 @@ def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, *,
         s_g, s_u: scalings (real numbers).
         activation: one of :data:`leantune.ops.glu.ACTIVATIONS`.
         fp8_out: also return h quantised per row (module docstring, "FP8 side output").
-        **launch: Triton path only: ``block_n``, ``block_i``, ``num_warps`` (GPU tuning).
+        **launch: Triton path only: ``block_n``, ``block_i``, ``num_warps``, ``base_first`` (GPU tuning).
 
     Returns:
         ``h [N, I]`` in gate's dtype (gate and up share it); with ``fp8_out`` ``(h, (codes float8_e4m3fn [N, I],

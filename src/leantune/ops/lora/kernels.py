@@ -102,7 +102,9 @@ def _lowrank_add_kernel(
         pt = tl.load(P + rows64[:, None] * stride_p + rr[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         qt = tl.load(Q + rr[:, None].to(tl.int64) * stride_qr + cols[None, :].to(tl.int64) * stride_qk,
                      mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-        # fp32 operands: exact under the interpreter (bf16 is not) and the 1e-5 fp32 bar on the GPU (no TF32)
+        # fp32 operands: exact under the interpreter (bf16 is not) and the 1e-5 fp32 bar on the GPU (no TF32); tf32x3
+        # was slower here at every tile tried on the H200 (benchmarks/lora_probe.py, 2026-12-04): ~1.5x its floor
+        # as it is
         acc += tl.dot(pt.to(tl.float32), qt.to(tl.float32), input_precision="ieee")
     mask = row_ok[:, None] & col_ok[None, :]
     if HAS_MASK:
