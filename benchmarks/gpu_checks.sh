@@ -199,7 +199,7 @@ part_fp8() {  # #26 stage 2 on the card: the FP8 tests, then the 8B step with fu
     host_e2e fp8-8b --configs .gpu/llama3-8b --gc on --seq 4096 --batch 1
   python3 benchmarks/top_kernels.py "$OUT/fp8-8b" --n 48 | grep -iE "^top|quant|transpose|_fp8|scaled|rms|glu|gemm|cutlass" \
     > "$OUT/fp8-trace.txt"; cat "$OUT/fp8-trace.txt"  # a separate quantisation pass shows as _quantize_rows_kernel
-  [ -z "${GC_OFF:-1}" ] || REPEAT=${REPEAT:-1} IMPLS=${GC_OFF_IMPLS:-hf+peft,leantune+fp8+graph} \
+  [ -z "${GC_OFF-1}" ] || REPEAT=${REPEAT:-1} IMPLS=${GC_OFF_IMPLS:-hf+peft,leantune+fp8+graph} \
     host_e2e fp8-8b-gcoff --configs .gpu/llama3-8b --gc off --seq 4096 --batch 1
 }
 
