@@ -44,8 +44,9 @@ the torch backend keeps the torch chains, which are the reference the kernels eq
   wider ones loop twice over 2048-column blocks: ``QUANT_ONE_BLOCK``, measured). With a column multiplier m it
   quantises t diag(m) formed in registers: :func:`quantize_grad_output`, g = dY diag(s_w) without an fp32 copy of
   dY. The fp32 division is ``tl.math.div_rn`` (Triton's ``/`` is approximate on the card); the absmax reduction
-  and the clamp propagate NaN explicitly; the rounding to e4m3 is integer arithmetic on the quotient's bits (Triton 3.6's interpreter casts
-  fp32 to float8e4nv wrongly: ties away from zero, lost mantissa carries, truncated subnormals), and bf16 inputs
+  and the clamp propagate NaN explicitly; the rounding to e4m3 is the hardware conversion on the card and integer
+  arithmetic on the quotient's bits under the interpreter (Triton 3.6's interpreter casts fp32 to float8e4nv
+  wrongly: ties away from zero, lost mantissa carries, truncated subnormals; ``_fp8_rows``), and bf16 inputs
   are read as their bits (a 16-bit shift is the exact fp32 value). The sm_90 PTX (compiled on the CPU by
   tests/test_fp8_kernels.py) has ``div.rn.f32``, ``mul.f32`` and ``abs.f32`` without
   ``.ftz`` (fp32 subnormals kept, as torch keeps them), ``max.NaN.f32`` and 128-bit loads and stores.
