@@ -205,16 +205,19 @@ def test_backend_runs_its_grouped_gemms(backend, monkeypatch):
 
 @pytest.mark.parametrize("activation,interleaved,fused", [("swiglu", False, True), ("swiglu", True, False),
                                                           ("clamped_swiglu", True, False)])
-def test_split_swiglu_runs_the_glu_kernels(backend, monkeypatch, activation, interleaved, fused):
+def test_activation_runs_one_pass_each_way(backend, monkeypatch, activation, interleaved, fused):
     """SwiGLU over g's two halves goes through ops.glu (h once in forward and again in backward's recompute, dg
-    once, written into dg's halves); interleaved layouts keep the torch chain. Values: test_values_and_grads."""
-    moe = importlib.import_module("leantune.ops.moe")
+    once, written into dg's halves); other layouts and the clamped SwiGLU through ops.moe_activation's kernels on the
+    Triton backend, its torch chain on the torch one. Values: test_values_and_grads, tests/test_moe_activation.py."""
+    act = importlib.import_module("leantune.ops.moe_activation")
     calls = []
-    for name in ("glu_forward", "glu_backward"):
-        original = getattr(moe, name)
-        monkeypatch.setattr(moe, name, lambda *a, __o=original, __n=name, **k: calls.append(__n) or __o(*a, **k))
+    own = "triton" if backend == "triton" else "torch"
+    for name in ("glu_forward", "glu_backward", f"_forward_{own}", f"_backward_{own}"):
+        original = getattr(act, name)
+        monkeypatch.setattr(act, name, lambda *a, __o=original, __n=name, **k: calls.append(__n) or __o(*a, **k))
     _run(_case(6, 8, 4, 3, 2, 2), activation=activation, interleaved=interleaved)
-    assert calls == (["glu_forward", "glu_forward", "glu_backward"] if fused else [])
+    names = ("glu_forward", "glu_backward") if fused else (f"_forward_{own}", f"_backward_{own}")
+    assert calls == [names[0], names[0], names[1]]
 
 
 def test_deferred_index_check(backend):

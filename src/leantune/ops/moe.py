@@ -41,9 +41,10 @@ a time, e.g. Mixtral-8x7B's gate_up 8 x 28672 x 4096 x 2 B = 1.9 GB in bf16 (0.9
 GEMMs that read it. The next lever (not built): dequantise per chunk of experts into a reused workspace and run the
 grouped GEMM per chunk (``offsets`` sliced), bounding the transient to a chunk.
 
-Activation: SwiGLU over g's two halves (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) runs as :func:`ops.glu.glu_forward`
-/ ``glu_backward`` (one Triton pass each way on the Triton backend, dg written straight into the halves of one
-[N k, 2I] buffer); gpt-oss's interleaved clamped SwiGLU is a chain of torch ops in fp32.
+Activation (:mod:`leantune.ops.moe_activation`): SwiGLU over g's two halves (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)
+runs as :func:`ops.glu.glu_forward` / ``glu_backward`` (one Triton pass each way on the Triton backend, dg written
+straight into the halves of one [N k, 2I] buffer); gpt-oss's interleaved clamped SwiGLU (and any other layout) as
+one Triton pass each way over g on the Triton backend, a chain of fp32 torch ops on the torch backend.
 
 Grouped GEMMs: Triton backend ``ops.moe_kernels.grouped_mm`` / ``grouped_outer`` (one launch for all experts,
 low-rank term in the same pass); torch backend ``torch._grouped_mm`` (its CPU and CUDA kernels need 16-byte-aligned
@@ -71,10 +72,9 @@ import torch
 import torch.nn.functional as F
 
 from . import _loss, _runtime
-from .glu import glu_backward, glu_forward
+from .moe_activation import ACTIVATIONS, gated_backward, gated_forward
 from .nf4 import NF4Weight, dequantize_nf4
 
-ACTIVATIONS = ("swiglu", "clamped_swiglu")
 CHECKS = ("eager", "deferred")
 
 
@@ -172,48 +172,13 @@ def _kernels(device: torch.device):
 
 
 # ----------------------------------------------------------------------------------------------------- activations
-def _split(g: torch.Tensor, interleaved: bool):
-    if interleaved:
-        return g[:, 0::2], g[:, 1::2]
-    return g.chunk(2, dim=-1)
-
-
-def _fused_glu(cfg) -> bool:
-    """SwiGLU over the two halves of g runs as ops.glu's kernels (one pass each way, no fp32 copies of gate/up:
-    on the card the torch chain below was ~10 passes over [pairs, I] fp32 per layer); the interleaved clamped
-    SwiGLU of gpt-oss keeps the torch chain."""
-    return cfg.activation == "swiglu" and not cfg.interleaved
-
-
 def _act_forward(g, cfg):
-    if _fused_glu(cfg):
-        return glu_forward(*g.chunk(2, dim=-1), "swiglu")
-    gate, up = (t.float() for t in _split(g, cfg.interleaved))
-    if cfg.activation == "swiglu":
-        return (F.silu(gate) * up).to(g.dtype)
-    gc, uc = gate.clamp(max=cfg.limit), up.clamp(-cfg.limit, cfg.limit)
-    return ((uc + 1) * gc * torch.sigmoid(cfg.alpha * gc)).to(g.dtype)
+    return gated_forward(g, cfg.activation, cfg.interleaved, cfg.alpha, cfg.limit)
 
 
 def _act_backward(dh, g, cfg):
     """dL/dg [M, 2I] (in g's dtype, the layout of g) from dh [M, I] (formulas: module docstring)."""
-    if _fused_glu(cfg):
-        dg = _runtime.empty(g.shape, dtype=g.dtype, device=g.device)
-        glu_backward(dh, *g.chunk(2, dim=-1), "swiglu", out=dg.chunk(2, dim=-1))  # written into dg's halves
-        return dg
-    gate, up = (t.float() for t in _split(g, cfg.interleaved))
-    dh = dh.float()
-    if cfg.activation == "swiglu":
-        sig = torch.sigmoid(gate)
-        d_gate, d_up = dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig
-    else:
-        gc, uc = gate.clamp(max=cfg.limit), up.clamp(-cfg.limit, cfg.limit)
-        sig = torch.sigmoid(cfg.alpha * gc)
-        d_gate = dh * (uc + 1) * (sig + cfg.alpha * gc * sig * (1 - sig)) * (gate <= cfg.limit)
-        d_up = dh * gc * sig * ((up >= -cfg.limit) & (up <= cfg.limit))
-    if cfg.interleaved:
-        return torch.stack([d_gate, d_up], dim=-1).reshape(g.shape).to(g.dtype)
-    return torch.cat([d_gate, d_up], dim=-1).to(g.dtype)
+    return gated_backward(dh, g, cfg.activation, cfg.interleaved, cfg.alpha, cfg.limit)
 
 
 # ---------------------------------------------------------------------------------------------------- autograd node
