@@ -132,7 +132,8 @@ def test_a_sequence_length_whose_packed_mask_is_large_attends_per_document(capsy
     tiny_config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                               num_attention_heads=2, num_key_value_heads=1)
     model = LlamaForCausalLM._from_config(tiny_config, attn_implementation="sdpa")
-    _attend_per_document(model, SimpleNamespace(batch_size=1, cuda_graphs=False, seq_len=256))  # 64 KiB mask: transformers' path
+    # a 64 KiB mask: transformers' path
+    _attend_per_document(model, SimpleNamespace(batch_size=1, cuda_graphs=False, seq_len=256))
     assert model.config._attn_implementation == "sdpa" and capsys.readouterr().err == ""
     _attend_per_document(model, SimpleNamespace(batch_size=1, cuda_graphs=False, seq_len=40000))
     assert model.config._attn_implementation == NAME

@@ -196,8 +196,8 @@ def test_patched_step_reads_nothing_back(case, watch, monkeypatch):
 def test_patched_moe_step_reads_nothing_back(model_type, nf4, watch, monkeypatch):
     """MoE experts through ops.moe_experts (LoRA on the expert stacks, deferred index checks, aux loss on); gpt-oss:
     biased router, clamped SwiGLU experts, RoPE widened from per-frequency cos/sin, sinks and a sliding layer in
-    ops.sink_attention (no masks built by transformers); with ``nf4`` the linears and expert stacks in NF4, dequantised inside the op (the
-    offset a Python float)."""
+    ops.sink_attention (no masks built by transformers); with ``nf4`` the linears and expert stacks in NF4,
+    dequantised inside the op (the offset a Python float)."""
     from test_patch_moe import VOCAB, tiny_moe_peft
 
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")

@@ -8,25 +8,26 @@ Without ``WORLD_SIZE`` a run is one plain process, as always.
 Engines (:func:`choose_engine`, :func:`wrap`):
 - ``ddp``: ``DistributedDataParallel(find_unused_parameters=False)`` (every adapter takes part in every forward),
   bucketing left to DDP, ``no_sync`` on all but the last micro-batch of a step (:func:`gradient_sync`).
-- ``fsdp``: FSDP2, ``fully_shard`` on each decoder layer (the classes the model names in ``_no_split_modules``), then
-  on the root (one process whose second copy of the parameters fits: the root alone, :func:`shards_layers`); frozen base and adapters are sharded alike. ``MixedPrecisionPolicy(reduce_dtype=float32)`` with the
-  parameters' own dtypes for compute: the base as loaded (bf16 on CUDA), PEFT's fp32 adapters kept fp32, so a rank
-  computes what the single-process run computes. What is gathered when: a layer's parameters are all-gathered in its
-  pre-forward hook and freed after its forward; the root's (embeddings, final norm, ``lm_head``) once per forward of
-  the whole model, so the fused loss sees the full ``lm_head`` weight exactly once per micro-batch forward, as a
-  plain tensor inside the root's forward (leantune's ops run only inside the forward of the module that owns their
-  weights; outside it the parameters are ``DTensor`` shards). In backward each layer is gathered again before its
-  gradients are formed, and gradients are reduce-scattered in fp32.
+- ``fsdp``: FSDP2, ``fully_shard`` on each decoder layer (the classes the model names in ``_no_split_modules``), then on
+  the root (one process whose second copy of the parameters fits: the root alone, :func:`shards_layers`); frozen base
+  and adapters are sharded alike. ``MixedPrecisionPolicy(reduce_dtype=float32)`` with the parameters' own dtypes for
+  compute: the base as loaded (bf16 on CUDA), PEFT's fp32 adapters kept fp32, so a rank computes what the single-process
+  run computes. What is gathered when: a layer's parameters are all-gathered in its pre-forward hook and freed after its
+  forward; the root's (embeddings, final norm, ``lm_head``) once per forward of the whole model, so the fused loss sees
+  the full ``lm_head`` weight exactly once per micro-batch forward, as a plain tensor inside the root's forward
+  (leantune's ops run only inside the forward of the module that owns their weights; outside it the parameters are
+  ``DTensor`` shards). In backward each layer is gathered again before its gradients are formed, and gradients are
+  reduce-scattered in fp32.
 - ``auto``: FSDP2 when the frozen weights take more than half of one device's memory, else DDP (CPU: DDP).
 
 Loss normalisation. The only collectives leantune calls itself are sums of a few numbers: the step's loss for metrics
 (:func:`all_reduce_on_device`, read with the step's record), the stop flag of a Ctrl-C / SIGTERM (:func:`any_rank`,
-through a gloo group of host tensors), so every rank stops after the same step, and eval sums
-(:func:`all_reduce_sum`). The count of target tokens of the whole global step (so every token weighs the same
-whichever rank holds it) is counted by every rank on the host (``leantune train``: every rank holds the whole
-split), or all-reduced when a caller does not pass it. Both engines average gradients over ranks; the loss that is backpropagated is therefore the
-rank's share of the global token mean times the world size (:func:`loss_scale`), which makes N ranks x K
-micro-batches the same update as one process with the whole batch.
+through a gloo group of host tensors), so every rank stops after the same step, and eval sums (:func:`all_reduce_sum`).
+The count of target tokens of the whole global step (so every token weighs the same whichever rank holds it) is counted
+by every rank on the host (``leantune train``: every rank holds the whole split), or all-reduced when a caller does not
+pass it. Both engines average gradients over ranks; the loss that is backpropagated is therefore the rank's share of the
+global token mean times the world size (:func:`loss_scale`), which makes N ranks x K micro-batches the same update as
+one process with the whole batch.
 
 Faults: a rank that raises prints ``leantune: error (rank r): ...`` and exits non-zero; torchrun then ends the other
 ranks (SIGTERM, SIGKILL after 30 s), and a rank blocked in a collective with a dead peer fails on its own.

@@ -2,8 +2,8 @@
 
 Every implementation gets the same weights: the model is built from its config, then every matrix is re-drawn from
 (seed, parameter name) (:func:`seeded_init`), so the weights depend neither on the module classes (Liger swaps some)
-nor on the order they were built in. LoRA: r=16, alpha=32 on all 7 projections (a MoE config: also its expert stacks, PEFT ``target_parameters``
-``mlp.experts.gate_up_proj`` / ``down_proj``), ``init_lora_weights=False``
+nor on the order they were built in. LoRA: r=16, alpha=32 on all 7 projections (a MoE config: also its expert
+stacks, PEFT ``target_parameters`` ``mlp.experts.gate_up_proj`` / ``down_proj``), ``init_lora_weights=False``
 (non-zero B, so every gradient is non-trivial), adapters in fp32 (PEFT's default), sdpa attention (eager for a model
 class that does not take sdpa, gpt-oss: :func:`attention_implementation`), gradient
 checkpointing non-reentrant with ``enable_input_require_grads``.
@@ -26,11 +26,12 @@ layer-by-layer build with the frozen linears as leantune's ``FP8Linear`` (e4m3, 
 q/k/v, gate/up and down inputs in their own pass (``patch/fp8_inputs.py``), while o_proj's input and dY still get a
 separate quantisation pass; ``leantune+fp8+graph`` is the same model stepped from CUDA graphs.
 
-The QLoRA models are built one decoder layer at a time (:func:`_build_quantized`): the model on the meta device,
-then each layer materialised, drawn from the same (seed, name) as the bf16 model's, and quantised before the next,
-so the bf16 model never exists whole (a 70B one would not fit on the card); ``leantune+nf4`` quantises a MoE layer's
-expert stacks there too (Mixtral-8x7B shape: ~2.8 GB of bf16 stacks per layer, one layer at a time). Both quantise the same bf16 weights to
-the same NF4 codes (leantune's quantiser is bit-exact with bitsandbytes'), so their first losses must agree.
+The QLoRA models are built one decoder layer at a time (:func:`_build_quantized`): the model on the meta device, then
+each layer materialised, drawn from the same (seed, name) as the bf16 model's, and quantised before the next, so the
+bf16 model never exists whole (a 70B one would not fit on the card); ``leantune+nf4`` quantises a MoE layer's expert
+stacks there too (Mixtral-8x7B shape: ~2.8 GB of bf16 stacks per layer, one layer at a time). Both quantise the same
+bf16 weights to the same NF4 codes (leantune's quantiser is bit-exact with bitsandbytes'), so their first losses must
+agree.
 """
 
 from __future__ import annotations

@@ -166,7 +166,8 @@ class BoundKernel:
                 tail.append(param.default)
         launcher = compiled.run
         if (type(launcher).__name__ == "CudaLauncher" and callable(getattr(launcher, "launch", None))
-                and not getattr(launcher, "global_scratch_size", 1) and not getattr(launcher, "profile_scratch_size", 1)):
+                and not getattr(launcher, "global_scratch_size", 1)
+                and not getattr(launcher, "profile_scratch_size", 1)):
             # CudaLauncher.__call__ only adds (cooperative, pdl, no scratch buffers) before the C entry point
             launch = launcher.launch
             head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, compiled.packed_metadata,

@@ -183,9 +183,10 @@ def deferred_error_flags() -> list[torch.Tensor]:
 
 def raise_deferred_errors() -> None:
     """Raise the ValueError of a label found out of range by a loss op with ``checks="deferred"`` (or an expert index
-    out of range in ``ops.moe_experts`` with ``checks="deferred"``) since the last call (and clear it). Reads one small flag per device that saw such a check: a host wait, so call it where the
-    host waits anyway (a logging step). ``leantune train`` and :func:`leantune.integrations.trl.patch_trainer` call
-    it at each log point; a plain training script with :func:`leantune.patch` may call it likewise.
+    out of range in ``ops.moe_experts`` with ``checks="deferred"``) since the last call (and clear it). Reads one small
+    flag per device that saw such a check: a host wait, so call it where the host waits anyway (a logging step).
+    ``leantune train`` and :func:`leantune.integrations.trl.patch_trainer` call it at each log point; a plain training
+    script with :func:`leantune.patch` may call it likewise.
 
     Raises:
         ValueError: ``labels must be in [0, V) or equal ignore_index=...; found X`` (the first bad label since the

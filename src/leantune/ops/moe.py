@@ -400,7 +400,8 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                   (gate_up.transposed, down.transposed))
     args = []
     for p in (gate_up, down):
-        args += [p.weight if isinstance(p.weight, NF4Weight) else p.weight.to(dtype), p.lora_A, p.lora_B, None if p.bias is None else p.bias.to(dtype)]
+        weight = p.weight if isinstance(p.weight, NF4Weight) else p.weight.to(dtype)
+        args += [weight, p.lora_A, p.lora_B, None if p.bias is None else p.bias.to(dtype)]
     weights = top_k_weights.reshape(index.shape)
     if x.shape[0] == 0 or index.shape[1] == 0:  # no pair: y = 0 (still connected to the graph's inputs)
         y = x * 0 + (weights.sum() * 0).to(dtype)

@@ -46,8 +46,8 @@ Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
   (:mod:`.experts`); "swiglu" reads the family's activation (silu only: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gate/up
   halves), "clamped_swiglu" is gpt-oss's (``GptOssExperts``: transposed ``[E, in, out]`` stacks with biases,
   interleaved gate/up, ``experts_interleaved``; alpha and limit read from the module). The router (gpt-oss's with a
-  bias), shared expert (Qwen2-MoE's ``shared_expert``: a gated ``{Prefix}MLP``) and aux loss keep HF's code. Families without a dense
-  ``{Prefix}MLP`` class (Mixtral) simply have none to patch.
+  bias), shared expert (Qwen2-MoE's ``shared_expert``: a gated ``{Prefix}MLP``) and aux loss keep HF's code.
+  Families without a dense ``{Prefix}MLP`` class (Mixtral) simply have none to patch.
 - Qwen2's and GLM's q/k/v bias and Gemma's embedding scale need no entry: the bias is read from each projection,
   the scale lives in the embedding module HF runs.
 """

@@ -283,7 +283,8 @@ def coerce(name: str, value, label: str):
 
 # What --help shows for defaults that are None (resolved at run time).
 NONE_DEFAULTS = {"model": "the embedded SmolLM2-135M-Instruct", "data": "the embedded chitchat dataset",
-                 "max_steps": "from --epochs", "seq_len": "1024 on CUDA, 256 on CPU", "warmup_steps": "5%% of the steps, at least 1",
+                 "max_steps": "from --epochs", "seq_len": "1024 on CUDA, 256 on CPU",
+                 "warmup_steps": "5%% of the steps, at least 1",
                  "max_examples": "all", "device": "cuda when available",
                  "tile_mlp": "off", "quantize": "off",
                  "text_column": "text", "messages_column": "messages or conversations",
