@@ -8,6 +8,9 @@ Run on the card (< 1 min): ``PYTHONPATH=src python3 benchmarks/lora_probe.py [--
   pass) with the fp32 x fp32 product as exact FMA (``ieee``, DOT_MODE 0) and as three TF32 tensor-core products
   (``tf32x3``, DOT_MODE 3, :func:`leantune.ops._dot.fp32_product_mode`), a few tiles, warps and load orders,
   beside ``glu_forward`` (the GLU alone); "differ": the fraction of stored h values in which the modes disagree.
+- ``skinny``: the LoRA branch's skinny products (``skinny_matmul``: xa = x A^T, g = dY B; ``skinny_tn``: dA = g^T x,
+  dB = dY^T xa), bf16 activations with fp32 factors (the exact three-way bf16 split), default launch and variants
+  (block_m, block_k, warps, programs per SM for the split), each with its torch sum of split partials.
 - ``quant``: ``_quantize_rows_kernel`` (activations: ``quantize_rows``; dY with W's scales:
   ``quantize_grad_output``) at the step's widths, default launch and variants (rows, warps, block).
 Floors: bytes moved / 4 TB/s. Times are device times: ``REPS`` back-to-back calls captured in one CUDA graph,
@@ -104,6 +107,27 @@ def glu(m: int, dev, width: int = 14336) -> None:
         print(f"  {label:>6}: " + ", ".join(cells))
 
 
+SKINNY_VARIANTS = ((64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 8, 4), (64, 128, 4, 8), (32, 256, 4, 4),
+                   (64, 128, 8, 2), (128, 256, 8, 2))
+
+
+def skinny(m: int, dev) -> None:
+    print(f"\nskinny products, bf16 [{m}, K] activations, fp32 factors r {RANK} (ms; floor in brackets;"
+          " variants block_m x block_k w warps s programs per SM)")
+    for k in (4096, 14336):
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(k, RANK, device=dev) * 0.05
+        lhs = torch.randn(m, RANK, device=dev)
+        for label, fn in (("matmul", kernels.skinny_matmul), ("tn", kernels.skinny_tn)):
+            args = (a, b) if label == "matmul" else (lhs, a)
+            cells = []
+            for block_m, block_k, warps, per_sm in SKINNY_VARIANTS:
+                ms = timed(functools.partial(fn, *args, block_m=block_m, block_k=block_k, num_warps=warps,
+                                             per_sm=per_sm))
+                cells.append(f"{block_m}x{block_k} w{warps} s{per_sm} {ms:.4f}")
+            print(f"  {label:>6} K {k:>5} (floor {floor_ms(2 * m * k):.4f}): " + ", ".join(cells))
+
+
 def quant(m: int, dev) -> None:
     print(f"\nquant [{m}, C] bf16 (ms; floor in brackets)")
     for n in (1024, 4096, 14336):
@@ -129,6 +153,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.tokens} tokens")
     lowrank_add(args.tokens, dev)
     glu(args.tokens, dev)
+    skinny(args.tokens, dev)
     quant(args.tokens, dev)
 
 
