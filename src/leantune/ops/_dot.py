@@ -11,9 +11,9 @@ upcast copy of the wide operand (the LoRA skinny products in lora.py, the gate/u
 - DOT_MODE 3: both tiles upcast to fp32, three TF32 tensor-core dots (Triton's ``tf32x3``: each operand split into a
   TF32 head and a TF32 tail, head x head + head x tail + tail x head): relative error ~2^-21 of sum |lhs||rhs| per
   product against fp32 FMA's 2^-24. For fp32 x fp32 products that are added to a 16-bit value and rounded to it
-  (:func:`fp32_product_mode`), where the difference is ~2^-12 of the final rounding; the FMA dot of mode 0 made
-  those kernels compute-bound (the LoRA low-rank adds, benchmarks/RESULTS.md 2026-12-04). The interpreter computes
-  it as an fp32 product.
+  (:func:`fp32_product_mode`), where the difference is ~2^-12 of the final rounding; the FMA dot of mode 0 left the
+  LoRA MLP's fused gate/up pass compute-bound (benchmarks/RESULTS.md, 2026-12-04 eleventh session; the plain
+  low-rank add keeps mode 0, faster there). The interpreter computes it as an fp32 product.
 
 UPCAST (set under Triton's interpreter, whose bf16 dot is garbage) feeds the dots fp32 copies of the same parts.
 """
