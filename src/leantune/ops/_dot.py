@@ -14,6 +14,8 @@ upcast copy of the wide operand (the LoRA skinny products in lora.py, the gate/u
   (:func:`fp32_product_mode`), where the difference is ~2^-12 of the final rounding; the FMA dot of mode 0 left the
   LoRA MLP's fused gate/up pass compute-bound (benchmarks/RESULTS.md, 2026-12-04 eleventh session; the plain
   low-rank add keeps mode 0, faster there). The interpreter computes it as an fp32 product.
+- DOT_MODE 4: both tiles upcast to fp32, one TF32 dot (relative error ~2^-11): the MoE grouped GEMMs' fp32 x fp32
+  products stored in 16 bits (:mod:`leantune.ops.moe_kernels`).
 
 UPCAST (set under Triton's interpreter, whose bf16 dot is garbage) feeds the dots fp32 copies of the same parts.
 """
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 
 # DOT_MODE values, for the launchers (the kernels compare against the literals)
-DOT_IEEE, DOT_SPLIT3, DOT_NATIVE, DOT_TF32X3 = 0, 1, 2, 3
+DOT_IEEE, DOT_SPLIT3, DOT_NATIVE, DOT_TF32X3, DOT_TF32 = 0, 1, 2, 3, 4
 
 
 def dot_mode(low_dtype: torch.dtype, factor_dtype: torch.dtype, precision: str = "auto") -> int:
@@ -63,6 +65,8 @@ def mixed_dot(acc, lhs, rhs, LOW_LEFT: tl.constexpr, DOT_MODE: tl.constexpr, UPC
         acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="ieee")
     elif DOT_MODE == 3:
         acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="tf32x3")
+    elif DOT_MODE == 4:
+        acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="tf32")
     elif DOT_MODE == 1:
         if LOW_LEFT:
             hi, mid, lo = split3(rhs.to(tl.float32))

@@ -94,12 +94,8 @@ def _gated_backward_kernel(DH, G, DG, stride_dh, stride_g, stride_dg, n_cols, al
 
 
 # ----------------------------------------------------------------------------------------------------- launchers
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
-
-
 def _forward_triton(g, activation, interleaved, alpha, limit):
-    g = _rows(g)
+    g = _runtime.as_rows(g)
     n_rows, n_cols = g.shape[0], g.shape[1] // 2
     h = _runtime.empty((n_rows, n_cols), dtype=g.dtype, device=g.device)
     if h.numel():
@@ -110,7 +106,7 @@ def _forward_triton(g, activation, interleaved, alpha, limit):
 
 
 def _backward_triton(dh, g, activation, interleaved, alpha, limit):
-    dh, g = _rows(dh), _rows(g)
+    dh, g = _runtime.as_rows(dh), _runtime.as_rows(g)
     n_rows, n_cols = dh.shape
     dg = _runtime.empty(g.shape, dtype=g.dtype, device=g.device)
     if dh.numel():

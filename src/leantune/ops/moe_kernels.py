@@ -41,21 +41,10 @@ import triton.language as tl
 from . import _dot, _runtime
 from ._dot import mixed_dot
 
-DOT_TF32 = 4  # a fifth DOT_MODE, local to this file: fp32 operands, TF32 tensor cores (16-bit stores only)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
-@triton.jit
-def _dot_any(acc, lhs, rhs, LOW_LEFT: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + lhs @ rhs in fp32: mixed_dot's modes, plus DOT_TF32."""
-    if DOT_MODE == 4:
-        acc = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32), acc, input_precision="tf32")
-    else:
-        acc = mixed_dot(acc, lhs, rhs, LOW_LEFT, DOT_MODE, UPCAST)
-    return acc
-
-
 @triton.jit
 def _tile_of(OFFSETS, n_groups, n_rows, tile, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
     """(group, first row, end row of the group) of row tile ``tile``: group n_groups is the rows past offsets[-1]
@@ -115,7 +104,7 @@ def _grouped_mm_kernel(
                         mask=row_ok[:, None] & r_ok[None, :], other=0.0)
             f = tl.load(CF + group64 * stride_fe + rr64[:, None] * stride_fr + cols64[None, :] * stride_fn,
                         mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = _dot_any(acc, t, f, LR_LOW_LEFT, LR_MODE, UPCAST)
+            acc = mixed_dot(acc, t, f, LR_LOW_LEFT, LR_MODE, UPCAST)
         acc = acc * scale
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = A + rows64[:, None] * stride_am + ks.to(tl.int64)[None, :] * stride_ak
@@ -124,7 +113,7 @@ def _grouped_mm_kernel(
         k_ok = ks < n_inner - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _dot_any(acc, a, b, LOW_LEFT, DOT_MODE, UPCAST)
+        acc = mixed_dot(acc, a, b, LOW_LEFT, DOT_MODE, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=c_mask)
@@ -162,7 +151,7 @@ def _grouped_outer_kernel(
                      mask=a_ok[:, None] & m_ok[None, :], other=0.0)
         bt = tl.load(B + rows64[:, None] * stride_bm + ib[None, :] * stride_bk,
                      mask=m_ok[:, None] & b_ok[None, :], other=0.0)
-        acc = _dot_any(acc, at, bt, LOW_LEFT, DOT_MODE, UPCAST)
+        acc = mixed_dot(acc, at, bt, LOW_LEFT, DOT_MODE, UPCAST)
     tl.store(C + group.to(tl.int64) * stride_ce + ia[:, None] * stride_ca + ib[None, :] * stride_cb,
              acc.to(C.dtype.element_ty), mask=a_ok[:, None] & b_ok[None, :])
 
@@ -186,7 +175,7 @@ def _pair_mode(lhs: torch.dtype, rhs: torch.dtype, out: torch.dtype) -> tuple[in
     else:
         mode, low_left = _dot.dot_mode(rhs, lhs), False
     if mode == _dot.DOT_IEEE and lhs == rhs == torch.float32 and out != torch.float32:
-        mode = DOT_TF32
+        mode = _dot.DOT_TF32
     return mode, low_left
 
 
