@@ -18,6 +18,11 @@ torch chains they replaced (sixth session: quant x 0.242 ms at 4096 x 4096, W^T 
 view) and ``dX torch`` (``fp8 dX`` built from those torch pieces), with the memory floors (bytes moved / 4 TB/s)
 and a bit-for-bit check of each kernel against its torch chain on the card. ``--sweep`` also times launch variants
 of the two kernels (block, rows, warps).
+
+Groups (q/k/v, gate/up: projections of one x): ``separate`` is the per-projection dX path (one ``fp8_grad_input``
+each, summed in bf16), ``grouped`` :func:`ops.fp8.fp8_grad_input_group` (one quantisation over the side-by-side
+dY's, one ``_scaled_mm`` of reduction length sum out_j), with its parts ``quant`` (``quantize_grad_outputs``) and
+``W^T`` (the stacked transposed codes), and a bit-for-bit check of the group quantisation against its torch chain.
 """
 
 from __future__ import annotations
@@ -104,6 +109,29 @@ def kernel_row(label: str, n_out: int, n_in: int, m: int, dev: torch.device, swe
         print("          " + ", ".join(f"{name} {timed(fn):.3f}" for name, fn in variants))
 
 
+GROUPS = (("q/k/v", (4096, 1024, 1024), 4096), ("gate/up", (14336, 14336), 4096))
+
+
+def groups(m: int, dev: torch.device) -> None:
+    """A group's dX as one e4m3 GEMM against the per-projection GEMMs and their bf16 sum."""
+    print(f"\ngroups (ms): {'separate':>9} {'grouped':>8} {'quant':>7} {'W^T':>7}  bit-exact")
+    for label, outs, n_in in GROUPS:
+        ws = [fp8.quantize_fp8(torch.randn(n, n_in, device=dev, dtype=torch.bfloat16) / n_in ** 0.5) for n in outs]
+        dys = [torch.randn(m, n, device=dev, dtype=torch.bfloat16) for n in outs]
+
+        def separate():
+            dx = fp8.fp8_grad_input(dys[0], ws[0], out_dtype=torch.bfloat16)
+            for dy, w in zip(dys[1:], ws[1:]):
+                dx.add_(fp8.fp8_grad_input(dy, w, out_dtype=torch.bfloat16))
+            return dx
+
+        ms = [timed(separate), timed(lambda: fp8.fp8_grad_input_group(dys, ws, out_dtype=torch.bfloat16)),
+              timed(lambda: fp8.quantize_grad_outputs(dys, ws)), timed(lambda: fp8._transposed_group(ws))]
+        ref = fp8._quantize_rows_torch(torch.cat([dy.float() * w.scale[None, :] for dy, w in zip(dys, ws)], dim=1))
+        exact = same(fp8.quantize_grad_outputs(dys, ws), ref)
+        print(f"{label:>11}   " + " ".join(f"{t:8.3f}" for t in ms) + f"  {exact}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -153,6 +181,7 @@ def main() -> None:
         print(f"{label:>7} {n_out:>5}x{n_in:<5} " + " ".join(f"{c:>15}" for c in cells)
               + f" {naive:10.2f}x {naive_torch:7.2f}x  (y rel err {err:.3f})")
     kernels(m, dev, args.sweep)
+    groups(m, dev)
 
 
 if __name__ == "__main__":

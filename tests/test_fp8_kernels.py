@@ -166,6 +166,72 @@ def test_transpose_kernel_writes_every_byte_of_the_workspace(shape):
     fp8._transposed_workspaces.pop((w.shape, w.device))
 
 
+def scale_only_weight(n_out, n_in=2):
+    """An FP8Weight of random row scales (codes zero: the quantisation kernels read only the scales)."""
+    scale = torch.rand(n_out, device=DEVICE) * 1e-2 + 1e-4
+    return ops.FP8Weight(torch.zeros(n_out, n_in, dtype=fp8.E4M3, device=DEVICE), scale, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("widths", [(48, 16, 16), (40, 40), (300, 100, 100), (9000, 200), (5000, 1000, 1000)])
+def test_group_quantisation_kernel_is_the_torch_quantisation_of_the_side_by_side_products(dtype, widths):
+    """One scale a row over 2 or 3 parts: in registers (sum of block widths <= QUANT_ONE_BLOCK) or looped over
+    LOOP_BLOCK columns (the last two shapes); parts of magnitudes 10^-3 .. 10^3 apart, a strided part, an all-zero
+    row, a NaN in one part (the whole row NaN) and an inf."""
+    ws = [scale_only_weight(n) for n in widths]
+    dys = [random_rows((7, n), dtype) * 10.0 ** (3 * k - 3) for k, n in enumerate(widths)]
+    dys[-1] = random_rows((7, 2 * widths[-1]), dtype)[:, ::2]  # a strided part
+    for dy in dys:
+        dy[0] = 0.0
+    dys[1][2, 3] = float("nan")
+    dys[0][4, 1] = float("inf")
+    ref = fp8._quantize_rows_torch(torch.cat([dy.float() * w.scale[None, :] for dy, w in zip(dys, ws)], dim=1))
+    got = fp8.quantize_grad_outputs(dys, ws)
+    assert ref[1][2].isnan() and ref[1][0] == 2.0 ** -126
+    assert_same_quantisation(got, ref, f"{dtype} {widths}")
+    empty = fp8.quantize_grad_outputs([dy[:0] for dy in dys], ws)
+    assert empty[0].shape == (0, sum(widths)) and empty[1].shape == (0,)
+
+
+def test_grouped_grad_input_on_the_triton_backend_equals_the_torch_backend(monkeypatch):
+    """The group's dX through the parts kernel and the stacked transposed codes equals the torch chain's; then
+    the workspace [Wq_1; Wq_2; Wq_3]^T, made by the transpose kernel into column blocks of a NaN-poisoned
+    workspace, holds every byte."""
+    ws = [ops.quantize_fp8(torch.randn(n, 36).to(DEVICE)) for n in (40, 24, 24)]
+    dys = [torch.randn(5, n, device=DEVICE, dtype=torch.bfloat16) for n in (40, 24, 24)]
+    got = fp8.fp8_grad_input_group(dys, ws, out_dtype=torch.float32)
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    ref = fp8.fp8_grad_input_group(dys, ws, out_dtype=torch.float32)
+    assert torch.equal(got, ref)
+    monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
+    key = (tuple(w.shape for w in ws), ws[0].device)
+    fp8._transposed_workspaces.pop(key, None)
+    out = fp8._transposed_group(ws)
+    assert out.shape == (36, 88) and out.is_contiguous() and fp8._transposed_group(ws) is out
+    assert torch.equal(out.view(torch.uint8), torch.cat([w.qweight for w in ws]).view(torch.uint8).t())
+    block = fp8._runtime.empty((130, 300), dtype=fp8.E4M3, device=DEVICE).fill_(float("nan"))
+    w = ops.quantize_fp8(torch.randn(150, 130).to(DEVICE))
+    fp8._transpose_into(block[:, 100:250], w, block=32, num_warps=4)  # a column block: row stride 300
+    assert torch.equal(block[:, 100:250].view(torch.uint8), w.qweight.view(torch.uint8).t())
+    assert block[:, :100].float().isnan().all() and block[:, 250:].float().isnan().all()  # nothing outside
+    fp8._transposed_workspaces.pop(key)
+
+
+def test_group_backends_take_their_own_path(monkeypatch):
+    ws = [scale_only_weight(n, 4) for n in (8, 8)]
+    dys = [torch.randn(3, 8, device=DEVICE) for _ in ws]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("wrong path")
+
+    monkeypatch.setattr(fp8, "_quantize_rows_torch", fail)
+    fp8.quantize_grad_outputs(dys, ws)
+    monkeypatch.undo()
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    monkeypatch.setattr(fp8, "_quantize_parts_kernel", None)  # a launch would raise TypeError
+    fp8.quantize_grad_outputs(dys, ws)
+
+
 def test_bad_arguments_raise_before_any_kernel():
     w = ops.quantize_fp8(torch.randn(8, 4).to(DEVICE))
     with pytest.raises(ValueError, match="x must be a 2-D"):
@@ -224,9 +290,19 @@ for name, fp32, one in (("bf16 dY one block", False, True), ("fp32 loop", True, 
     out[name] = compile_sm90(fp8._quantize_rows_kernel, sig, {"stride_col": 1, "BF16_BITS": not fp32,
                              "HAS_MULTIPLIER": not fp32, "BLOCK": 4096, "ROWS": 1, "ONE_BLOCK": one},
                              (0, 1, 2, 3, 4, 6, 7), 8)
+parts = {}  # in the kernel's argument order (attrs name arguments by position)
+for name in fp8._quantize_parts_kernel.fn.arg_names:
+    parts[name] = ("*i16" if name[0] == "T" else "*fp32" if name[0] in "MS" else "*u8" if name == "Q" else
+                   "constexpr" if name.startswith("stride_col") or name.isupper() or name[0].isupper() else "i32")
+for name, one, blocks in (("q/k/v dY one block", True, (4096, 1024, 1024)),
+                          ("gate/up dY loop", False, (2048, 2048, 2048))):
+    out[name] = compile_sm90(fp8._quantize_parts_kernel, parts, {
+        "stride_col0": 1, "stride_col1": 1, "stride_col2": 1, "BF16_BITS": True, "PARTS": 3 if one else 2,
+        "BLOCK0": blocks[0], "BLOCK1": blocks[1], "BLOCK2": blocks[2], "ROWS": 1 if one else 2, "ONE_BLOCK": one},
+        [i for i, n in enumerate(parts) if parts[n] != "constexpr"], 8 if one else 4)
 out["transpose"] = compile_sm90(fp8._transpose_kernel, {"W": "*u8", "WT": "*u8", "n_rows": "i32", "n_cols": "i32",
-                                "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}, {"BLOCK_R": 128, "BLOCK_C": 128},
-                                (0, 1, 2, 3), 8)
+                                "stride_out": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+                                {"BLOCK_R": 128, "BLOCK_C": 128}, (0, 1, 2, 3, 4), 8)
 print(json.dumps(out))
 """
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _runtime
-from ..fp8 import FP8Weight, fp8_grad_input, fp8_linear, quantize_rows
+from ..fp8 import FP8Weight, fp8_grad_input, fp8_grad_input_group, fp8_linear, grouped_grad_input_ok, quantize_rows
 from .kernels import dropout_triton, lowrank_add_triton, skinny_matmul, skinny_tn
 
 
@@ -236,7 +236,10 @@ def _frozen_backward(dys, x2d, projs, cdt, need_x, proj_needs):
     """(dx = sum_j dY_j W_j or None, per projection ProjGrads(dW, None, None, db) as wanted (full fine-tune,
     biases)); ``proj_needs`` None: dx only (no x read)."""
     dx = None
-    if need_x:
+    weights = [proj.weight for proj in projs]
+    if need_x and grouped_grad_input_ok(dys, weights):  # q/k/v, gate/up in FP8: one e4m3 GEMM over their dY's
+        dx = fp8_grad_input_group(dys, weights, out_dtype=cdt)
+    elif need_x:
         for dy, proj in zip(dys, projs):
             if isinstance(proj.weight, FP8Weight):  # e4m3 dX GEMM: W's scales folded into dY
                 term = fp8_grad_input(dy, proj.weight, out_dtype=cdt)
