@@ -2,7 +2,7 @@
 # The device-machine checks behind benchmarks/RESULTS.md, one part per argument, each bounded in time. From the repo
 # root on the device machine (inputs: `.venv/bin/python benchmarks/make_gpu_inputs.py` here, carry .gpu and .whl):
 #   bash benchmarks/gpu_checks.sh tests fsdp1 nf4 e2e-offload max-context-offload
-# QLoRA (each about one 10-minute call or less): qlora qlora-70b qlora-mixtral, then qlora-cap, cap-262k; TRL: trl; the peak: peak
+# QLoRA (each about one 10-minute call or less): qlora qlora-fp8 qlora-70b qlora-mixtral, then qlora-cap, cap-262k; TRL: trl; the peak: peak
 # GRPO and the log-prob head (#27): grpo (one call), then grpo-long logprob-mem (one call together)
 # Host-bound steps (#25), one call each: host, host-off, host-1b
 # Every part writes under $OUT and prints a short table last.
@@ -79,6 +79,15 @@ part_qlora() {  # 8B, 4096 x 1, checkpointing on: leantune QLoRA vs HF+PEFT+bits
     --impls hf+peft+bnb,leantune+nf4,leantune --matmul-tflops 700 --budget-s 420 --compare --out "$OUT/qlora" \
     > "$OUT/qlora.log" 2>&1
   echo "qlora exit $?"; tail -14 "$OUT/qlora.log"
+}
+
+part_qlora_fp8() {  # #26: NF4 storage with FP8 compute (leantune+nf4fp8) beside NF4 -> bf16 and bitsandbytes, CUDA graphs
+  timeout $(bound 60) python3 -m pytest -q -p no:cacheprovider tests/test_nf4_fp8.py > "$OUT/pytest-nf4fp8.log" 2>&1
+  echo "pytest (nf4-fp8) exit $?"; tail -2 "$OUT/pytest-nf4fp8.log"
+  timeout $(bound 470) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 \
+    --impls hf+peft+bnb,leantune+nf4+graph,leantune+nf4fp8+graph --matmul-tflops 700 --budget-s 460 --compare \
+    --out "$OUT/qlora-fp8" > "$OUT/qlora-fp8.log" 2>&1
+  echo "qlora-fp8 exit $?"; tail -14 "$OUT/qlora-fp8.log"
 }
 
 part_qlora_70b() {  # Llama-3-70B shape, QLoRA on one card, 4096 x 1 (built layer by layer: the bf16 model never whole)

@@ -334,25 +334,27 @@ def test_quantize_fp8_bytes_and_errors(tiny_llama):
         leantune.quantize(copy.deepcopy(tiny_llama), "fp4")
 
 
-def test_bench_build_leantune_fp8_matches_the_whole_model_quantised(tmp_path):
-    """``leantune+fp8``'s layer-by-layer build holds what building the bf16 model whole and quantising it gives
-    (same e4m3 weights and scales, same first loss)."""
+@pytest.mark.parametrize("impl,quant_type", [("leantune+fp8", "fp8"), ("leantune+nf4fp8", "nf4-fp8")])
+def test_bench_build_leantune_fp8_matches_the_whole_model_quantised(tmp_path, impl, quant_type):
+    """``leantune+fp8``'s (``leantune+nf4fp8``'s) layer-by-layer build holds what building the bf16 model whole and
+    quantising it gives (same e4m3 weights and scales, or NF4 codes and FP8 scales; same first loss)."""
     import dataclasses
 
     from leantune.bench import build
     from leantune.bench.step import RunSpec
 
-    transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
-    spec = RunSpec("leantune+fp8", str(tmp_path / "tiny"), seq=24, batch=2, gc=False, warmup=0, steps=1,
-                   device="cpu")
+    spec = RunSpec(impl, str(tmp_path / "tiny"), seq=24, batch=2, gc=False, warmup=0, steps=1, device="cpu")
     layerwise, config = build.build(spec)
     whole, _ = build.build(dataclasses.replace(spec, impl="hf+peft"))
-    leantune.quantize(whole, "fp8")
+    leantune.quantize(whole, quant_type)
     leantune.patch(whole)
-    ours, theirs = layerwise.state_dict(), whole.state_dict()
-    assert ours.keys() == theirs.keys() and any(t.dtype == fp8.E4M3 for t in ours.values())
+    ours, theirs = ({**m.state_dict(), **dict(m.named_buffers())} for m in (layerwise, whole))
+    assert ours.keys() == theirs.keys()
+    assert any(t.dtype == (fp8.E4M3 if quant_type == "fp8" else torch.uint8) for t in ours.values())
+    assert (quant_type == "nf4-fp8") == any(n.endswith("fp8_scale") for n in ours)
     assert all(torch.equal(ours[n].float(), theirs[n].float()) for n in ours)
     ids = torch.randint(0, VOCAB, (2, 24))
     with torch.no_grad():

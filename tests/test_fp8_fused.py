@@ -234,7 +234,7 @@ def test_bad_x_quantized_raises_before_any_kernel():
 
 
 # ------------------------------------------------------------------------------------------ the patched model
-def tiny_fp8_llama():
+def tiny_fp8_llama(quant_type="fp8"):
     import copy
 
     import peft
@@ -243,10 +243,11 @@ def tiny_fp8_llama():
     import leantune
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=136, num_hidden_layers=2,
+    hidden, inter = (48, 136) if quant_type == "fp8" else (64, 192)  # NF4 rows: whole 64-blocks
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)  # quantised where the backend runs
-    leantune.quantize(model, "fp8")
+    leantune.quantize(model, quant_type)
     torch.manual_seed(1)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                        init_lora_weights=False))
@@ -261,12 +262,13 @@ def step(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing,quant_type", [(False, "fp8"), (True, "fp8"), (True, "nf4-fp8")])
 def test_patched_fp8_llama_fuses_every_norm_and_glu_quantisation_and_changes_nothing(backend, checkpointing,
-                                                                                      monkeypatch):
+                                                                                      quant_type, monkeypatch):
     """Loss and LoRA gradients bit for bit those of the separate-pass path; from the second step on the separate
-    pass runs for o_proj's input only (SDPA's output: 2 layers x 1 in forward, again in a checkpointed recompute)."""
-    model, copy = tiny_fp8_llama()
+    pass runs for o_proj's input only (SDPA's output: 2 layers x 1 in forward, again in a checkpointed recompute).
+    The same with NF4 storage and FP8 compute ("nf4-fp8")."""
+    model, copy = tiny_fp8_llama(quant_type)
     if checkpointing:
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -284,6 +286,7 @@ def test_patched_fp8_llama_fuses_every_norm_and_glu_quantisation_and_changes_not
     step(model, ids)  # the first step teaches the norms that FP8 groups read their outputs
     calls.clear()
     loss, grads = step(model, ids)
-    assert calls == [(22, 48)] * (forwards * 2), calls  # o_proj's input (48 = heads x head_dim), per layer
+    hidden = model.base_model.model.config.hidden_size
+    assert calls == [(22, hidden)] * (forwards * 2), calls  # o_proj's input (heads x head_dim), per layer
     assert torch.equal(loss, loss_ref)
     assert grads.keys() == grads_ref.keys() and all(torch.equal(grads[n], grads_ref[n]) for n in grads)

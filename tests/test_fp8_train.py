@@ -29,16 +29,18 @@ tiny = test_train.tiny  # the fixture: the tiny model and chat data of tests/tes
 
 
 def dense_reference(model):
-    """A copy of a trained PEFT model whose FP8 bases are ``nn.Linear`` layers of their fp32 dequantisation, run by
-    PEFT's unmerged forward: the weights the adapter trained against, without the activation quantisation."""
-    from leantune.quantize import FP8Linear
+    """A copy of a trained PEFT model whose FP8 bases (FP8Linear, or NF4Linear with FP8 compute) are ``nn.Linear``
+    layers of their fp32 dequantisation, run by PEFT's unmerged forward: the weights the adapter trained against,
+    without the activation quantisation."""
+    from leantune.quantize import FP8Linear, NF4Linear
 
     ref = unpatch(copy.deepcopy(model))
     for parent in list(ref.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, FP8Linear):
+            if isinstance(child, (FP8Linear, NF4Linear)):
                 linear = torch.nn.Linear(child.in_features, child.out_features, bias=False)
-                weight = child.weight.float() * child.weight_scale[:, None]
+                codes = child.weight_fp8 if isinstance(child, FP8Linear) else ops.dequantize_nf4_fp8(child.weight_nf4)
+                weight = codes.qweight.float() * codes.scale[:, None]
                 linear.weight = torch.nn.Parameter(weight.to(child.compute_dtype), requires_grad=False)
                 setattr(parent, name, linear)
     return ref
@@ -99,8 +101,23 @@ def test_train_quantize_fp8_runs_resumes_and_exports_into_the_dequantised_base(t
     a = load_file(tmp_path / "q" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "split" / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(LeantuneError, match="--quantize must be nf4 or fp8"):
+    with pytest.raises(LeantuneError, match="--quantize must be nf4, fp8 or nf4-fp8"):
         tiny_config(tiny, tmp_path / "x", quantize="fp4")
+
+
+def test_train_quantize_nf4_fp8_trains_and_exports_into_its_e4m3_base(tiny, tmp_path, capsys):
+    """NF4 storage, FP8 compute: the NF4 layers carry e4m3 scales, the run learns, and the export merges the adapter
+    into the e4m3 values its GEMMs read (dequantised), not into the NF4 values."""
+    from leantune.quantize import NF4Linear
+
+    result = train(tiny_config(tiny, tmp_path / "q", max_steps=3, eval_every=0, patch="on", quantize="nf4-fp8"),
+                   progress=False)
+    assert "14 linear layers in NF4 with FP8 compute (experimental)" in capsys.readouterr().err
+    layers = [m for m in result.model.modules() if isinstance(m, NF4Linear)]
+    assert len(layers) == 2 * 7 and all(m.fp8_scale is not None for m in layers)
+    assert result.summary["final_eval_loss"] < result.summary["initial_eval_loss"]
+    assert json.loads((tmp_path / "q" / "run.json").read_text())["config"]["quantize"] == "nf4-fp8"
+    check_export(tmp_path / "q", tmp_path / "merged", result.model)
 
 
 def test_cli_train_quantize_fp8_says_so_and_records_it(tiny, tmp_path, capsys):
@@ -113,7 +130,7 @@ def test_cli_train_quantize_fp8_says_so_and_records_it(tiny, tmp_path, capsys):
     assert "leantune: 14 linear layers in FP8 (e4m3, one scale per output channel; experimental)" in err
     assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["quantize"] == "fp8"
     assert_error(*run_cli(capsys, *train_args(tiny, tmp_path / "bad", "--quantize", "fp4")),
-                 "--quantize must be nf4 or fp8")
+                 "--quantize must be nf4, fp8 or nf4-fp8")
 
 
 # ------------------------------------------------------------------------------------------ FP8 checkpoints

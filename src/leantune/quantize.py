@@ -64,9 +64,10 @@ from .ops import (
     quantize_fp8,
     quantize_nf4,
     requantize_blocks,
+    with_fp8_compute,
 )
 
-QUANT_TYPES = ("nf4", "fp8")
+QUANT_TYPES = ("nf4", "fp8", "nf4-fp8")
 _TENSOR_FIELDS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code")
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
 
@@ -85,6 +86,8 @@ class NF4Linear(nn.Linear):
         self.out_features, self.in_features = weight.shape
         for field in _TENSOR_FIELDS:
             self.register_buffer(field, getattr(weight, field), persistent=False)
+        # FP8 compute ("nf4-fp8"): the per-output-channel e4m3 scales (derived from the codes: not saved)
+        self.register_buffer("fp8_scale", weight.fp8_scale, persistent=False)
         self._meta = (weight.offset, weight.shape, weight.dtype, weight.name)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
@@ -103,15 +106,19 @@ class NF4Linear(nn.Linear):
     def weight_nf4(self) -> NF4Weight:
         offset, shape, dtype, name = self._meta
         return NF4Weight(**{f: getattr(self, f) for f in _TENSOR_FIELDS}, offset=offset, shape=shape, dtype=dtype,
-                         name=name)
+                         fp8_scale=self.fp8_scale, name=name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_scale is not None:  # FP8 compute: e4m3 GEMMs on codes dequantised to e4m3, as the fused ops run
+            return lora_linear(x, self.weight_nf4, None, None, 0.0, self.bias)
         dtype = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else self._meta[2]
         weight = dequantize_nf4(self.weight_nf4, dtype=dtype)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(dtype))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
+        compute = ", fp8 compute" if self.fp8_scale is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"nf4{compute}")
 
 
 class FP8Linear(nn.Linear):
@@ -315,6 +322,10 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
     """Replace, in place, every ``nn.Linear`` of the decoder blocks by an :class:`NF4Linear` (``"nf4"``: quantise
     with :func:`~leantune.ops.quantize_nf4`) or an :class:`FP8Linear` (``"fp8"``, experimental: e4m3 with
     per-output-channel scales, :func:`~leantune.ops.quantize_fp8`; 1 byte per weight plus 4 per output channel).
+    ``"nf4-fp8"`` (experimental): NF4 storage with FP8 compute, an :class:`NF4Linear` whose weight also carries
+    per-output-channel e4m3 scales (:func:`~leantune.ops.with_fp8_compute`, 4 bytes per output channel more); the
+    fused ops dequantise its codes straight to e4m3 and run the frozen GEMMs in FP8 (docs/design.md, "NF4
+    storage, FP8 compute"); its input in a dimension that is not a multiple of 64 is refused.
     Embeddings, norms and ``lm_head`` are left as they are. On a PEFT model
     (QLoRA: call it after ``get_peft_model``) the LoRA layers' base layers are quantised and the adapters
     (``lora_A`` / ``lora_B``, ``modules_to_save``) stay as they are; PEFT's forward and ``leantune.patch``'s fused
@@ -324,13 +335,14 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
     ``dtype``: the compute dtype the quantised layers record (their outputs' dtype, PEFT's adapters' rounding);
     default: each weight's own, a block-FP8 layer's the input embeddings' (transformers keeps those unquantised).
 
-    With ``"nf4"`` the MoE experts modules' 3-D ``gate_up_proj`` / ``down_proj`` stacks are quantised too
-    (:func:`quantize_experts`, module docstring); with ``"fp8"`` they stay as they are.
+    With ``"nf4"`` and ``"nf4-fp8"`` the MoE experts modules' 3-D ``gate_up_proj`` / ``down_proj`` stacks are
+    quantised too (:func:`quantize_experts`, module docstring; NF4 dequantised to the compute dtype in both: the
+    grouped expert GEMMs have no FP8 path); with ``"fp8"`` they stay as they are.
 
     Returns:
         ``{"layers": number of linear layers quantised, "experts": number of experts modules quantised,
         "bytes_before": their weight bytes, "bytes_after": the quantised bytes (NF4: codes + absmax codes + nested
-        absmax; FP8: e4m3 weight + fp32 scales)}``.
+        absmax, + the fp32 FP8 scales for nf4-fp8; FP8: e4m3 weight + fp32 scales)}``.
 
     Raises:
         ValueError: an unsupported quant type, a model without ``get_decoder()``, or a layer whose weight cannot be
@@ -343,7 +355,12 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
     prefix = next((n + "." for n, m in model.named_modules() if m is decoder and n), "")
     targets = [(name[len(prefix):], module) for name, module in quantized_linears(model)]
     experts = [(prefix + name, m) for name, m in decoder.named_modules() if expert_stacks(m)] \
-        if quant_type == "nf4" else []
+        if quant_type != "fp8" else []
+    if quant_type == "nf4-fp8":  # the check with_fp8_compute would fail on, before anything changes
+        for name, linear in targets:
+            if linear.in_features % 64:
+                raise ValueError(f"{prefix + name}: NF4 with FP8 compute needs in_features a multiple of 64 (each "
+                                 f"row whole 64-blocks), got {linear.in_features}")
     for name, module in experts:  # the check quantize_nf4 would fail on, before anything changes
         for n in EXPERT_STACKS:
             if module._parameters[n].numel() % 64:
@@ -363,15 +380,17 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
             replacements.append((name, FP8Linear(quantize_fp8(linear.weight.detach(), name=prefix + name,
                                                               dtype=layer_dtype), linear.bias)))
         else:
-            weight = dense_weight(linear).to(layer_dtype)
-            replacements.append((name, NF4Linear(quantize_nf4(weight, name=prefix + name), linear.bias)))
+            weight = quantize_nf4(dense_weight(linear).to(layer_dtype), name=prefix + name)
+            weight = with_fp8_compute(weight) if quant_type == "nf4-fp8" else weight
+            replacements.append((name, NF4Linear(weight, linear.bias)))
     before = after = 0
     for (name, linear), (_, replacement) in zip(targets, replacements):
         parent_name, _, child = name.rpartition(".")
         setattr(decoder.get_submodule(parent_name) if parent_name else decoder, child, replacement)
         before += linear.weight.numel() * linear.weight.element_size() + (
             linear.weight_scale_inv.numel() * linear.weight_scale_inv.element_size() if is_block_fp8(linear) else 0)
-        fields = ("weight", "weight_scale") if quant_type == "fp8" else ("codes", "absmax_codes", "nested_absmax")
+        fields = {"fp8": ("weight", "weight_scale"), "nf4": ("codes", "absmax_codes", "nested_absmax"),
+                  "nf4-fp8": ("codes", "absmax_codes", "nested_absmax", "fp8_scale")}[quant_type]
         after += sum(getattr(replacement, f).numel() * getattr(replacement, f).element_size() for f in fields)
     for name, module in experts:  # after the linears: one stack at a time, its bf16 tensor freed as it goes
         b, a = quantize_experts(module, name)

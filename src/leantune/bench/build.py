@@ -24,7 +24,9 @@ bnb_4bit_compute_dtype=torch.bfloat16)`` loads, with PEFT's ``lora.bnb.Linear4bi
 layer-by-layer build with the frozen linears as leantune's ``FP8Linear`` (e4m3, per-output-channel scales), then
 ``leantune.patch``; from the second forward on, the RMSNorm and GLU kernels write the per-token e4m3 codes of the
 q/k/v, gate/up and down inputs in their own pass (``patch/fp8_inputs.py``), while o_proj's input and dY still get a
-separate quantisation pass; ``leantune+fp8+graph`` is the same model stepped from CUDA graphs.
+separate quantisation pass; ``leantune+fp8+graph`` is the same model stepped from CUDA graphs. ``leantune+nf4fp8``
+(``+graph``; experimental): ``leantune+nf4``'s NF4 layers with FP8 compute (``leantune.quantize``'s ``"nf4-fp8"``:
+the codes dequantised straight to e4m3, the frozen GEMMs in FP8, the norm/GLU codes fused as for FP8).
 
 The QLoRA models are built one decoder layer at a time (:func:`_build_quantized`): the model on the meta device, then
 each layer materialised, drawn from the same (seed, name) as the bf16 model's, and quantised before the next, so the
@@ -53,9 +55,9 @@ def attention_implementation(config) -> str:
 
 IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
          "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
-         "leantune+fp8+graph")
+         "leantune+fp8+graph", "leantune+nf4fp8", "leantune+nf4fp8+graph")
 QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
-             "leantune+fp8+graph")
+             "leantune+fp8+graph", "leantune+nf4fp8", "leantune+nf4fp8+graph")
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 _TILE_SUFFIX = re.compile(r"\+tiled(\d+)$")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -283,10 +285,11 @@ def _quantize_layer(layer, impl: str, names) -> None:
                 new = FP8Linear(quantize_fp8(child.weight.detach(), name=names.get(child, (child_name,))[0]),
                                 child.bias)
             elif impl.startswith("leantune"):
-                from ..ops import quantize_nf4
+                from ..ops import quantize_nf4, with_fp8_compute
                 from ..quantize import NF4Linear
 
-                new = NF4Linear(quantize_nf4(child.weight.detach(), name=names.get(child, (child_name,))[0]),
+                weight = quantize_nf4(child.weight.detach(), name=names.get(child, (child_name,))[0])
+                new = NF4Linear(with_fp8_compute(weight) if impl.startswith("leantune+nf4fp8") else weight,
                                 child.bias)
             else:
                 import bitsandbytes as bnb

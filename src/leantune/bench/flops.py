@@ -55,8 +55,8 @@ def utilization(tokens_per_s: float, flops_per_token: float, matmul_flop_per_s: 
 def frozen_weight_bytes(model) -> int:
     """Bytes of the frozen base weights, tied storages counted once: the parameters that do not require grad (under
     FSDP2 this rank's shards), plus 4-bit weights' other parts: leantune's NF4Linear buffers (codes, absmax codes,
-    nested absmax), bitsandbytes' quant state (absmax and its nested absmax), and leantune's FP8Linear buffers (e4m3
-    codes and fp32 per-output-channel scales)."""
+    nested absmax; with FP8 compute its fp32 scales), bitsandbytes' quant state (absmax and its nested absmax), and
+    leantune's FP8Linear buffers (e4m3 codes and fp32 per-output-channel scales)."""
     seen: dict[int, int] = {}
 
     def count(t):
@@ -71,8 +71,9 @@ def frozen_weight_bytes(model) -> int:
                     count(part.absmax)
     for module in model.modules():
         if hasattr(module, "weight_nf4"):  # leantune's NF4Linear keeps its codes in buffers
-            for name in ("codes", "absmax_codes", "nested_absmax"):
-                count(getattr(module, name))
+            for name in ("codes", "absmax_codes", "nested_absmax", "fp8_scale"):
+                if getattr(module, name, None) is not None:  # fp8_scale: only with FP8 compute
+                    count(getattr(module, name))
         if hasattr(module, "weight_fp8"):  # and FP8Linear its codes and scales
             for name in ("weight", "weight_scale"):
                 count(getattr(module, name))

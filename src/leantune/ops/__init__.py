@@ -12,13 +12,13 @@ from ._loss import deferred_error_flags, raise_deferred_errors
 from ._runtime import backend, backend_choice
 from .cross_entropy import cross_entropy
 from .distillation import linear_distillation_loss
-from .fp8 import FP8Weight, dequantize_blocks, dequantize_fp8, quantize_fp8, requantize_blocks
+from .fp8 import FP8Weight, dequantize_blocks, dequantize_fp8, fp8_gemms, quantize_fp8, requantize_blocks
 from .glu import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs
 from .lora import DoraWeights, LoraWeights, dora_linear, lora_linear, lora_mlp, lora_qkv
 from .moe import ExpertWeights, moe_experts
-from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
+from .nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_fp8, quantize_nf4, with_fp8_compute
 from .rms_norm import rms_norm
 from .rope import rope
 from .sink_attention import sink_attention
@@ -37,6 +37,8 @@ __all__ = [
     "dequantize_blocks",
     "dequantize_fp8",
     "dequantize_nf4",
+    "dequantize_nf4_fp8",
+    "fp8_gemms",
     "geglu",
     "linear_cross_entropy",
     "linear_distillation_loss",
@@ -53,4 +55,5 @@ __all__ = [
     "rope",
     "sink_attention",
     "swiglu",
+    "with_fp8_compute",
 ]

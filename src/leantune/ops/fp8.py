@@ -403,6 +403,12 @@ def dequantize_fp8(w: FP8Weight, dtype: torch.dtype | None = None) -> torch.Tens
 
 
 # -------------------------------------------------------------------------------------------------------- GEMMs
+def fp8_gemms(weight) -> bool:
+    """Whether the fused LoRA ops run a frozen weight's GEMMs (y and dX) in e4m3: an :class:`FP8Weight`, or an
+    ``NF4Weight`` with FP8 compute (its ``fp8_scale`` set: ``ops.nf4.with_fp8_compute``)."""
+    return isinstance(weight, FP8Weight) or getattr(weight, "fp8_scale", None) is not None
+
+
 def _native(w: FP8Weight) -> bool:
     """``torch._scaled_mm`` on the card (Triton backend on CUDA, both weight dims multiples of 16, which it
     requires); the emulation everywhere else."""

@@ -51,6 +51,12 @@ the 16 values in registers but cost ~20 instructions per element: 0.073 ms again
 contiguous values. Memory per program: 16 * BLOCKS bytes of metadata, 32 * BLOCKS bytes of codes in, 64 * BLOCKS * (2 or
 4) bytes out. Launched with fp fusion off, so ``dynamic * scale + offset`` is two roundings as in bitsandbytes. Under
 the interpreter the kernel computes in fp32 and casts once at the store (docs/design.md, "Backends").
+
+FP8 compute (issue #26, docs/design.md "NF4 storage, FP8 compute"). A 2-D weight given per-output-channel scales
+(:func:`with_fp8_compute`: s_r = max(absmax_r / 448, 2^-126) of the fp32 dequantised row, computed once) is
+dequantised by the same kernel straight to e4m3 codes, q = e4m3(clamp(v / s_r, -448, 448)) with v the fp32 value
+above (:func:`dequantize_nf4_fp8`: 0.5 B read and 1 B written per weight), i.e. bit for bit ``fp8.quantize_fp8`` of
+the fp32 dequantised weight; the fused LoRA ops then run the frozen GEMMs as e4m3 GEMMs (:mod:`leantune.ops.fp8`).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ import triton
 import triton.language as tl
 
 from . import _runtime
+from ._fp8_rows import _store_codes
+from .fp8 import E4M3, E4M3_MAX, SCALE_FLOOR, FP8Weight
 
 BLOCKSIZE = 64  # weights per absmax
 NESTED_BLOCKSIZE = 256  # absmaxes per nested (second-level) scale
@@ -126,6 +134,10 @@ class NF4Weight:
         shape: the weight's shape, e.g. ``(out_features, in_features)``.
         dtype: the weight's dtype before quantisation, the default output dtype of :func:`dequantize_nf4`.
         blocksize: 64 (the only blocksize supported).
+        fp8_scale: None, or (FP8 compute, :func:`with_fp8_compute`) fp32 ``[out]``: the per-output-channel e4m3
+            scales of the dequantised 2-D weight; the fused LoRA ops then dequantise the codes straight to e4m3
+            (:func:`dequantize_nf4_fp8`) and run the frozen GEMMs in FP8. Derived from the other fields, so
+            :meth:`state_dict` leaves it out.
         name: what error messages call the weight (e.g. the layer), default "weight".
 
     Raises (at construction):
@@ -141,6 +153,7 @@ class NF4Weight:
     shape: tuple[int, ...]
     dtype: torch.dtype
     blocksize: int = BLOCKSIZE
+    fp8_scale: torch.Tensor | None = None
     name: str = dataclasses.field(default="weight", compare=False)
 
     def __post_init__(self):
@@ -163,6 +176,8 @@ class NF4Weight:
         """The same weight with every tensor on ``device``."""
         move = {f: getattr(self, f).to(device) for f in ("codes", "absmax_codes", "nested_absmax", "code",
                                                          "nested_code")}
+        if self.fp8_scale is not None:
+            move["fp8_scale"] = self.fp8_scale.to(device)
         return dataclasses.replace(self, **move)
 
     # ------------------------------------------------------------------------------------ bitsandbytes interchange
@@ -290,6 +305,22 @@ def _check_layout(w: NF4Weight, name: str) -> None:
             raise ValueError(f"{name}: {field} must be contiguous")
     if not isinstance(w.offset, float) or not math.isfinite(w.offset):
         raise ValueError(f"{name}: offset must be a finite float, got {w.offset!r}")
+    if w.fp8_scale is not None:
+        _check_fp8_layout(w, name)
+
+
+def _check_fp8_layout(w: NF4Weight, name: str) -> None:
+    s = w.fp8_scale
+    if len(w.shape) != 2 or w.shape[1] % BLOCKSIZE:
+        raise ValueError(f"{name}: FP8 compute needs a 2-D [out, in] weight with in a multiple of {BLOCKSIZE} (each "
+                         f"row whole 64-blocks), got shape {w.shape}")
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (w.shape[0],):
+        got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+        raise ValueError(f"{name}: fp8_scale must be a float32 tensor of shape ({w.shape[0]},), got {got}")
+    if s.device != w.codes.device:
+        raise ValueError(f"{name}: fp8_scale is on {s.device} but codes on {w.codes.device}")
+    if not s.is_contiguous():
+        raise ValueError(f"{name}: fp8_scale must be contiguous")
 
 
 def _check_tables(w: NF4Weight, name: str) -> None:
@@ -347,10 +378,12 @@ def quantize_nf4(weight: torch.Tensor, *, name: str = "weight") -> NF4Weight:
 # ------------------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _dequantize_nf4_kernel(
-    CODES, ABSMAX_CODES, NESTED_ABSMAX, NESTED_CODE, NF4, OUT, offset, n_blocks,
-    BLOCKS: tl.constexpr, BLOCKSIZE_: tl.constexpr, NESTED_BLOCKSIZE_: tl.constexpr,
+    CODES, ABSMAX_CODES, NESTED_ABSMAX, NESTED_CODE, NF4, OUT, FP8_SCALE, offset, n_blocks, blocks_per_row,
+    BLOCKS: tl.constexpr, BLOCKSIZE_: tl.constexpr, NESTED_BLOCKSIZE_: tl.constexpr, FP8: tl.constexpr,
 ):
-    """OUT[64 j + i] = NF4[nibble] * (dynamic[absmax_code_j] * nested_absmax[j // 256] + offset) for BLOCKS blocks j."""
+    """v[64 j + i] = NF4[nibble] * (dynamic[absmax_code_j] * nested_absmax[j // 256] + offset) for BLOCKS blocks j,
+    stored rounded to OUT's dtype, or (FP8) as e4m3(clamp(v / s_row, -448, 448)) with s_row = FP8_SCALE[j //
+    blocks_per_row] (a row is whole 64-blocks), the rounding of ``fp8.quantize_rows``."""
     blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     live = blocks < n_blocks
     absmax_code = tl.load(ABSMAX_CODES + blocks, mask=live, other=0).to(tl.int32)
@@ -363,24 +396,44 @@ def _dequantize_nf4_kernel(
     second = tl.load(NF4 + (byte & 15)) * absmax[:, None]
     values = tl.reshape(tl.join(first, second), (BLOCKS, BLOCKSIZE_))  # interleave back to element order
     cols = tl.arange(0, BLOCKSIZE_)
-    tl.store(OUT + blocks[:, None] * BLOCKSIZE_ + cols[None, :], values.to(OUT.dtype.element_ty), mask=live[:, None])
+    if FP8:  # block j's codes at OUT + 64 j: the row-major [out, in] layout, n_cols = 64 per "row" of the tile
+        row_scale = tl.load(FP8_SCALE + blocks // blocks_per_row, mask=live, other=1.0)
+        _store_codes(OUT, values, row_scale, blocks, cols, live[:, None] & (cols < BLOCKSIZE_)[None, :], BLOCKSIZE_)
+    else:
+        tl.store(OUT + blocks[:, None] * BLOCKSIZE_ + cols[None, :], values.to(OUT.dtype.element_ty),
+                 mask=live[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------- dequantise
-def _dequantize_torch(w: NF4Weight, out: torch.Tensor) -> None:
-    """The kernel's formula in torch ops, in chunks of 64-blocks so temporaries stay small."""
+def _block_values(w: NF4Weight, start: int, stop: int) -> torch.Tensor:
+    """The fp32 values of 64-blocks [start, stop) as ``[stop - start, 64]``: the kernel's formula in torch ops."""
     nf4 = _tables(str(w.device))[0]
     offset = torch.tensor(w.offset, dtype=torch.float32, device=w.device)
-    codes, flat = w.codes.reshape(-1), out.view(-1)
+    group = torch.arange(start, stop, device=w.device) // NESTED_BLOCKSIZE
+    absmax = w.nested_code[w.absmax_codes[start:stop].long()] * w.nested_absmax[group]
+    absmax = absmax + offset
+    byte = w.codes.reshape(-1)[start * BLOCKSIZE // 2: stop * BLOCKSIZE // 2]
+    nibbles = torch.stack((byte >> 4, byte & 15), dim=-1).view(stop - start, BLOCKSIZE).long()
+    return nf4[nibbles] * absmax[:, None]
+
+
+def _dequantize_torch(w: NF4Weight, out: torch.Tensor) -> None:
+    """The kernel's formula in torch ops, in chunks of 64-blocks so temporaries stay small."""
+    flat = out.view(-1)
     for start in range(0, w.n_blocks, _TORCH_CHUNK_BLOCKS):
         stop = min(start + _TORCH_CHUNK_BLOCKS, w.n_blocks)
-        group = torch.arange(start, stop, device=w.device) // NESTED_BLOCKSIZE
-        absmax = w.nested_code[w.absmax_codes[start:stop].long()] * w.nested_absmax[group]
-        absmax = absmax + offset
-        byte = codes[start * BLOCKSIZE // 2: stop * BLOCKSIZE // 2]
-        nibbles = torch.stack((byte >> 4, byte & 15), dim=-1).view(stop - start, BLOCKSIZE).long()
-        values = nf4[nibbles] * absmax[:, None]
-        flat[start * BLOCKSIZE: stop * BLOCKSIZE].view(stop - start, BLOCKSIZE).copy_(values)
+        flat[start * BLOCKSIZE: stop * BLOCKSIZE].view(stop - start, BLOCKSIZE).copy_(_block_values(w, start, stop))
+
+
+def _dequantize_fp8_torch(w: NF4Weight, out: torch.Tensor) -> None:
+    """The FP8 kernel's formula in torch ops (``fp8._quantize_rows_torch``'s rounding), in chunks of whole rows."""
+    n_rows, n_cols = w.shape
+    per_row = n_cols // BLOCKSIZE
+    rows = max(1, _TORCH_CHUNK_BLOCKS // per_row)
+    for start in range(0, n_rows, rows):
+        stop = min(start + rows, n_rows)
+        values = _block_values(w, start * per_row, stop * per_row).view(stop - start, n_cols)
+        out[start:stop].copy_((values / w.fp8_scale[start:stop, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3))
 
 
 def dequantize_nf4(w: NF4Weight, *, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -418,10 +471,69 @@ def dequantize_nf4(w: NF4Weight, *, out: torch.Tensor | None = None, dtype: torc
     if _runtime.backend(w.device) == "torch":
         _dequantize_torch(w, out)
         return out
+    _launch_dequantize(w, out, None)
+    return out
+
+
+def _launch_dequantize(w: NF4Weight, out: torch.Tensor, fp8_scale: torch.Tensor | None) -> None:
     nf4 = _tables(str(w.device))[0]
+    fp8 = fp8_scale is not None
     _dequantize_nf4_kernel[(_runtime.cdiv(w.n_blocks, _KERNEL_BLOCKS),)](
-        w.codes, w.absmax_codes, w.nested_absmax, w.nested_code, nf4, out, w.offset, w.n_blocks,
-        BLOCKS=_KERNEL_BLOCKS, BLOCKSIZE_=BLOCKSIZE, NESTED_BLOCKSIZE_=NESTED_BLOCKSIZE, num_warps=4,
+        w.codes, w.absmax_codes, w.nested_absmax, w.nested_code, nf4, out.view(torch.uint8) if fp8 else out,
+        fp8_scale if fp8 else nf4, w.offset, w.n_blocks, w.shape[-1] // BLOCKSIZE if fp8 else 1,
+        BLOCKS=_KERNEL_BLOCKS, BLOCKSIZE_=BLOCKSIZE, NESTED_BLOCKSIZE_=NESTED_BLOCKSIZE, FP8=fp8, num_warps=4,
         enable_fp_fusion=False,
     )
-    return out
+
+
+# ------------------------------------------------------------------------------------------------- FP8 compute
+def with_fp8_compute(w: NF4Weight) -> NF4Weight:
+    """``w`` with :attr:`NF4Weight.fp8_scale` set: the frozen GEMMs of the fused LoRA ops then run in e4m3 on
+    codes dequantised straight from NF4 (:func:`dequantize_nf4_fp8`). The scales are those
+    ``fp8.quantize_rows`` gives the fp32 dequantised weight, s_r = max(absmax_r / 448, 2^-126), computed once here
+    (the weight is frozen): temporaries of 5 bytes per weight, at quantisation time, not in a step.
+
+    Raises:
+        ValueError: w not an NF4Weight, or not 2-D [out, in] with in a multiple of 64 (the message names w).
+    """
+    if not isinstance(w, NF4Weight):
+        raise ValueError(f"w must be an NF4Weight, got {type(w).__name__}")
+    if len(w.shape) != 2 or w.shape[1] % BLOCKSIZE:
+        raise ValueError(f"{w.name}: FP8 compute needs a 2-D [out, in] weight with in a multiple of {BLOCKSIZE}, "
+                         f"got shape {w.shape}")
+    dense = dequantize_nf4(dataclasses.replace(w, fp8_scale=None), dtype=torch.float32)
+    amax = dense.abs().amax(dim=1)
+    scale = (amax / torch.full_like(amax, E4M3_MAX)).clamp_(min=SCALE_FLOOR)  # fp8._quantize_rows_torch's rule
+    return dataclasses.replace(w, fp8_scale=scale.contiguous())
+
+
+def dequantize_nf4_fp8(w: NF4Weight, *, out: torch.Tensor | None = None) -> FP8Weight:
+    """The weight as an :class:`~leantune.ops.fp8.FP8Weight` (e4m3 ``[out, in]``, scales ``w.fp8_scale``), made
+    from the NF4 codes in one pass: q = e4m3(clamp(v / s_row, -448, 448)) with v the fp32 value
+    :func:`dequantize_nf4` rounds (fp32 division, round to nearest even), bit for bit
+    ``fp8.quantize_fp8(dequantize_nf4(w, dtype=torch.float32))`` (tests/test_nf4_fp8.py). Reads 0.5 B and writes
+    1 B per weight (bf16 dequantisation writes 2). Triton kernel or torch ops by ``backend(device)``.
+
+    Args:
+        w: an NF4 weight with FP8 compute (:func:`with_fp8_compute`).
+        out: a contiguous ``float8_e4m3fn`` tensor of shape ``w.shape`` on w's device to write the codes into (a
+            reusable workspace), or None to allocate one.
+
+    Raises:
+        ValueError: w not an NF4Weight with ``fp8_scale``, or an ``out`` of the wrong shape, dtype, device or layout.
+    """
+    if not isinstance(w, NF4Weight) or w.fp8_scale is None:
+        got = type(w).__name__ if not isinstance(w, NF4Weight) else "an NF4Weight without fp8_scale"
+        raise ValueError(f"w must be an NF4Weight with FP8 compute (with_fp8_compute), got {got}")
+    if out is None:
+        out = _runtime.empty(w.shape, dtype=E4M3, device=w.device)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != E4M3 or tuple(out.shape) != w.shape
+          or out.device != w.device or not out.is_contiguous()):
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) \
+            else type(out).__name__
+        raise ValueError(f"out must be a contiguous float8_e4m3fn tensor of shape {w.shape} on {w.device}, got {got}")
+    if _runtime.backend(w.device) == "torch":
+        _dequantize_fp8_torch(w, out)
+    else:
+        _launch_dequantize(w, out, w.fp8_scale)
+    return FP8Weight(out, w.fp8_scale, w.dtype, w.name)

@@ -43,10 +43,9 @@ def record(y, norm, quantized) -> None:
 
 def take(x, weights):
     """The (codes, scales) recorded for ``x`` when a weight of ``weights`` (LoraWeights/DoraWeights) is an
-    ``ops.FP8Weight``, else None; with FP8 weights and no codes, the norm that wrote ``x`` (if any) is asked to
-    write them from its next forward on."""
-    if torch.compiler.is_compiling() or not any(isinstance(getattr(w, "weight", None), ops.FP8Weight)
-                                                for w in weights):
+    ``ops.FP8Weight`` or an NF4 weight with FP8 compute (``ops.fp8_gemms``), else None; with FP8 weights and no
+    codes, the norm that wrote ``x`` (if any) is asked to write them from its next forward on."""
+    if torch.compiler.is_compiling() or not any(ops.fp8_gemms(getattr(w, "weight", None)) for w in weights):
         return None
     quantized = _codes.pop(x, None)
     if quantized is None:

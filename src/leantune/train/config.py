@@ -75,8 +75,9 @@ class TrainConfig:
     device: str | None = field(default=None, metadata={"help": "cpu or cuda"})
     quantize: str | None = field(default=None, metadata={"help": "nf4: store the frozen decoder weights in 4-bit "
                                  "NF4 (QLoRA); fp8 (experimental): in e4m3 with one scale per output channel, the "
-                                 "frozen GEMMs in FP8 (needed for a checkpoint that ships FP8 weights); embeddings, "
-                                 "norms and lm_head stay as loaded"})
+                                 "frozen GEMMs in FP8 (needed for a checkpoint that ships FP8 weights); nf4-fp8 "
+                                 "(experimental): stored as NF4, the frozen GEMMs in FP8; embeddings, norms and "
+                                 "lm_head stay as loaded"})
     offload_checkpoints: bool = field(default=False, metadata={"help": "keep each checkpointed layer's input in "
                                       "pinned host memory between forward and backward (long context; needs "
                                       "--gradient-checkpointing on)"})
@@ -169,8 +170,9 @@ class TrainConfig:
             raise LeantuneError("--resume and --overwrite exclude each other")
         if self.device not in (None, "cpu", "cuda"):
             raise LeantuneError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.quantize not in (None, "nf4", "fp8"):
-            raise LeantuneError(f"--quantize must be nf4 or fp8 (fp4 is not supported yet), got {self.quantize!r}")
+        if self.quantize not in (None, "nf4", "fp8", "nf4-fp8"):
+            raise LeantuneError(f"--quantize must be nf4, fp8 or nf4-fp8 (fp4 is not supported yet), got "
+                                f"{self.quantize!r}")
         if self.offload_checkpoints and self.gradient_checkpointing != "on":
             raise LeantuneError("--offload-checkpoints keeps the inputs that gradient checkpointing saves: it needs "
                                 "--gradient-checkpointing on")

@@ -103,9 +103,10 @@ def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4"
     """Every weight ``leantune.quantize`` puts in NF4 / FP8 replaced, in place, by its quantised value (quantised
     from the dtype the run trained in, dequantised in fp32): a QLoRA / FP8 run's export is the dequantised base
     plus the adapter. An FP8 checkpoint's layers (``FP8Linear`` from the loader, the codes training used) become
-    ``nn.Linear`` layers of their fp32 dequantisation, so PEFT merges into them. MoE expert stacks are NF4 only
-    in an NF4 run (FP8 keeps them in the compute dtype)."""
-    from ..ops import dequantize_fp8, dequantize_nf4, quantize_fp8, quantize_nf4
+    ``nn.Linear`` layers of their fp32 dequantisation, so PEFT merges into them. NF4 with FP8 compute: the e4m3
+    codes its GEMMs read, dequantised. MoE expert stacks are NF4 in an NF4 or NF4-FP8 run (FP8 keeps them in the
+    compute dtype)."""
+    from ..ops import dequantize_fp8, dequantize_nf4, dequantize_nf4_fp8, quantize_fp8, quantize_nf4, with_fp8_compute
     from ..quantize import EXPERT_STACKS, FP8Linear, expert_stacks, quantized_linears
 
     with torch.no_grad():
@@ -113,11 +114,14 @@ def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4"
             if quant_type == "fp8":
                 fp8 = quantize_fp8(linear.weight.to(trained_dtype), name=name)
                 linear.weight.copy_(dequantize_fp8(fp8, torch.float32))
+            elif quant_type == "nf4-fp8":
+                nf4 = with_fp8_compute(quantize_nf4(linear.weight.to(trained_dtype), name=name))
+                linear.weight.copy_(dequantize_fp8(dequantize_nf4_fp8(nf4), torch.float32))
             else:
                 nf4 = quantize_nf4(linear.weight.to(trained_dtype), name=name)
                 linear.weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
         for name, module in model.named_modules():  # MoE expert stacks, one 3-D NF4 weight each (leantune.quantize)
-            if quant_type == "nf4" and expert_stacks(module):
+            if quant_type in ("nf4", "nf4-fp8") and expert_stacks(module):
                 for stack in EXPERT_STACKS:
                     weight = getattr(module, stack)
                     nf4 = quantize_nf4(weight.to(trained_dtype), name=f"{name}.{stack}")
@@ -239,7 +243,7 @@ def _merged_model(run_dir: Path, adapter_dir: Path, saved: Path | None, run: dic
     tokenizer = (load_tokenizer("hf", tokenizer_dir) if tokenizer_dir.is_dir()
                  else load_tokenizer(kind, model_path))
     base = load_model(kind, model_path, torch.float32, "cpu", run["config"]["seed"])
-    if run["config"].get("quantize") in ("nf4", "fp8"):  # the adapter learnt on that base: merge into it
+    if run["config"].get("quantize") in ("nf4", "fp8", "nf4-fp8"):  # the adapter learnt on that base: merge into it
         _dequantised_base(base, getattr(torch, run["dtype"].removeprefix("torch.")), run["config"]["quantize"])
     if saved is None:
         _check_adapter_file(run_dir, adapter_dir)

@@ -392,7 +392,8 @@ def wrap_lora(model, config: TrainConfig):
             raise LeantuneError(f"--quantize {config.quantize}: {str(exc).splitlines()[0]}") from None
         if torch.device(next(model.parameters()).device).type == "cuda":
             torch.cuda.empty_cache()  # the 16-bit weights just replaced
-        what = {"nf4": "NF4", "fp8": "FP8 (e4m3, one scale per output channel; experimental)"}[config.quantize]
+        what = {"nf4": "NF4", "fp8": "FP8 (e4m3, one scale per output channel; experimental)",
+                "nf4-fp8": "NF4 with FP8 compute (experimental)"}[config.quantize]
         experts = f" and {done['experts']} MoE experts modules" if done.get("experts") else ""
         if done["layers"]:  # none: an FP8 checkpoint's layers, converted (and said) at load
             say(f"leantune: {done['layers']} linear layers{experts} in {what}: {done['bytes_before'] / 2**30:.2f} GiB "

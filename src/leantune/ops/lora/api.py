@@ -59,9 +59,9 @@ from __future__ import annotations
 import torch
 
 from .. import _runtime
-from ..fp8 import FP8Weight
+from ..fp8 import E4M3, FP8Weight, fp8_gemms
 from ..glu import ACTIVATIONS, glu_backward, glu_forward
-from ..nf4 import NF4Weight, dequantize_nf4
+from ..nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_fp8
 from .entries import (
     LoraWeights,
     _check_dropout,
@@ -99,48 +99,60 @@ def _workspace(slot: int, shape: tuple, dtype: torch.dtype, device: torch.device
     return _workspaces[key]
 
 
-# An FP8Weight (:mod:`leantune.ops.fp8`) is kept the same way: its e4m3 tensor and scales, nothing dequantised.
+# An FP8Weight (:mod:`leantune.ops.fp8`) is kept the same way: its e4m3 tensor and scales, nothing dequantised. An
+# NF4Weight with FP8 compute (``fp8_scale``) is dequantised straight to e4m3 codes in an e4m3 workspace (1 B a weight)
+# and then runs as that FP8Weight.
 _QUANTIZED = (NF4Weight, FP8Weight)
 _FP8_TENSORS = ("qweight", "scale")
 
 
 def _split_nf4(projs):
-    """(the quantised weights' tensors, in order, for save_for_backward; their other fields per projection index)."""
+    """(the quantised weights' tensors, in order, for save_for_backward; per quantised projection (index, the
+    tensors' field names, the other fields))."""
     tensors, fields = [], []
     for j, proj in enumerate(projs):
         w = proj.weight
         if isinstance(w, NF4Weight):
-            tensors += [getattr(w, f) for f in _NF4_TENSORS]
-            fields.append((j, w.offset, w.shape, w.dtype, w.name))
+            names = _NF4_TENSORS + (("fp8_scale",) if w.fp8_scale is not None else ())
+            fields.append((j, names, w.offset, w.shape, w.dtype, w.name))
         elif isinstance(w, FP8Weight):
-            tensors += [getattr(w, f) for f in _FP8_TENSORS]
-            fields.append((j, None, w.shape, w.dtype, w.name))
+            names = _FP8_TENSORS
+            fields.append((j, names, None, w.shape, w.dtype, w.name))
+        else:
+            continue
+        tensors += [getattr(w, f) for f in names]
     return tensors, fields
 
 
 def _n_saved(fields):
     """How many saved tensors :func:`_split_nf4`'s ``fields`` stand for."""
-    return sum(len(_FP8_TENSORS if offset is None else _NF4_TENSORS) for _, offset, _, _, _ in fields)
+    return sum(len(names) for _, names, _, _, _, _ in fields)
 
 
 def _join_nf4(projs, tensors, fields):
     """``projs`` with the quantised weights rebuilt from what :func:`_split_nf4` gave."""
     projs, start = list(projs), 0
-    for j, offset, shape, dtype, name in fields:
-        names = _FP8_TENSORS if offset is None else _NF4_TENSORS
+    for j, names, offset, shape, dtype, name in fields:
         parts = dict(zip(names, tensors[start:start + len(names)]))
         start += len(names)
-        weight = FP8Weight(dtype=dtype, name=name, **parts) if offset is None else \
+        weight = FP8Weight(dtype=dtype, name=name, **parts) if names is _FP8_TENSORS else \
             NF4Weight(offset=offset, shape=shape, dtype=dtype, name=name, **parts)
         projs[j] = projs[j]._replace(weight=weight)
     return projs
 
 
 def _dequantized(projs, dtype: torch.dtype, first_slot: int = 0):
-    """``projs`` with every NF4 weight replaced by its dequantised copy in its workspace."""
-    return [proj._replace(weight=dequantize_nf4(proj.weight, out=_workspace(
-        first_slot + j, proj.weight.shape, dtype, proj.weight.device))) if isinstance(proj.weight, NF4Weight)
-        else proj for j, proj in enumerate(projs)]
+    """``projs`` with every NF4 weight replaced by its dequantised copy in its workspace: in ``dtype``, or (FP8
+    compute) an FP8Weight whose e4m3 codes fill an e4m3 workspace."""
+    out = list(projs)
+    for j, proj in enumerate(projs):
+        w = proj.weight
+        if isinstance(w, NF4Weight) and w.fp8_scale is not None:
+            out[j] = proj._replace(weight=dequantize_nf4_fp8(w, out=_workspace(first_slot + j, w.shape, E4M3,
+                                                                               w.device)))
+        elif isinstance(w, NF4Weight):
+            out[j] = proj._replace(weight=dequantize_nf4(w, out=_workspace(first_slot + j, w.shape, dtype, w.device)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ autograd nodes
@@ -205,7 +217,7 @@ class LoraMLPFunction(torch.autograd.Function):
             (gate, up), (xa_g, xa_u) = group_forward(x2d, [gate_w, up_w], meta_gu, seeds, 0, add_lowrank=not fuse,
                                                      x_quantized=x_quantized)
             # an FP8 down reading h as it is (h in its compute dtype): the GLU pass also writes h's e4m3 codes
-            fp8_out = isinstance(down_p.weight, FP8Weight) and gate.dtype == meta_down.compute_dtype
+            fp8_out = fp8_gemms(down_p.weight) and gate.dtype == meta_down.compute_dtype
             side = {"fp8_out": True} if fp8_out else {}
             if fuse:
                 ldt = meta_gu.lora_dtype
