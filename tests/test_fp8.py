@@ -248,17 +248,17 @@ def tiny_llama():
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def peft_model(base, order):
+def peft_model(base, order, quant_type="fp8"):
     import copy
 
     model = copy.deepcopy(base)
     if order == "before":
-        assert leantune.quantize(model, "fp8")["layers"] == 2 * 7
+        assert leantune.quantize(model, quant_type)["layers"] == 2 * 7
     torch.manual_seed(1)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                        init_lora_weights=False))
     if order == "after":
-        leantune.quantize(model, "fp8")
+        leantune.quantize(model, quant_type)
     return model
 
 

@@ -7,9 +7,10 @@ import copy
 
 import pytest
 import reference
+import test_fp8
 import torch
 from conftest import DEVICE
-from test_fp8 import U, e4m3_round64, loss_and_grads, rel_err
+from test_fp8 import VOCAB, U, e4m3_round64, loss_and_grads, peft_model, rel_err
 
 import leantune
 from leantune import ops
@@ -127,29 +128,7 @@ def test_errors_name_the_weight_and_what_was_expected():
 
 
 # ------------------------------------------------------------------------------------------ quantize + PEFT
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-VOCAB = 160
-
-
-@pytest.fixture(scope="module")
-def tiny_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.AutoModelForCausalLM.from_config(config)
-
-
-def peft_model(base, quant_type, order):
-    model = copy.deepcopy(base)
-    if order == "before":
-        leantune.quantize(model, quant_type)
-    torch.manual_seed(1)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                       init_lora_weights=False))
-    if order == "after":
-        leantune.quantize(model, quant_type)
-    return model
+tiny_llama = test_fp8.tiny_llama  # the fixture: a tiny random Llama with hidden 64, intermediate 192
 
 
 def test_quantize_nf4_fp8_with_peft_in_both_orders_patched_and_trained(tiny_llama, monkeypatch):
@@ -157,9 +136,9 @@ def test_quantize_nf4_fp8_with_peft_in_both_orders_patched_and_trained(tiny_llam
 
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     ids = torch.randint(0, VOCAB, (2, 24))
-    nf4_loss, _ = loss_and_grads(peft_model(tiny_llama, "nf4", "after"), ids)
+    nf4_loss, _ = loss_and_grads(peft_model(tiny_llama, "after", "nf4"), ids)
     (after, (loss_after, grads_after)), (before, (loss, grads)) = [
-        (m, loss_and_grads(m, ids)) for m in (peft_model(tiny_llama, "nf4-fp8", o) for o in ("after", "before"))]
+        (m, loss_and_grads(m, ids)) for m in (peft_model(tiny_llama, o, "nf4-fp8") for o in ("after", "before"))]
     q_proj = before.base_model.model.model.layers[1].self_attn.q_proj
     assert isinstance(q_proj.base_layer, NF4Linear) and q_proj.base_layer.fp8_scale is not None
     assert "fp8 compute" in repr(q_proj.base_layer)
