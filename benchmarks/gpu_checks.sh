@@ -90,6 +90,22 @@ part_qlora_fp8() {  # #26: NF4 storage with FP8 compute (leantune+nf4fp8) beside
   echo "qlora-fp8 exit $?"; tail -14 "$OUT/qlora-fp8.log"
 }
 
+part_fp8_groups() {  # #26/#25: the grouped FP8 dX kernel on the card, its probe, then the 8B GC-on step: bf16, NF4 and FP8
+  # graphs (FP8 grouped dX on and off), 20 steps each, one run
+  timeout $(bound 90) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_fp8_kernels.py > "$OUT/pytest-fp8k.log" 2>&1
+  echo "pytest (fp8 kernels) exit $?"; tail -2 "$OUT/pytest-fp8k.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest-fp8k.log" | head
+  timeout $(bound 100) python3 benchmarks/fp8_probe.py > "$OUT/fp8_probe.md" 2>&1; echo "fp8_probe exit $?"
+  grep -v -i warn "$OUT/fp8_probe.md" | tail -24
+  local e2e="--configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 --matmul-tflops 700"
+  timeout $(bound 300) python3 -m leantune bench e2e $e2e --impls leantune+graph,leantune+nf4+graph,leantune+fp8+graph \
+    --budget-s $(( $(bound 300) - 10 )) --out "$OUT/grouped" > "$OUT/grouped.log" 2>&1; echo "grouped exit $?"
+  LEANTUNE_FP8_GROUPED_DX=0 timeout $(bound 120) python3 -m leantune bench e2e $e2e --impls leantune+fp8+graph \
+    --budget-s $(( $(bound 120) - 10 )) --out "$OUT/ungrouped" > "$OUT/ungrouped.log" 2>&1; echo "ungrouped exit $?"
+  sed -n '/^Step times/,$p' "$OUT/grouped/results.md" 2>/dev/null; sed -n '/^| model/,$p' "$OUT/ungrouped/results.md" 2>/dev/null | tail -3
+  timeout $(bound 150) python3 benchmarks/lora_probe.py > "$OUT/lora_probe.md" 2>&1; echo "lora_probe exit $?"
+  grep -v -i warn "$OUT/lora_probe.md" | tail -30
+}
+
 part_qlora_70b() {  # Llama-3-70B shape, QLoRA on one card, 4096 x 1 (built layer by layer: the bf16 model never whole)
   timeout $(bound 400) python3 -m leantune bench e2e --configs .gpu/llama3-70b --seq 4096 --batch 1 --gc on --steps 3 \
     --warmup 1 --impls leantune+nf4 --matmul-tflops 700 --budget-s 390 --out "$OUT/qlora70b" > "$OUT/qlora70b.log" 2>&1

@@ -77,6 +77,7 @@ pass here.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -502,7 +503,8 @@ def fp8_grad_input(dy: torch.Tensor, w: FP8Weight, *, out_dtype: torch.dtype) ->
 
 
 # ------------------------------------------------------------------------------------------- one dX GEMM a group
-GROUPED_GRAD_INPUT = True  # benchmarks set False to time the per-projection dX GEMMs of a group instead
+# LEANTUNE_FP8_GROUPED_DX=0 (benchmarks) times the per-projection dX GEMMs of a group instead
+GROUPED_GRAD_INPUT = os.environ.get("LEANTUNE_FP8_GROUPED_DX", "1") != "0"
 MAX_GROUP = 3  # projections one grouped quantisation kernel takes (q/k/v; gate/up)
 
 
