@@ -106,6 +106,20 @@ part_fp8_groups() {  # #26/#25: the grouped FP8 dX kernel on the card, its probe
   grep -v -i warn "$OUT/lora_probe.md" | tail -30
 }
 
+part_qlora_same() {  # #25's QLoRA row in one call: bitsandbytes, bf16, NF4 and NF4-FP8 graphs, 8B GC on, 20 steps; then
+  # #26's GC-off row (HF+PEFT vs FP8 graphs, one run) and the LoRA probe
+  timeout $(bound 300) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 \
+    --impls hf+peft+bnb,leantune+graph,leantune+nf4+graph,leantune+nf4fp8+graph --matmul-tflops 700 \
+    --budget-s $(( $(bound 300) - 10 )) --compare --out "$OUT/qlora" > "$OUT/qlora.log" 2>&1; echo "qlora exit $?"
+  sed -n '/^| model | seq x batch | GC | impl | steps/,$p' "$OUT/qlora/results.md" 2>/dev/null
+  timeout $(bound 150) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc off --steps 20 \
+    --impls hf+peft,leantune+fp8+graph --matmul-tflops 700 --budget-s $(( $(bound 150) - 10 )) --compare \
+    --out "$OUT/gcoff" > "$OUT/gcoff.log" 2>&1; echo "gcoff exit $?"
+  sed -n '/^| model | seq x batch | GC | impl | steps/,$p' "$OUT/gcoff/results.md" 2>/dev/null
+  timeout $(bound 130) python3 benchmarks/lora_probe.py > "$OUT/lora_probe.md" 2>&1; echo "lora_probe exit $?"
+  grep -v -i warn "$OUT/lora_probe.md" | tail -30
+}
+
 part_qlora_70b() {  # Llama-3-70B shape, QLoRA on one card, 4096 x 1 (built layer by layer: the bf16 model never whole)
   timeout $(bound 400) python3 -m leantune bench e2e --configs .gpu/llama3-70b --seq 4096 --batch 1 --gc on --steps 3 \
     --warmup 1 --impls leantune+nf4 --matmul-tflops 700 --budget-s 390 --out "$OUT/qlora70b" > "$OUT/qlora70b.log" 2>&1

@@ -26,6 +26,7 @@ import contextlib
 import functools
 
 import torch
+import triton
 from fp8_probe import floor_ms
 
 from leantune.ops import _dot, fp8
@@ -122,9 +123,12 @@ def skinny(m: int, dev) -> None:
             args = (a, b) if label == "matmul" else (lhs, a)
             cells = []
             for block_m, block_k, warps, per_sm in SKINNY_VARIANTS:
-                ms = timed(functools.partial(fn, *args, block_m=block_m, block_k=block_k, num_warps=warps,
-                                             per_sm=per_sm))
-                cells.append(f"{block_m}x{block_k} w{warps} s{per_sm} {ms:.4f}")
+                try:
+                    ms = f"{timed(functools.partial(fn, *args, block_m=block_m, block_k=block_k, num_warps=warps,
+                                                    per_sm=per_sm)):.4f}"
+                except triton.runtime.errors.OutOfResources:  # the tile does not fit this card's shared memory
+                    ms = "n/a"
+                cells.append(f"{block_m}x{block_k} w{warps} s{per_sm} {ms}")
             print(f"  {label:>6} K {k:>5} (floor {floor_ms(2 * m * k):.4f}): " + ", ".join(cells))
 
 
