@@ -20,7 +20,7 @@ and a bit-for-bit check of each kernel against its torch chain on the card. ``--
 of the two kernels (block, rows, warps).
 
 Groups (q/k/v, gate/up: projections of one x): ``separate`` is the per-projection dX path (one ``fp8_grad_input``
-each, summed in bf16), ``grouped`` :func:`ops.fp8.fp8_grad_input_group` (one quantisation over the side-by-side
+each, summed in bf16), ``grouped`` :func:`ops.fp8_group.fp8_grad_input_group` (one quantisation over the side-by-side
 dY's, one ``_scaled_mm`` of reduction length sum out_j), with its parts ``quant`` (``quantize_grad_outputs``) and
 ``W^T`` (the stacked transposed codes), and a bit-for-bit check of the group quantisation against its torch chain.
 """
@@ -31,7 +31,7 @@ import argparse
 
 import torch
 
-from leantune.ops import fp8
+from leantune.ops import fp8, fp8_group
 
 SHAPES = (("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096), ("down", 4096, 14336))
 
@@ -125,10 +125,10 @@ def groups(m: int, dev: torch.device) -> None:
                 dx.add_(fp8.fp8_grad_input(dy, w, out_dtype=torch.bfloat16))
             return dx
 
-        ms = [timed(separate), timed(lambda: fp8.fp8_grad_input_group(dys, ws, out_dtype=torch.bfloat16)),
-              timed(lambda: fp8.quantize_grad_outputs(dys, ws)), timed(lambda: fp8._transposed_group(ws))]
+        ms = [timed(separate), timed(lambda: fp8_group.fp8_grad_input_group(dys, ws, out_dtype=torch.bfloat16)),
+              timed(lambda: fp8_group.quantize_grad_outputs(dys, ws)), timed(lambda: fp8_group._transposed_group(ws))]
         ref = fp8._quantize_rows_torch(torch.cat([dy.float() * w.scale[None, :] for dy, w in zip(dys, ws)], dim=1))
-        exact = same(fp8.quantize_grad_outputs(dys, ws), ref)
+        exact = same(fp8_group.quantize_grad_outputs(dys, ws), ref)
         print(f"{label:>11}   " + " ".join(f"{t:8.3f}" for t in ms) + f"  {exact}")
 
 

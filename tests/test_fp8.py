@@ -11,7 +11,7 @@ from reference import assert_close, loss_and_grads, rel_err
 
 import leantune
 from leantune import ops
-from leantune.ops import fp8
+from leantune.ops import fp8, fp8_group
 
 F64 = torch.float64
 U = 2.0 ** -4  # e4m3 unit roundoff (3 mantissa bits, round to nearest)
@@ -156,10 +156,10 @@ def test_grouped_grad_input_is_one_quantisation_over_the_parts_within_the_e4m3_b
     dys = [torch.randn(11, n) * m for n, m in ((64, 1.0), (24, 1e-4), (24, 3.0))]
     dys[1] = torch.randn(11, 48)[:, ::2] * 1e-4  # a strided dY
     g = torch.cat([dy.float() * w.scale[None, :] for dy, w in zip(dys, ws)], dim=1)
-    q, scale = fp8.quantize_grad_outputs(dys, ws)
+    q, scale = fp8_group.quantize_grad_outputs(dys, ws)
     q64, scale64 = quantize_rows64(g)
     assert q.shape == (11, 112) and torch.equal(q.to(F64), q64) and torch.equal(scale.to(F64), scale64)
-    dx = fp8.fp8_grad_input_group(dys, ws, out_dtype=torch.float32)
+    dx = fp8_group.fp8_grad_input_group(dys, ws, out_dtype=torch.float32)
     ref = reference_group_base_dx(dys, ws)
     assert_close("grouped dx", dx, ref, torch.float32)
     exact = sum(dy.to(F64) @ dequant64(w.qweight, w.scale) for dy, w in zip(dys, ws))
@@ -168,28 +168,28 @@ def test_grouped_grad_input_is_one_quantisation_over_the_parts_within_the_e4m3_b
     assert ((dx.to(F64) - exact).abs() <= bound).all()
     for dt in (torch.bfloat16, torch.float16):  # the compute dtype out, and dY's of a low-precision dtype
         dys_dt = [dy.to(dt) for dy in dys]
-        got = fp8.fp8_grad_input_group(dys_dt, ws, out_dtype=dt)
+        got = fp8_group.fp8_grad_input_group(dys_dt, ws, out_dtype=dt)
         assert got.dtype == dt
         assert_close(f"grouped dx {dt}", got, reference_group_base_dx(dys_dt, ws), dt)
     with pytest.raises(ValueError, match=r"dys\[1\]/ws\[1\]: a group's weights share in features \(40\)"):
-        fp8.quantize_grad_outputs(dys[:2], [ws[0], ops.quantize_fp8(torch.randn(24, 8))])
+        fp8_group.quantize_grad_outputs(dys[:2], [ws[0], ops.quantize_fp8(torch.randn(24, 8))])
     with pytest.raises(ValueError, match=r"dys\[2\]/ws\[2\].*dY \(11, 24\) torch.bfloat16"):
-        fp8.quantize_grad_outputs([dys[0], dys[1], dys[2].bfloat16()], ws)
+        fp8_group.quantize_grad_outputs([dys[0], dys[1], dys[2].bfloat16()], ws)
     with pytest.raises(ValueError, match="dY must have 24 columns"):
-        fp8.fp8_grad_input_group([dys[0], dys[0]], ws[:2], out_dtype=torch.float32)
+        fp8_group.fp8_grad_input_group([dys[0], dys[0]], ws[:2], out_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"ws\[1\] must be an FP8Weight, got Tensor"):
-        fp8.quantize_grad_outputs(dys[:2], [ws[0], torch.ones(24, 40)])
+        fp8_group.quantize_grad_outputs(dys[:2], [ws[0], torch.ones(24, 40)])
     with pytest.raises(ValueError, match="same non-zero length"):
-        fp8.quantize_grad_outputs(dys, ws[:2])
-    assert fp8.grouped_grad_input_ok(dys, ws) and not fp8.grouped_grad_input_ok(dys[:1], ws[:1])
-    assert not fp8.grouped_grad_input_ok(dys[:2], [ws[0], ops.quantize_fp8(torch.randn(24, 8))])
+        fp8_group.quantize_grad_outputs(dys, ws[:2])
+    assert fp8_group.grouped_grad_input_ok(dys, ws) and not fp8_group.grouped_grad_input_ok(dys[:1], ws[:1])
+    assert not fp8_group.grouped_grad_input_ok(dys[:2], [ws[0], ops.quantize_fp8(torch.randn(24, 8))])
 
 
 @pytest.mark.parametrize("grouped", (False, True))
 def test_lora_mlp_on_an_fp8_base_is_its_composition_of_fp8_lora_linears(monkeypatch, grouped):
     """The node's passes equal lora_linear (proven above against float64) composed with ops.swiglu; with the
     grouped dX GEMM (the default) gate's and up's base dX terms are instead one fp8_grad_input_group of their dY's."""
-    monkeypatch.setattr(fp8, "GROUPED_GRAD_INPUT", grouped)
+    monkeypatch.setattr(fp8_group, "GROUPED_GRAD_INPUT", grouped)
     x = torch.randn(19, 32, requires_grad=True)
     gate, up, down = lora_factors(32, 48), lora_factors(32, 48), lora_factors(48, 32)
     dy = torch.randn(19, 32)
@@ -207,7 +207,7 @@ def test_lora_mlp_on_an_fp8_base_is_its_composition_of_fp8_lora_linears(monkeypa
     if grouped:  # swap the two separate base terms for the group's one
         dgu, wgu = [g.grad, u.grad], [gate[0], up[0]]
         dx_ref = (dx_ref - sum(fp8.fp8_grad_input(d, w, out_dtype=torch.float32) for d, w in zip(dgu, wgu))
-                  + fp8.fp8_grad_input_group(dgu, wgu, out_dtype=torch.float32))
+                  + fp8_group.fp8_grad_input_group(dgu, wgu, out_dtype=torch.float32))
         separate = x2.grad.to(F64)
         assert rel_err(got[0], separate) > 1e-4  # the grouped path is the one taken: its rounding differs
     assert_close("mlp y", y, y2, torch.float32)
@@ -284,7 +284,7 @@ def test_quantize_fp8_in_both_orders_with_peft_trains_and_saves(tiny_llama, tmp_
     assert abs(loss.item() - dense_loss.item()) <= 0.2 * U * dense_loss.item(), (loss.item(), dense_loss.item())
     leantune.patch(before)
     with pytest.MonkeyPatch.context() as mp:  # the per-projection dX of PEFT's modules: the same e4m3 roundings
-        mp.setattr(fp8, "GROUPED_GRAD_INPUT", False)
+        mp.setattr(fp8_group, "GROUPED_GRAD_INPUT", False)
         patched_loss, patched_grads = loss_and_grads(before, ids)
     assert before.base_model.model.leantune_summary["counts"]["lora"] == 2 * 7
     # the fused ops round fp32 activations differently (by ulps) from HF's modules; near an e4m3 midpoint an ulp

@@ -12,7 +12,7 @@ import torch
 from conftest import DEVICE, ON_GPU
 
 from leantune import ops
-from leantune.ops import fp8
+from leantune.ops import fp8, fp8_group
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -186,10 +186,10 @@ def test_group_quantisation_kernel_is_the_torch_quantisation_of_the_side_by_side
     dys[1][2, 3] = float("nan")
     dys[0][4, 1] = float("inf")
     ref = fp8._quantize_rows_torch(torch.cat([dy.float() * w.scale[None, :] for dy, w in zip(dys, ws)], dim=1))
-    got = fp8.quantize_grad_outputs(dys, ws)
+    got = fp8_group.quantize_grad_outputs(dys, ws)
     assert ref[1][2].isnan() and ref[1][0] == 2.0 ** -126
     assert_same_quantisation(got, ref, f"{dtype} {widths}")
-    empty = fp8.quantize_grad_outputs([dy[:0] for dy in dys], ws)
+    empty = fp8_group.quantize_grad_outputs([dy[:0] for dy in dys], ws)
     assert empty[0].shape == (0, sum(widths)) and empty[1].shape == (0,)
 
 
@@ -199,15 +199,15 @@ def test_grouped_grad_input_on_the_triton_backend_equals_the_torch_backend(monke
     workspace, holds every byte."""
     ws = [ops.quantize_fp8(torch.randn(n, 36).to(DEVICE)) for n in (40, 24, 24)]
     dys = [torch.randn(5, n, device=DEVICE, dtype=torch.bfloat16) for n in (40, 24, 24)]
-    got = fp8.fp8_grad_input_group(dys, ws, out_dtype=torch.float32)
+    got = fp8_group.fp8_grad_input_group(dys, ws, out_dtype=torch.float32)
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    ref = fp8.fp8_grad_input_group(dys, ws, out_dtype=torch.float32)
+    ref = fp8_group.fp8_grad_input_group(dys, ws, out_dtype=torch.float32)
     assert torch.equal(got, ref)
     monkeypatch.setenv("LEANTUNE_BACKEND", "triton")
     key = (tuple(w.shape for w in ws), ws[0].device)
     fp8._transposed_workspaces.pop(key, None)
-    out = fp8._transposed_group(ws)
-    assert out.shape == (36, 88) and out.is_contiguous() and fp8._transposed_group(ws) is out
+    out = fp8_group._transposed_group(ws)
+    assert out.shape == (36, 88) and out.is_contiguous() and fp8_group._transposed_group(ws) is out
     assert torch.equal(out.view(torch.uint8), torch.cat([w.qweight for w in ws]).view(torch.uint8).t())
     block = fp8._runtime.empty((130, 300), dtype=fp8.E4M3, device=DEVICE).fill_(float("nan"))
     w = ops.quantize_fp8(torch.randn(150, 130).to(DEVICE))
@@ -224,12 +224,12 @@ def test_group_backends_take_their_own_path(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("wrong path")
 
-    monkeypatch.setattr(fp8, "_quantize_rows_torch", fail)
-    fp8.quantize_grad_outputs(dys, ws)
+    monkeypatch.setattr(fp8_group, "_quantize_rows_torch", fail)
+    fp8_group.quantize_grad_outputs(dys, ws)
     monkeypatch.undo()
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    monkeypatch.setattr(fp8, "_quantize_parts_kernel", None)  # a launch would raise TypeError
-    fp8.quantize_grad_outputs(dys, ws)
+    monkeypatch.setattr(fp8_group, "_quantize_parts_kernel", None)  # a launch would raise TypeError
+    fp8_group.quantize_grad_outputs(dys, ws)
 
 
 def test_bad_arguments_raise_before_any_kernel():
@@ -267,7 +267,7 @@ SM90_CHECK = r"""
 import json, os, re, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from leantune.ops import fp8
+from leantune.ops import fp8, fp8_group
 
 def compile_sm90(kernel, signature, constexprs, aligned, num_warps):
     src = ASTSource(fn=getattr(kernel, "fn", kernel), signature=signature, constexprs=constexprs,
@@ -291,12 +291,12 @@ for name, fp32, one in (("bf16 dY one block", False, True), ("fp32 loop", True, 
                              "HAS_MULTIPLIER": not fp32, "BLOCK": 4096, "ROWS": 1, "ONE_BLOCK": one},
                              (0, 1, 2, 3, 4, 6, 7), 8)
 parts = {}  # in the kernel's argument order (attrs name arguments by position)
-for name in fp8._quantize_parts_kernel.fn.arg_names:
+for name in fp8_group._quantize_parts_kernel.fn.arg_names:
     parts[name] = ("*i16" if name[0] == "T" else "*fp32" if name[0] in "MS" else "*u8" if name == "Q" else
                    "constexpr" if name.startswith("stride_col") or name.isupper() or name[0].isupper() else "i32")
 for name, one, blocks in (("q/k/v dY one block", True, (4096, 1024, 1024)),
                           ("gate/up dY loop", False, (2048, 2048, 2048))):
-    out[name] = compile_sm90(fp8._quantize_parts_kernel, parts, {
+    out[name] = compile_sm90(fp8_group._quantize_parts_kernel, parts, {
         "stride_col0": 1, "stride_col1": 1, "stride_col2": 1, "BF16_BITS": True, "PARTS": 3 if one else 2,
         "BLOCK0": blocks[0], "BLOCK1": blocks[1], "BLOCK2": blocks[2], "ROWS": 1 if one else 2, "ONE_BLOCK": one},
         [i for i, n in enumerate(parts) if parts[n] != "constexpr"], 8 if one else 4)

@@ -1,4 +1,4 @@
-"""NF4 storage with FP8 compute (ops/nf4.py ``with_fp8_compute`` / ``dequantize_nf4_fp8``, quantize "nf4-fp8"):
+"""NF4 storage with FP8 compute (ops/nf4_fp8.py ``with_fp8_compute`` / ``dequantize_nf4_fp8``, quantize "nf4-fp8"):
 the scales and codes against the e4m3 rule in float64 and bit for bit against quantising the fp32 dequantised
 weight, on both backends (the Triton kernel through the interpreter on CPU), the fused LoRA ops on such a weight
 against the same ops on that FP8Weight, what the nodes keep, the errors, and a PEFT model quantised either way."""
@@ -14,9 +14,10 @@ from test_fp8 import VOCAB, U, e4m3_round64, loss_and_grads, peft_model, rel_err
 
 import leantune
 from leantune import ops
-from leantune.ops import _runtime, fp8
+from leantune.ops import _runtime, fp8, fp8_group
 from leantune.ops.lora import api as lora_api
-from leantune.ops.nf4 import dequantize_nf4, dequantize_nf4_fp8, quantize_nf4, with_fp8_compute
+from leantune.ops.nf4 import dequantize_nf4, quantize_nf4
+from leantune.ops.nf4_fp8 import dequantize_nf4_fp8, with_fp8_compute
 
 F64 = torch.float64
 # (rows, cols): 280 blocks (3 kernel programs, the last partial), a zero row, rows of 130 blocks, one block a row
@@ -149,7 +150,7 @@ def test_quantize_nf4_fp8_with_peft_in_both_orders_patched_and_trained(tiny_llam
     assert not [k for k in state if "fp8_scale" in k]  # derived from the codes, not saved
     leantune.patch(before)
     with pytest.MonkeyPatch.context() as mp:  # the per-projection dX of PEFT's modules
-        mp.setattr(fp8, "GROUPED_GRAD_INPUT", False)
+        mp.setattr(fp8_group, "GROUPED_GRAD_INPUT", False)
         patched_loss, patched_grads = loss_and_grads(before, ids)
     assert before.base_model.model.leantune_summary["counts"]["lora"] == 2 * 7
     assert rel_err(patched_loss, loss) <= 1e-4  # as for "fp8": ulp-level input differences flip rare codes

@@ -18,7 +18,8 @@ from .linear_cross_entropy import linear_cross_entropy
 from .log_probs import linear_log_probs
 from .lora import DoraWeights, LoraWeights, dora_linear, lora_linear, lora_mlp, lora_qkv
 from .moe import ExpertWeights, moe_experts
-from .nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_fp8, quantize_nf4, with_fp8_compute
+from .nf4 import NF4Weight, dequantize_nf4, quantize_nf4
+from .nf4_fp8 import dequantize_nf4_fp8, with_fp8_compute
 from .rms_norm import rms_norm
 from .rope import rope
 from .sink_attention import sink_attention

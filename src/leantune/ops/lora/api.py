@@ -61,7 +61,8 @@ import torch
 from .. import _runtime
 from ..fp8 import E4M3, FP8Weight, fp8_gemms
 from ..glu import ACTIVATIONS, glu_backward, glu_forward
-from ..nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_fp8
+from ..nf4 import NF4Weight, dequantize_nf4
+from ..nf4_fp8 import dequantize_nf4_fp8
 from .entries import (
     LoraWeights,
     _check_dropout,

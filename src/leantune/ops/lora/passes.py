@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _runtime
-from ..fp8 import FP8Weight, fp8_grad_input, fp8_grad_input_group, fp8_linear, grouped_grad_input_ok, quantize_rows
+from ..fp8 import FP8Weight, fp8_grad_input, fp8_linear, quantize_rows
+from ..fp8_group import fp8_grad_input_group, grouped_grad_input_ok
 from .kernels import dropout_triton, lowrank_add_triton, skinny_matmul, skinny_tn
 
 
