@@ -31,7 +31,7 @@ import argparse
 
 import torch
 
-from leantune.ops import fp8, fp8_group
+from leantune.ops import fp8, fp8_group, glu, glu_fp8
 
 SHAPES = (("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096), ("down", 4096, 14336))
 
@@ -132,6 +132,36 @@ def groups(m: int, dev: torch.device) -> None:
         print(f"{label:>11}   " + " ".join(f"{t:8.3f}" for t in ms) + f"  {exact}")
 
 
+def glu_dy(m: int, dev: torch.device, sweep: bool) -> None:
+    """The LoRA MLP's gate/up dY codes: GLU backward then the group's quantisation pass, against the GLU backward
+    that writes the codes itself (``glu_fp8.glu_backward_fp8``, the default; ``LEANTUNE_FP8_FUSED_DY=0`` is the
+    former)."""
+    n = 14336
+    ws = [fp8.quantize_fp8(torch.randn(n, 4096, device=dev, dtype=torch.bfloat16) / 64.0) for _ in range(2)]
+    dh, gate, up = (torch.randn(m, n, device=dev, dtype=torch.bfloat16) for _ in range(3))
+
+    def separate():
+        d_gate, d_up = glu.glu_backward(dh, gate, up, "swiglu")
+        return fp8_group.quantize_grad_outputs([d_gate, d_up], ws)
+
+    def fused():
+        return glu_fp8.glu_backward_fp8(dh, gate, up, "swiglu", ws[0].scale, ws[1].scale)[2]
+
+    ms = [timed(separate), timed(lambda: glu.glu_backward(dh, gate, up, "swiglu")), timed(fused)]
+    exact = same(fused(), separate())
+    # bytes: separate reads dh, gate, up, writes d_gate, d_up (10 B a column pair), reads them again (4), writes codes
+    # (2); fused 12
+    print(f"\ngate/up dY codes [{m}, 2 x {n}] (ms): separate {ms[0]:.3f} (GLU bwd {ms[1]:.3f}), fused {ms[2]:.3f} "
+          f"(floor {floor_ms(12.0 * m * n):.3f}), bit-exact {exact}")
+    if sweep:
+        def variant(block, warps):
+            return timed(lambda: glu_fp8._backward_fp8_triton(dh, gate, up, "swiglu", ws[0].scale, ws[1].scale,
+                                                              False, block=block, num_warps=warps))
+
+        print("          " + ", ".join(f"block {b} w{w} {variant(b, w):.3f}"
+                                       for b in (1024, 2048, 4096) for w in (4, 8, 16)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -182,6 +212,7 @@ def main() -> None:
               + f" {naive:10.2f}x {naive_torch:7.2f}x  (y rel err {err:.3f})")
     kernels(m, dev, args.sweep)
     groups(m, dev)
+    glu_dy(m, dev, args.sweep)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,24 @@ part_fp8_groups() {  # #26/#25: the grouped FP8 dX kernel on the card, its probe
   grep -v -i warn "$OUT/lora_probe.md" | tail -30
 }
 
+part_fp8_dy() {  # #26: gate/up's dY codes from the GLU backward (ops/glu_fp8.py) on the card: its tests, the probe's
+  # "gate/up dY codes" line (with launch variants), then the 8B FP8 graph step GC on, fused (default) against
+  # LEANTUNE_FP8_FUSED_DY=0, 20 steps each, one run; then GC off against HF+PEFT
+  timeout $(bound 90) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_glu_fp8.py > "$OUT/pytest-glu-fp8.log" 2>&1
+  echo "pytest (glu_fp8) exit $?"; tail -2 "$OUT/pytest-glu-fp8.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest-glu-fp8.log" | head
+  timeout $(bound 120) python3 benchmarks/fp8_probe.py --sweep > "$OUT/fp8_probe.md" 2>&1; echo "fp8_probe exit $?"
+  grep -A1 "gate/up dY codes" "$OUT/fp8_probe.md"
+  local e2e="--configs .gpu/llama3-8b --seq 4096 --batch 1 --steps 20 --matmul-tflops 700"
+  timeout $(bound 120) python3 -m leantune bench e2e $e2e --gc on --impls leantune+fp8+graph \
+    --budget-s $(( $(bound 120) - 10 )) --out "$OUT/fused" > "$OUT/fused.log" 2>&1; echo "fused exit $?"
+  LEANTUNE_FP8_FUSED_DY=0 timeout $(bound 120) python3 -m leantune bench e2e $e2e --gc on --impls leantune+fp8+graph \
+    --budget-s $(( $(bound 120) - 10 )) --out "$OUT/separate" > "$OUT/separate.log" 2>&1; echo "separate exit $?"
+  grep -h "tok/s" "$OUT/fused.log" "$OUT/separate.log"
+  timeout $(bound 200) python3 -m leantune bench e2e $e2e --gc off --impls hf+peft,leantune+fp8+graph --compare \
+    --budget-s $(( $(bound 200) - 10 )) --out "$OUT/gcoff" > "$OUT/gcoff.log" 2>&1; echo "gcoff exit $?"
+  grep -E "tok/s|tokens/s x" "$OUT/gcoff.log"
+}
+
 part_qlora_same() {  # #25's QLoRA row in one call: bitsandbytes, bf16, NF4 and NF4-FP8 graphs, 8B GC on, 20 steps; then
   # #26's GC-off row (HF+PEFT vs FP8 graphs, one run) and the LoRA probe
   timeout $(bound 300) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 \

@@ -189,7 +189,8 @@ def _transposed_group(ws) -> torch.Tensor:
     return out
 
 
-def fp8_grad_input_group(dys, ws, *, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_grad_input_group(dys, ws, *, out_dtype: torch.dtype,
+                         quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """dX = sum_j dY_j W_j ``[M, in]`` in ``out_dtype`` as one e4m3 GEMM of reduction length sum out_j:
 
         dX = [dY_1 diag(s_1), ..., dY_k diag(s_k)] [Wq_1; ...; Wq_k] ~= diag(s_g) gq Wq_cat
@@ -201,10 +202,21 @@ def fp8_grad_input_group(dys, ws, *, out_dtype: torch.dtype) -> torch.Tensor:
     (2^-6 to 448 times the scale, 15 binades) its relative error is the same u = 2^-4; only values under 2^-6 s
     (the subnormal range, absolute spacing 2^-9 s) lose more, as in one projection's row.
 
+    ``quantized``: ``(codes, scales)`` = ``quantize_grad_outputs(dys, ws)`` made by the kernel that wrote the dY's
+    (the LoRA MLP's GLU backward, :mod:`leantune.ops.glu_fp8`); the quantisation pass is then skipped.
+
     Raises:
-        ValueError: as :func:`quantize_grad_outputs`.
+        ValueError: as :func:`quantize_grad_outputs`; ``quantized`` not e4m3 codes ``[M, sum out_j]`` and fp32
+            scales ``[M]``.
     """
-    gq, gs = quantize_grad_outputs(dys, ws)
+    if quantized is None:
+        gq, gs = quantize_grad_outputs(dys, ws)
+    else:
+        gq, gs = quantized
+        rows, width = dys[0].shape[0], sum(w.shape[0] for w in ws)
+        if gq.dtype != E4M3 or gq.shape != (rows, width) or gs.dtype != torch.float32 or gs.shape != (rows,):
+            raise ValueError(f"quantized must be (float8_e4m3fn [{rows}, {width}], float32 [{rows}]), got "
+                             f"({gq.dtype} {tuple(gq.shape)}, {gs.dtype} {tuple(gs.shape)})")
     if all(_native(w) for w in ws):
         return _scaled_mm(gq, gs, _transposed_group(ws).t(), _ones_row(ws[0].shape[1], gq.device), out_dtype)
     wq = torch.cat([w.qweight.float() for w in ws], dim=0)

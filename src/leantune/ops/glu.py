@@ -390,13 +390,18 @@ def glu_backward(dh, gate, up, activation, *, inplace=False, out=None):
     if out is not None:
         _check_out(out, gate, up, inplace)
     if inplace:
-        for name, t in (("gate", gate), ("up", up)):
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous with inplace=True, got strides {tuple(t.stride())}")
-        if _overlap(gate, up):
-            raise ValueError("gate and up must not overlap in memory with inplace=True")
+        check_inplace(gate, up)
     with torch.no_grad():
         return _backward(dh, gate, up, activation, impl, inplace, out)
+
+
+def check_inplace(gate, up):
+    """``inplace=True``'s conditions: gate and up contiguous, not overlapping (ValueError naming the argument)."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous with inplace=True, got strides {tuple(t.stride())}")
+    if _overlap(gate, up):
+        raise ValueError("gate and up must not overlap in memory with inplace=True")
 
 
 def _check_out(out, gate, up, inplace):

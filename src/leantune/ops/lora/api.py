@@ -56,11 +56,14 @@ forward pass (:func:`leantune.ops.lora.glu_lowrank.glu_forward_lowrank`), which 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from .. import _runtime
+from .. import _runtime, fp8_group
 from ..fp8 import E4M3, FP8Weight, fp8_gemms
 from ..glu import ACTIVATIONS, glu_backward, glu_forward
+from ..glu_fp8 import glu_backward_fp8
 from ..nf4 import NF4Weight, dequantize_nf4
 from ..nf4_fp8 import dequantize_nf4_fp8
 from .entries import (
@@ -154,6 +157,24 @@ def _dequantized(projs, dtype: torch.dtype, first_slot: int = 0):
         elif isinstance(w, NF4Weight):
             out[j] = proj._replace(weight=dequantize_nf4(w, out=_workspace(first_slot + j, w.shape, dtype, w.device)))
     return out
+
+
+# LEANTUNE_FP8_FUSED_DY=0 (benchmarks): the gate/up dY's codes from a separate quantisation pass, for A/B timing
+FUSED_GLU_GRAD_OUTPUT = os.environ.get("LEANTUNE_FP8_FUSED_DY", "1") != "0"
+
+
+def _glu_dy_multipliers(gate_w, up_w, d_dtype, compute_dtype):
+    """(m_gate, m_up), the gate and up weights' e4m3 scales, when the LoRA MLP's GLU backward writes the codes of
+    [d_gate diag(m_gate), d_up diag(m_up)] for their grouped FP8 dX GEMM (:mod:`leantune.ops.glu_fp8`): both
+    weights run their GEMMs in FP8 (FP8Weight, or NF4 with FP8 compute) and the dY's are stored in the compute
+    dtype, as that GEMM reads them. Else None (then :func:`~leantune.ops.fp8_group.quantize_grad_outputs` runs
+    inside the grouped dX, or the per-projection path)."""
+    if not (FUSED_GLU_GRAD_OUTPUT and fp8_group.GROUPED_GRAD_INPUT) or d_dtype != compute_dtype:
+        return None
+    scales = [w.scale if isinstance(w, FP8Weight) else getattr(w, "fp8_scale", None) for w in (gate_w, up_w)]
+    if any(s is None for s in scales) or gate_w.shape[1] != up_w.shape[1]:
+        return None
+    return scales
 
 
 # ------------------------------------------------------------------------------------------------ autograd nodes
@@ -266,11 +287,18 @@ class LoraMLPFunction(torch.autograd.Function):
                 dh, (down_grads,) = group_backward([dy], h, [xa_d], [down_p], meta_down, seeds, ctx.n_gu_lora, True,
                                                    [down_needs])
                 del h
-            d_gate, d_up = glu_backward(dh.to(gate.dtype), gate, up, ctx.activation, inplace=True)
+            multipliers = (_glu_dy_multipliers(gate_p.weight, up_p.weight, gate.dtype, meta_gu.compute_dtype)
+                           if need_x else None)
+            dy_quantized = None
+            if multipliers is None:
+                d_gate, d_up = glu_backward(dh.to(gate.dtype), gate, up, ctx.activation, inplace=True)
+            else:  # the grouped FP8 dX's quantisation of [d_gate, d_up] done in the GLU pass
+                d_gate, d_up, dy_quantized = glu_backward_fp8(dh.to(gate.dtype), gate, up, ctx.activation,
+                                                              *multipliers, inplace=True)
             del dh
             gate_p, up_p = _dequantized([gate_p, up_p], meta_gu.compute_dtype)
             dx, gu_grads = group_backward([d_gate, d_up], x2d, [xa_g, xa_u], [gate_p, up_p], meta_gu, seeds, 0,
-                                          need_x, [gate_needs, up_needs])
+                                          need_x, [gate_needs, up_needs], dy_quantized)
         return (None, None, None, None if dx is None else dx.view(ctx.x_shape), None, None,
                 *_Proj.flatten([*gu_grads, down_grads]))
 

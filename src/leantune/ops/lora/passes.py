@@ -165,20 +165,21 @@ def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True, x_quant
     return ys, xas
 
 
-def group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, need_x, proj_needs):
+def group_backward(dys, x2d, xas, projs, meta, seeds, first_seed, need_x, proj_needs, dy_quantized=None):
     """(dx in x2d's dtype or None, a :class:`ProjGrads` per projection); ``need_x``: whether dx is wanted;
     ``proj_needs``: per projection its flags with fields ``weight``, ``lora_A``, ``lora_B``, ``bias``. The frozen
     terms first, then per adapter g = s dY B and dB, then dA and the low-rank part of dx: x read once for all
-    adapters without dropout, per adapter mask with it."""
+    adapters without dropout, per adapter mask with it. ``dy_quantized``: the dY's codes and scales for a grouped
+    FP8 dX GEMM, made by the kernel that wrote them (:func:`_frozen_backward`)."""
     dys = [_runtime.as_rows(dy).to(meta.compute_dtype) for dy in dys]
     if not input_grad_separable(meta, x2d, seeds):  # dx's masked low-rank pass also writes m * x for dA
-        dx, grads = _frozen_backward(dys, x2d, projs, meta.compute_dtype, need_x, proj_needs)
+        dx, grads = _frozen_backward(dys, x2d, projs, meta.compute_dtype, need_x, proj_needs, dy_quantized)
         lora = [j for j, proj in enumerate(projs) if proj.lora_A is not None]
         gs, _ = _lora_g_and_dB(dys, x2d, xas, projs, meta, lora, False, proj_needs, grads)
         dx = _lora_dA_dx_dropout(dx, gs, x2d, projs, meta, lora, seeds, first_seed, need_x, proj_needs, grads)
         return (None if dx is None else dx.to(x2d.dtype)), grads
     grads, gs = group_param_grads(dys, x2d, xas, projs, meta, seeds, first_seed, proj_needs)
-    dx = group_input_grad(dys, gs, projs, meta, seeds, first_seed) if need_x else None
+    dx = group_input_grad(dys, gs, projs, meta, seeds, first_seed, dy_quantized) if need_x else None
     return (None if dx is None else dx.to(x2d.dtype)), grads
 
 
@@ -207,10 +208,10 @@ def group_param_grads(dys, x2d, xas, projs, meta, seeds, first_seed, proj_needs)
     return grads, (gs, g_cat)
 
 
-def group_input_grad(dys, g_terms, projs, meta, seeds, first_seed):
+def group_input_grad(dys, g_terms, projs, meta, seeds, first_seed, dy_quantized=None):
     """dx = sum_j dY_j W_j + the low-rank terms (m * (g_j A_j) with dropout) in the compute dtype; ``g_terms`` from
     :func:`group_param_grads`. Reads no x: a caller may have freed it, and the allocator hands its block to dx."""
-    dx, _ = _frozen_backward(dys, None, projs, meta.compute_dtype, True, None)
+    dx, _ = _frozen_backward(dys, None, projs, meta.compute_dtype, True, None, dy_quantized)
     if g_terms is None:
         return dx
     (gs, g_cat), ldt, cdt = g_terms, meta.lora_dtype, meta.compute_dtype
@@ -233,13 +234,14 @@ def _frozen_forward(xc, projs, cdt, x_quantized=None):
             else F.linear(xc, w.to(cdt), None if b is None else b.to(cdt)) for w, _, _, b in projs]
 
 
-def _frozen_backward(dys, x2d, projs, cdt, need_x, proj_needs):
+def _frozen_backward(dys, x2d, projs, cdt, need_x, proj_needs, dy_quantized=None):
     """(dx = sum_j dY_j W_j or None, per projection ProjGrads(dW, None, None, db) as wanted (full fine-tune,
-    biases)); ``proj_needs`` None: dx only (no x read)."""
+    biases)); ``proj_needs`` None: dx only (no x read). ``dy_quantized``: ``quantize_grad_outputs(dys, weights)``
+    written by the dY's producer, used by the grouped FP8 dX GEMM (ignored where that GEMM does not run)."""
     dx = None
     weights = [proj.weight for proj in projs]
     if need_x and grouped_grad_input_ok(dys, weights):  # q/k/v, gate/up in FP8: one e4m3 GEMM over their dY's
-        dx = fp8_grad_input_group(dys, weights, out_dtype=cdt)
+        dx = fp8_grad_input_group(dys, weights, out_dtype=cdt, quantized=dy_quantized)
     elif need_x:
         for dy, proj in zip(dys, projs):
             if isinstance(proj.weight, FP8Weight):  # e4m3 dX GEMM: W's scales folded into dY
