@@ -435,6 +435,31 @@ def test_gpt_oss_builds_with_eager_attention_and_agrees(tmp_path):
     assert [r["agreement"] for r in rows] == ["reference", "ok"], rows
 
 
+def test_hf_expert_implementations_build_and_agree(tmp_path, tiny_config, monkeypatch):
+    """#29's other baselines: HF+PEFT with transformers' "batched_mm" and "eager" experts build with that
+    implementation, run a step, and agree with the default "grouped_mm" HF+PEFT (same seeded weights); on a dense
+    config they are skipped with a note naming the model type."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                   max_position_embeddings=64).save_pretrained(tmp_path / "moe")
+    built = []
+    real_from_config = AutoModelForCausalLM.from_config
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config",
+                        lambda *a, **k: built.append(real_from_config(*a, **k)) or built[-1])
+    impls = ("hf+peft", "hf+peft+batched_mm", "hf+peft+eager_experts")
+    rows = [step.run_one_safe(RunSpec(impl, str(tmp_path / "moe"), seq=12, batch=1, gc=True, warmup=0, steps=1,
+                                      device="cpu")) for impl in impls]
+    assert [r["status"] for r in rows] == ["ok"] * 3, [r.get("error") for r in rows]
+    assert [m.config._experts_implementation for m in built] == ["grouped_mm", "batched_mm", "eager"]
+    report.flag_agreement(rows)
+    assert [r["agreement"] for r in rows] == ["reference", "ok", "ok"], rows
+    dense = step.run_one_safe(RunSpec("hf+peft+batched_mm", tiny_config, seq=8, batch=1, gc=False, warmup=0,
+                                      steps=1, device="cpu"))
+    assert dense["status"] == "skipped" and "'llama' has no expert stacks" in dense["error"], dense
+
+
 def test_child_dry_run_with_dora_agrees_with_peft(tiny_config):
     """--dora: PEFT's DoRA adapters on both sides; the patched run's first loss and grad norm agree with PEFT's."""
     runs = [step.run_one_safe(RunSpec(impl, tiny_config, seq=16, batch=1, gc=False, warmup=0, steps=1, device="cpu",

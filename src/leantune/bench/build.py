@@ -9,7 +9,9 @@ class that does not take sdpa, gpt-oss: :func:`attention_implementation`), gradi
 checkpointing non-reentrant with ``enable_input_require_grads``.
 
 Implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
-model is built; skipped when liger_kernel is not importable), ``leantune`` (``leantune.patch`` after
+model is built; skipped when liger_kernel is not importable), ``hf+peft+batched_mm`` and ``hf+peft+eager_experts``
+(MoE configs only: HF+PEFT with transformers' ``experts_implementation`` "batched_mm" or "eager", a Python loop
+over experts, instead of its default "grouped_mm"), ``leantune`` (``leantune.patch`` after
 ``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory),
 ``leantune+offload+tiled`` (also the MLP over 4096-token tiles, ``+tiledN`` over N-token ones; both need
 checkpointing), ``leantune+graph`` and ``leantune+nf4+graph`` (the same models, each step replayed from CUDA graphs by
@@ -53,7 +55,8 @@ def attention_implementation(config) -> str:
     return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
-IMPLS = ("hf+peft", "hf+peft+liger", "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
+IMPLS = ("hf+peft", "hf+peft+liger", "hf+peft+batched_mm", "hf+peft+eager_experts",
+         "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
          "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
          "leantune+fp8+graph", "leantune+nf4fp8", "leantune+nf4fp8+graph")
 QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
@@ -62,6 +65,8 @@ TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
 _TILE_SUFFIX = re.compile(r"\+tiled(\d+)$")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # MoE configs: LoRA on the expert stacks
+# HF+PEFT with transformers' other expert implementations (its default is "grouped_mm")
+HF_EXPERTS = {"hf+peft+batched_mm": "batched_mm", "hf+peft+eager_experts": "eager"}
 
 
 def split_tile(impl: str) -> tuple[str, int | None]:
@@ -156,15 +161,25 @@ def _build_bf16(spec, config, device):
         if config.model_type != "llama":
             raise Skip(f"Liger's llama patch does not apply to model_type {config.model_type!r}")
         apply_liger_kernel_to_llama()  # module-level: classes swapped before the model is built
+    experts = {}
+    if spec.impl in HF_EXPERTS:
+        if not _has_expert_stacks(config):
+            raise Skip(f"{spec.impl}: model_type {config.model_type!r} has no expert stacks")
+        experts = {"experts_implementation": HF_EXPERTS[spec.impl]}
     torch.manual_seed(spec.seed)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                                 attn_implementation=attention_implementation(config))
+                                                 attn_implementation=attention_implementation(config), **experts)
     seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec, model))
     seeded_init(model, spec.seed + 1, trainable_only=True)
     return model
+
+
+def _has_expert_stacks(config) -> bool:
+    """Whether ``config``'s model has transformers' 3-D expert stacks (the MoE families: an experts count set)."""
+    return any(getattr(config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def _build_meta(spec, config):
