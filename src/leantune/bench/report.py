@@ -1,7 +1,6 @@
 """Results of ``leantune bench e2e`` / ``max-context`` / ``ops``: agreement flags, ratios, markdown tables, PNG charts.
 
-Works on any machine: it only reads the JSON files that the GPU runs wrote into an output directory, so results of
-several invocations (each bounded by the device's per-command limit) accumulate into one table.
+Works on any machine: it reads only the runs' JSON files in an output directory (several calls add to one table).
 
 - Agreement: with one seed every implementation starts from the same weights and tokens, so its first-step
   loss and global LoRA-gradient norm must match the reference implementation's (``hf+peft``) of the same model,
@@ -25,10 +24,10 @@ from .stepstats import num_cell as _num
 
 BASELINE = "hf+peft"
 QLORA_BASELINE = "hf+peft+bnb"  # QLoRA rows agree with and compare to this one (quantised weights differ from bf16)
-IMPL_ORDER = ("hf+peft", "hf+peft+liger", "hf+peft+batched_mm", "hf+peft+eager_experts",
-              "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
-              "hf+peft+bnb", "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "leantune+fp8",
-              "leantune+fp8+graph", "leantune+nf4fp8", "leantune+nf4fp8+graph")
+IMPL_ORDER = ("hf+peft", "hf+peft+liger", "hf+peft+batched_mm", "hf+peft+eager_experts", "leantune", "leantune+graph",
+              "leantune+offload", "leantune+offload+tiled", "hf+peft+bnb", "leantune+nf4", "leantune+nf4+graph",
+              "leantune+nf4+offload+tiled", "leantune+fp8", "leantune+fp8+graph", "leantune+nf4fp8",
+              "leantune+nf4fp8+graph")
 LOSS_RTOL, GRAD_RTOL = 1e-2, 3e-2
 
 
