@@ -58,6 +58,26 @@ def test_codes_are_the_separate_quantisation_of_the_stored_halves(backend, activ
     assert_same_quantisation(quantized, quantized_ref, f"{backend} {activation} {dtype} {shape}")
 
 
+@pytest.mark.parametrize("width", [37, 300])
+def test_dequantised_codes_are_the_float64_gradient_within_the_e4m3_bound(backend, width, monkeypatch):
+    """Against the formulas in float64 (swiglu: d_up = dh g s, d_gate = dh u s (1 + g (1 - s)), s = sigmoid(g)),
+    g = [d_gate m_gate, d_up m_up] per row: codes x scale within e4m3's rounding, half an ulp of a 3-bit mantissa
+    (2^-4 relative) for normals, half the subnormal spacing (2^-10 of the scale) below; fp32 inputs. With 64-column
+    limits the 300-wide rows take the column-block path on the Triton backend."""
+    monkeypatch.setattr(glu_fp8, "ONE_BLOCK_COLS", 64)
+    monkeypatch.setattr(glu_fp8, "LOOP_BLOCK", 64)
+    dh, gate, up = (torch.randn(9, width).to(DEVICE) for _ in range(3))
+    m_gate, m_up = multipliers(width), multipliers(width, seed=3)
+    _, _, (codes, scales) = glu_fp8.glu_backward_fp8(dh, gate, up, "swiglu", m_gate, m_up)
+    g64, u64, dh64 = gate.double(), up.double(), dh.double()
+    s = torch.sigmoid(g64)
+    exact = torch.cat([dh64 * u64 * s * (1 + g64 * (1 - s)) * m_gate.double(), dh64 * g64 * s * m_up.double()], 1)
+    got = codes.double() * scales.double()[:, None]
+    bound = 2.0 ** -4 * exact.abs() + 2.0 ** -10 * scales.double()[:, None] + 1e-6 * exact.abs()  # + fp32 terms
+    assert (got - exact).abs().le(bound).all(), ((got - exact).abs() / bound).max()
+    assert torch.allclose(scales.double(), exact.abs().amax(1) / 448, rtol=1e-6)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inplace", [False, True])

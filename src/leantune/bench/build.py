@@ -161,20 +161,27 @@ def _build_bf16(spec, config, device):
         if config.model_type != "llama":
             raise Skip(f"Liger's llama patch does not apply to model_type {config.model_type!r}")
         apply_liger_kernel_to_llama()  # module-level: classes swapped before the model is built
-    experts = {}
-    if spec.impl in HF_EXPERTS:
-        if not _has_expert_stacks(config):
-            raise Skip(f"{spec.impl}: model_type {config.model_type!r} has no expert stacks")
-        experts = {"experts_implementation": HF_EXPERTS[spec.impl]}
     torch.manual_seed(spec.seed)
     with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                                 attn_implementation=attention_implementation(config), **experts)
+        model = AutoModelForCausalLM.from_config(config, **_hf_build_options(spec, config))
     seeded_init(model, spec.seed, trainable_only=False, std=getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec, model))
     seeded_init(model, spec.seed + 1, trainable_only=True)
     return model
+
+
+def _hf_build_options(spec, config) -> dict:
+    """``from_config``'s options for a bf16 build: dtype, attention and, for ``HF_EXPERTS``, the experts
+    implementation (Skip for a config without expert stacks)."""
+    import torch
+
+    options = {"dtype": torch.bfloat16, "attn_implementation": attention_implementation(config)}
+    if spec.impl in HF_EXPERTS:
+        if not _has_expert_stacks(config):
+            raise Skip(f"{spec.impl}: model_type {config.model_type!r} has no expert stacks")
+        options["experts_implementation"] = HF_EXPERTS[spec.impl]
+    return options
 
 
 def _has_expert_stacks(config) -> bool:
@@ -190,8 +197,7 @@ def _build_meta(spec, config):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                                 attn_implementation=attention_implementation(config))
+        model = AutoModelForCausalLM.from_config(config, **_hf_build_options(spec, config))
     names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec, model))
@@ -243,8 +249,7 @@ def _build_quantized(spec, config, device):
             raise Skip(f"bitsandbytes not importable ({exc})") from None
     torch.manual_seed(spec.seed)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                                 attn_implementation=attention_implementation(config))
+        model = AutoModelForCausalLM.from_config(config, **_hf_build_options(spec, config))
     hf = model
     names = _draw_names(model, spec.seed, getattr(config, "initializer_range", 0.02))  # the bf16 model's names
     layers = list(model.get_decoder().layers)
