@@ -180,7 +180,13 @@ def main() -> None:
         json.dump(result, f)
     if "error" in result:
         os._exit(1)  # a peer may be waiting in a collective: end now, torchrun ends the rest
+    dist.barrier()
     dist.destroy_process_group()
+    # results are written: skip the interpreter's teardown, where one DDP run in a fresh-clone CI (2026-12-07) had
+    # a rank abort in a C++ destructor ("terminate called without an active exception", SIGABRT) after its work
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

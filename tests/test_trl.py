@@ -333,9 +333,11 @@ def test_grpo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, 
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):
         # two fp32 computations of one norm (TRL's full logits, leantune's chunks), each within fp32's 1e-5 of the
         # float64 value: their difference is bounded by the sum (one draw in ~10: 1.47e-5). With equal rewards the
-        # advantages are 0 and the gradient is beta KL's (exp(d) - 1) dlogp at d ~ 1e-3 plus the entropy bonus's:
-        # eps / d ~ 1e-4 relative, as in RLOO's test (one draw: 5.3e-5)
-        bar = 2e-5 if float(ref["reward_std"]) > 0 else 1e-4
+        # advantages are 0 and the gradient is beta KL's (exp(d) - 1) dlogp at d ~ 1e-3 plus the entropy bonus's
+        # -p (log p + H): this random model is near uniform (H 5.54 of log 256 = 5.545), so log p + H is a
+        # difference of near-equal terms whose fp32 rounding, eps H ~ 7e-7 on values ~1e-3, is ~1e-3 relative
+        # (draws: 5.3e-5; 6.8e-4 at seed 831721542, every step with equal rewards)
+        bar = 2e-5 if float(ref["reward_std"]) > 0 else 2e-3
         assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= bar * float(ref["grad_norm"]), (
             step, out["grad_norm"], ref["grad_norm"], ref["reward_std"])
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):
