@@ -36,7 +36,7 @@ part_nf4_sweep() {
 }
 
 part_fsdp1() {  # FSDP2 at world size 1 vs the plain run: same losses, tokens/s and peak (Llama-3.2-1B shape)
-  local args="--model .gpu/llama32-1b/config.json --data .gpu/chitchat.json --max-steps 12 --seq-len 4096
+  local args="--model .gpu/llama32-1b/config.json --data .gpu/chitchat.json --max-steps 24 --seq-len 4096
     --batch-size 1 --eval-every 0 --eval-size 4 --save-every 0 --max-examples 1500 --gradient-checkpointing on"
   timeout $(bound 150) python3 -m leantune train $args --output /tmp/plain > "$OUT/plain.log" 2>&1; echo "plain exit $?"
   timeout $(bound 150) torchrun --standalone --nproc_per_node 1 -m leantune train $args --distributed fsdp --output /tmp/fsdp1 \
@@ -49,11 +49,12 @@ rows = {k: [json.loads(l) for l in open(f"{out}/{k}-metrics.jsonl")] for k in ("
 summ = {k: json.load(open(f"/tmp/{k}/summary.json")) for k in ("plain", "fsdp1")}
 p, f = ([r for r in rows[k] if r["type"] == "train"] for k in ("plain", "fsdp1"))
 worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(f, p))
-print("| run | first loss | last loss | worst rel loss diff | tokens/s (steps 3-12) | peak GiB |")
+print("| run | first loss | last loss | worst rel loss diff | tokens/s (steps 3-24) | median / p90 step ms | peak GiB |")
 for k, r in (("plain", p), ("fsdp1", f)):
     tps = sum(x["tokens"] for x in r[2:]) / sum(x["tokens"] / x["tokens_per_s"] for x in r[2:])
+    ms = sorted(x["tokens"] / x["tokens_per_s"] * 1e3 for x in r[2:])  # a stall moves the sum, not the median
     print(f"| {k} | {r[0]['loss']:.5f} | {r[-1]['loss']:.5f} | {worst if k == 'fsdp1' else 0:.2e} | {tps:,.0f} | "
-          f"{summ[k]['peak_memory_gib']:.2f} |")
+          f"{ms[len(ms) // 2]:.1f} / {ms[int(0.9 * len(ms))]:.1f} | {summ[k]['peak_memory_gib']:.2f} |")
 EOF
 }
 
