@@ -175,7 +175,9 @@ def test_offloaded_checkpoints_and_tiled_mlp_under_fsdp2_train_as_plain_fsdp2(ru
 def test_a_failing_rank_ends_every_rank_with_its_message(runs):
     proc = runs["proc"]
     assert proc.returncode != 0
-    assert "injected failure on rank 1 at step 2" in proc.stderr
+    # printed by the failing rank before it unwinds (distributed.report_failure), whatever ends the processes after
+    assert "leantune: error (rank 1): RuntimeError: injected failure on rank 1 at step 2" in proc.stderr, \
+        proc.stderr[-3000:]
     assert all(rank["fault"] == "started" for rank in runs["ranks"])  # no rank went on after the failure
     assert runs["seconds"] < LAUNCH_TIMEOUT
 
@@ -242,3 +244,12 @@ def test_resuming_with_another_world_size_is_refused(runs):
                                           device="cpu", resume=True))
     with pytest.raises(LeantuneError, match="this run has 1 process"):
         train(config, progress=False)
+
+
+def test_report_failure_prints_the_cause_on_a_rank_of_several_only(capsys):
+    from leantune import distributed
+
+    distributed.report_failure(distributed.World(rank=1, size=2), ValueError("bad shard\nsecond line"))
+    distributed.report_failure(distributed.World(rank=0, size=1), ValueError("one process: the CLI reports it"))
+    distributed.report_failure(distributed.World(rank=0, size=2), KeyboardInterrupt())
+    assert capsys.readouterr().err == "leantune: error (rank 1): ValueError: bad shard\n"

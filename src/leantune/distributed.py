@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,15 @@ def host_group():
     and reading it would wait for the device to finish the step (the next step's host work could not overlap it).
     None: the default group (gloo already)."""
     return _HOST[0] if _HOST else None
+
+
+def report_failure(world: World, exc: BaseException) -> None:
+    """On a rank of a several-process run, print ``leantune: error (rank r): Type: message`` to stderr at once, before
+    the exception unwinds further: torchrun then ends the peers, and a crash in any later teardown (a peer's
+    collective failing under gloo) cannot swallow the cause. Ctrl-C / SIGTERM stops print nothing here."""
+    if world.size > 1 and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"leantune: error (rank {world.rank}): {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
 
 
 def shutdown() -> None:

@@ -241,7 +241,9 @@ def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunRes
                 with long_lived_frozen():  # no full GC walks over the model's objects between steps
                     stopped = _fit(run, progress and run.world.main, on_step)
                 result = stopped if stopped is not None else _finish(run, replaced)
-            except BaseException:
+            except BaseException as exc:
+                if run is not None:
+                    distributed.report_failure(run.world, exc)
                 with SignalsDeferred():
                     if replaced and not run_folder.new_run_has_checkpoint(output, *replaced[0]):
                         run_folder.put_back(output, *replaced[0])
