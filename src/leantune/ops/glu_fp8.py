@@ -32,6 +32,7 @@ from .glu import _backward, check_inplace, check_inputs, glu_activation
 
 ONE_BLOCK_COLS = 8192  # widest I whose two halves (2 x 8192 fp32) one program keeps in registers
 LOOP_BLOCK = 2048  # columns per block of wider rows
+LOOP_WARPS = 16  # H100, 4096 x 2 x 14336: 0.376 ms against 0.463 with 8 warps (benchmarks/RESULTS.md, 2026-12-07)
 
 
 # ------------------------------------------------------------------------------------------------------ kernel
@@ -117,7 +118,7 @@ def _backward_fp8_triton(dh, gate, up, activation, m_gate, m_up, inplace, *, blo
         dh2d, g2d, u2d, d_gate, d_up, m_gate, m_up, codes.view(torch.uint8), scales,
         dh2d.stride(0), g2d.stride(0), u2d.stride(0), d_gate.stride(0), d_up.stride(0), n_cols,
         ACTIVATION=activation, BLOCK=block, ONE_BLOCK=one_block,
-        num_warps=num_warps or _runtime.num_warps_for(2 * block if one_block else block),
+        num_warps=num_warps or (_runtime.num_warps_for(2 * block) if one_block else LOOP_WARPS),
     )
     if inplace and not torch.compiler.is_compiling():  # written behind autograd's back (as glu_backward)
         torch.autograd.graph.increment_version(gate)
