@@ -32,6 +32,7 @@ import argparse
 import torch
 
 from leantune.ops import fp8, fp8_group, glu, glu_fp8
+from leantune.ops.lora import glu_lowrank
 
 SHAPES = (("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096), ("down", 4096, 14336))
 
@@ -162,6 +163,30 @@ def glu_dy(m: int, dev: torch.device, sweep: bool) -> None:
                                        for b in (1024, 2048, 4096) for w in (4, 8, 16)))
 
 
+def glu_h_codes(m: int, dev: torch.device) -> None:
+    """The LoRA MLP's forward h codes (down's FP8 input): the tiled low-rank GLU kernel, then the row quantiser
+    reading h twice (before 2026-12-07), against the kernel writing its tiles' row absmaxes and a quantiser that
+    reads h once (``glu_lowrank``, the default)."""
+    n, r = 14336, 16
+    gate, up = (torch.randn(m, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    xa_g, xa_u = (torch.randn(m, r, device=dev) for _ in range(2))
+    b_g, b_u = (torch.randn(n, r, device=dev) * 0.01 for _ in range(2))
+
+    def run(fp8_out):
+        return glu_lowrank._forward_lowrank_triton(gate, up, xa_g, b_g, 0.5, xa_u, b_u, 0.5, "swiglu",
+                                                   torch.bfloat16, fp8_out)
+
+    def before():
+        return fp8._quantize_rows_triton(run(False))
+
+    ms = [timed(before), timed(lambda: run(False)), timed(lambda: run(True))]
+    h, codes = run(True)
+    exact = same(codes, fp8._quantize_rows_triton(h))
+    # bytes: kernel reads gate, up, writes them and h (10 B a column); quantiser reads h twice (4) writes codes (1)
+    print(f"\nLoRA GLU h codes [{m}, {n}] (ms): kernel + row quantiser {ms[0]:.3f} (kernel {ms[1]:.3f}), "
+          f"with tile absmaxes {ms[2]:.3f} (floor {floor_ms(13.0 * m * n):.3f}), bit-exact {exact}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -213,6 +238,7 @@ def main() -> None:
     kernels(m, dev, args.sweep)
     groups(m, dev)
     glu_dy(m, dev, args.sweep)
+    glu_h_codes(m, dev)
 
 
 if __name__ == "__main__":

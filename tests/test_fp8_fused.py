@@ -128,10 +128,11 @@ def test_glu_side_output_of_no_rows(backend):
 @pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
 @pytest.mark.parametrize("dtype,lora_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                               (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("n_rows,n_cols", [(19, 150), (3, 7)])
+@pytest.mark.parametrize("n_rows,n_cols", [(19, 150), (3, 7), (5, 2100)])
 def test_lora_glu_side_output_is_quantize_rows_of_the_stored_h(backend, dtype, lora_dtype, n_rows, n_cols):
-    """The LoRA MLP's fused gate/up low-rank GLU pass (whole rows per program with fp8_out: 19 rows over 16-row
-    blocks, 150 columns over 128-column tiles): h, the in-place gate/up, and the codes of h as stored."""
+    """The LoRA MLP's fused gate/up low-rank GLU pass: h, the in-place gate/up, and the codes of h as stored (19
+    rows over 64-row tiles, 150 columns over two 128-column tiles whose row absmaxes the quantiser reduces; 2100
+    columns: 17 tiles, and the quantiser's 2048-column blocks with a partial last one)."""
     gate = rows_with_specials((n_rows, n_cols), dtype)
     up = rows_with_specials((n_rows, n_cols), dtype, specials=False)
     xa_g, xa_u = (torch.randn(n_rows, r).to(lora_dtype).to(DEVICE) for r in (4, 3))

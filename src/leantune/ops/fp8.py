@@ -50,6 +50,8 @@ the torch backend keeps the torch chains, which are the reference the kernels eq
   are read as their bits (a 16-bit shift is the exact fp32 value). The sm_90 PTX (compiled on the CPU by
   tests/test_fp8_kernels.py) has ``div.rn.f32``, ``mul.f32`` and ``abs.f32`` without
   ``.ftz`` (fp32 subnormals kept, as torch keeps them), ``max.NaN.f32`` and 128-bit loads and stores.
+- ``_quantize_rows_absmax_kernel``: the same codes when the kernel that wrote t left its row absmaxes in parts
+  (the LoRA MLP's fused gate/up pass, :mod:`leantune.ops.lora.glu_lowrank`): one read of t instead of two.
 - ``_transpose_kernel``: Wq^T into the reused workspace in 128 x 128 byte tiles (or into a column block of a
   wider one: a group's stacked [Wq_1; ...; Wq_k]^T).
 
@@ -188,6 +190,25 @@ def _quantize_rows_kernel(
 
 @_launch.bound
 @triton.jit
+def _quantize_rows_absmax_kernel(
+    T, A, Q, S, stride_row, n_rows, n_cols, n_parts,
+    BF16_BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr,
+):
+    # quantize_rows of t (unit column stride) when the kernel that wrote t left each row's absmax in parts:
+    # A [n_rows, n_parts] (the max over a row's parts is its absmax, exactly); one read of t instead of two
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    parts = tl.arange(0, PARTS)
+    partial = tl.load(A + rows[:, None] * n_parts + parts[None, :],
+                      mask=row_mask[:, None] & (parts < n_parts)[None, :], other=0.0)
+    scale = _row_scales(tl.reduce(partial, 1, _max_propagating_nan))
+    tl.store(S + rows, scale, mask=row_mask)
+    _column_blocks(scale, Q, T, S, scale, rows, row_mask, stride_row, 1, n_cols, n_cols, BF16_BITS, False, BLOCK,
+                   True)
+
+
+@_launch.bound
+@triton.jit
 def _transpose_kernel(W, WT, n_rows, n_cols, stride_out, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # WT[c, r] = W[r, c] for one [BLOCK_R, BLOCK_C] tile (bytes: the e4m3 codes as uint8); WT's rows stride_out
     # apart (n_rows, or wider: a column block of a group's workspace)
@@ -236,6 +257,24 @@ def _quantize_rows_triton(t: torch.Tensor, multiplier: torch.Tensor | None = Non
         scale, t.stride(0), t.stride(1), n_rows, n_cols,
         BF16_BITS=bf16, HAS_MULTIPLIER=multiplier is not None, BLOCK=block, ROWS=rows, ONE_BLOCK=one_block,
         num_warps=num_warps,
+    )
+    return q, scale
+
+
+def _quantize_rows_absmax_triton(t: torch.Tensor, absmax_parts: torch.Tensor):
+    """:func:`quantize_rows` of ``t [R, C]`` (unit column stride) given ``absmax_parts`` fp32 ``[R, P]`` (contiguous)
+    whose row maxima are t's row absmaxes (NaN where the row holds one), as a kernel that wrote t leaves them:
+    one read of t. Bit for bit :func:`quantize_rows` when the parts are right. Checked arguments (the callers)."""
+    n_rows, n_cols = t.shape
+    q = _runtime.empty((n_rows, n_cols), dtype=E4M3, device=t.device)
+    scale = _runtime.empty((n_rows,), dtype=torch.float32, device=t.device)
+    if n_rows == 0:
+        return q, scale
+    bf16 = t.dtype == torch.bfloat16
+    _quantize_rows_absmax_kernel[(_runtime.cdiv(n_rows, 2),)](
+        t.view(torch.int16) if bf16 else t, absmax_parts, q.view(torch.uint8), scale, t.stride(0), n_rows, n_cols,
+        absmax_parts.shape[1], BF16_BITS=bf16, BLOCK=min(LOOP_BLOCK, _runtime.next_power_of_2(n_cols)), ROWS=2,
+        PARTS=_runtime.next_power_of_2(absmax_parts.shape[1]), num_warps=4,
     )
     return q, scale
 

@@ -12,12 +12,14 @@ Launch (device times on the H200, 2026-12-04, benchmarks/lora_probe.py, [4096, 1
 0.518 ms for 8 warps, loads after the dots and exact FMA dots (0.344 ms with FMA dots and the rest as now); the
 kernel's memory floor is 0.147 ms.
 
-FP8 side output (``fp8_out=True``, the down projection on an FP8 base): h, then its per-row e4m3 codes and scales
-from :mod:`leantune.ops.fp8`'s row quantiser (a second kernel, one more read of h). A first version put the
-quantisation in this kernel, with each program owning 16 whole rows (the row absmax needs every column): at 4,096
-tokens that is 256 programs for 132 SMs, and on the H200 the kernel took 66.5 ms a step against 39.4 ms for the
-tiled one (Llama-3-8B shape, 64 calls; benchmarks/RESULTS.md, 2026-12-03 ninth session), far more than the separate
-pass costs. The torch path: h, then ``quantize_rows(h)``.
+FP8 side output (``fp8_out=True``, the down projection on an FP8 base): each program also writes its tile's row
+absmaxes of h as stored ([N, column tiles] fp32, 1/64 of h's bytes at 128-column tiles); a second kernel
+(:mod:`leantune.ops.fp8`'s ``_quantize_rows_absmax_kernel``) reduces them to the row scales and reads h once to
+write the codes, where the plain row quantiser reads a 14336-wide row twice (absmax, then codes). The codes cannot
+come from this kernel: a row's scale needs every column, and a first version that gave each program 16 whole rows
+(256 programs for 132 SMs at 4,096 tokens) took 66.5 ms a step on the H200 against 39.4 ms for the tiled kernel
+(Llama-3-8B shape, 64 calls; benchmarks/RESULTS.md, 2026-12-03 ninth session). The torch path: h, then
+``quantize_rows(h)``.
 
 The activation and its formulas are :mod:`leantune.ops.glu`'s (this module imports them; glu knows nothing of LoRA).
 """
@@ -30,7 +32,8 @@ import triton.language as tl
 
 from .. import _dot, _launch, _runtime
 from .._dot import mixed_dot
-from ..fp8 import _quantize_rows_triton
+from .._fp8_rows import row_absmax, stored_fp32
+from ..fp8 import _quantize_rows_absmax_triton
 from ..glu import check_inputs, glu_activation, glu_forward
 
 
@@ -55,14 +58,15 @@ def _lowrank_tile(XA, B, rows64, cols, row_ok, col_ok, stride_xa, stride_b, rank
 @_launch.bound
 @triton.jit
 def _glu_forward_lowrank_kernel(
-    G, U, H, XA_G, B_G, XA_U, B_U,
+    G, U, H, XA_G, B_G, XA_U, B_U, AMAX,
     stride_g, stride_u, stride_h, stride_xag, stride_bg, stride_xau, stride_bu,
     n_rows, n_cols, rank_g, rank_u, scale_g, scale_u,
     ACTIVATION: tl.constexpr, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr, BASE_FIRST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
+    TILE_ABSMAX: tl.constexpr,
 ):
     """G = cast(G + s_g xa_g B_g^T), U likewise (in place), H = act(G) * U from the rounded G, U for one
-    [BLOCK_N, BLOCK_I] tile."""
+    [BLOCK_N, BLOCK_I] tile; with TILE_ABSMAX also the tile's row absmaxes of H as stored into AMAX[rows, tile]."""
     rows64 = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     row_ok = rows64 < n_rows
@@ -87,12 +91,15 @@ def _glu_forward_lowrank_kernel(
     act, _ = glu_activation(g.to(tl.float32), ACTIVATION)
     h = (act * u.to(tl.float32)).to(H.dtype.element_ty)
     tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+    if TILE_ABSMAX:  # the row quantiser reduces these instead of reading h twice
+        absmax = row_absmax(tl.zeros([BLOCK_N], dtype=tl.float32), stored_fp32(h), mask)
+        tl.store(AMAX + rows64 * tl.num_programs(1) + tl.program_id(1), absmax, mask=row_ok)
 
 
 def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, out_dtype, fp8_out=False, *,
                             block_n=64, block_i=128, num_warps=4, base_first=True):
-    """h (with ``fp8_out``: and its (codes, scales), a second kernel); ``block_n``/``block_i``/``num_warps``/
-    ``base_first`` override the defaults (for tuning on the GPU)."""
+    """h (with ``fp8_out``: and its (codes, scales), from a second kernel that reads h once); ``block_n``/
+    ``block_i``/``num_warps``/``base_first`` override the defaults (for tuning on the GPU)."""
     n_rows, n_cols = gate.shape
     h = _runtime.empty((n_rows, n_cols), dtype=out_dtype, device=gate.device)
     xa_g, xa_u = (t if t.shape[1] == 1 or t.stride(1) == 1 else t.contiguous() for t in (xa_g, xa_u))
@@ -100,18 +107,20 @@ def _forward_lowrank_triton(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation
     lora_dtype = xa_g.dtype
     dot_mode = (_dot.DOT_NATIVE if lora_dtype in (torch.float16, torch.bfloat16)
                 else _dot.fp32_product_mode(gate.dtype))
-    _glu_forward_lowrank_kernel[(_runtime.cdiv(n_rows, block_n), _runtime.cdiv(n_cols, block_i))](
-        gate, up, h, xa_g, b_g, xa_u, b_u,
+    grid = (_runtime.cdiv(n_rows, block_n), _runtime.cdiv(n_cols, block_i))
+    absmax = _runtime.empty((n_rows, grid[1]), dtype=torch.float32, device=gate.device) if fp8_out else h
+    _glu_forward_lowrank_kernel[grid](
+        gate, up, h, xa_g, b_g, xa_u, b_u, absmax,
         gate.stride(0), up.stride(0), h.stride(0), xa_g.stride(0), b_g.stride(0), xa_u.stride(0), b_u.stride(0),
         n_rows, n_cols, xa_g.shape[1], xa_u.shape[1], float(s_g), float(s_u),
         ACTIVATION=activation, DOT_MODE=dot_mode, UPCAST=_runtime.KERNELS_INTERPRETED, BASE_FIRST=base_first,
         BLOCK_N=block_n, BLOCK_I=block_i, BLOCK_RG=_runtime.rank_block(xa_g.shape[1]),
-        BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), num_warps=num_warps,
+        BLOCK_RU=_runtime.rank_block(xa_u.shape[1]), TILE_ABSMAX=fp8_out, num_warps=num_warps,
     )
     if not torch.compiler.is_compiling():  # traced, the kernel's writes are functionalised: no version to bump
         torch.autograd.graph.increment_version(gate)  # written behind autograd's back
         torch.autograd.graph.increment_version(up)
-    return (h, _quantize_rows_triton(h)) if fp8_out else h
+    return (h, _quantize_rows_absmax_triton(h, absmax)) if fp8_out else h
 
 
 def _forward_lowrank_torch(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, fp8_out):
