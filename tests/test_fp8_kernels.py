@@ -300,6 +300,10 @@ for name, one, blocks in (("q/k/v dY one block", True, (4096, 1024, 1024)),
         "stride_col0": 1, "stride_col1": 1, "stride_col2": 1, "BF16_BITS": True, "PARTS": 3 if one else 2,
         "BLOCK0": blocks[0], "BLOCK1": blocks[1], "BLOCK2": blocks[2], "ROWS": 1 if one else 2, "ONE_BLOCK": one},
         [i for i, n in enumerate(parts) if parts[n] != "constexpr"], 8 if one else 4)
+out["h codes from tile absmaxes"] = compile_sm90(fp8._quantize_rows_absmax_kernel, {
+    "T": "*i16", "A": "*fp32", "Q": "*u8", "S": "*fp32", "stride_row": "i32", "n_rows": "i32", "n_cols": "i32",
+    "n_parts": "i32", "BF16_BITS": "constexpr", "BLOCK": "constexpr", "ROWS": "constexpr", "PARTS": "constexpr"},
+    {"BF16_BITS": True, "BLOCK": 2048, "ROWS": 2, "PARTS": 128}, (0, 1, 2, 3, 4, 5, 6, 7), 4)
 out["transpose"] = compile_sm90(fp8._transpose_kernel, {"W": "*u8", "WT": "*u8", "n_rows": "i32", "n_cols": "i32",
                                 "stride_out": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
                                 {"BLOCK_R": 128, "BLOCK_C": 128}, (0, 1, 2, 3, 4), 8)
