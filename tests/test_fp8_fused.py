@@ -127,7 +127,7 @@ def test_glu_side_output_of_no_rows(backend):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
 @pytest.mark.parametrize("dtype,lora_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-                                              (torch.bfloat16, torch.bfloat16)])
+                                              (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
 @pytest.mark.parametrize("n_rows,n_cols", [(19, 150), (3, 7), (5, 2100)])
 def test_lora_glu_side_output_is_quantize_rows_of_the_stored_h(backend, dtype, lora_dtype, n_rows, n_cols):
     """The LoRA MLP's fused gate/up low-rank GLU pass: h, the in-place gate/up, and the codes of h as stored (19
