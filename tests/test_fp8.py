@@ -359,3 +359,46 @@ def test_bench_build_leantune_fp8_matches_the_whole_model_quantised(tmp_path, im
     ids = torch.randint(0, VOCAB, (2, 24))
     with torch.no_grad():
         assert torch.equal(layerwise(input_ids=ids, labels=ids).loss, whole(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("quant_type", ["fp8", "nf4", "nf4-fp8"])
+def test_quantized_layers_keep_their_storage_through_dtype_casts(tiny_llama, quant_type):
+    """``model.to(torch.bfloat16)``, ``.half()``, ``.float()`` after quantize: the codes, scales and tables keep their
+    dtypes and bits (a cast of the e4m3 codes or fp32 scales would change them), the layers compute in the new
+    dtype, and the model runs in it."""
+    import copy
+
+    from leantune.quantize import FP8Linear, NF4Linear
+
+    model = copy.deepcopy(tiny_llama)
+    leantune.quantize(model, quant_type)
+    layers = [m for m in model.modules() if isinstance(m, (FP8Linear, NF4Linear))]
+    assert len(layers) == 2 * 7
+    stored = [{n: b.clone() for n, b in m.named_buffers() if b is not None} for m in layers]
+    ids = torch.randint(0, VOCAB, (2, 9))
+    for cast, dtype in ((lambda m: m.to(torch.bfloat16), torch.bfloat16), (lambda m: m.half(), torch.float16),
+                        (lambda m: m.float(), torch.float32)):
+        cast(model)
+        for m, before in zip(layers, stored):
+            after = dict(m.named_buffers())
+            assert all(after[n].dtype == b.dtype and torch.equal(after[n].view(torch.uint8), b.view(torch.uint8))
+                       for n, b in before.items()), (cast, type(m).__name__)
+            assert m.compute_dtype == dtype
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        assert logits.dtype == dtype and torch.isfinite(logits).all()
+
+
+def test_quantize_over_another_type_and_meta_weights_are_refused(tiny_llama):
+    import copy
+
+    model = copy.deepcopy(tiny_llama)
+    leantune.quantize(model, "fp8")
+    for quant_type in ("nf4", "nf4-fp8"):
+        with pytest.raises(ValueError, match="already quantised otherwise .*model.layers.0.self_attn.q_proj in fp8"):
+            leantune.quantize(model, quant_type)
+    assert leantune.quantize(model, "fp8")["layers"] == 0  # the same type again: nothing left to quantise
+    with torch.device("meta"):
+        meta_model = transformers.AutoModelForCausalLM.from_config(tiny_llama.config)
+    with pytest.raises(ValueError, match="q_proj: its weight is on the meta device"):
+        leantune.quantize(meta_model, "fp8")

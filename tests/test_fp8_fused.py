@@ -125,6 +125,31 @@ def test_glu_side_output_of_no_rows(backend):
     assert h.shape == codes.shape == (0, 8) and scales.shape == (0,)
 
 
+def test_glu_side_outputs_of_no_columns(backend):
+    """I = 0: empty h, [rows, 0] codes; the LoRA GLU pass too."""
+    h, (codes, scales) = glu.glu_forward(torch.empty(2, 5, 0, device=DEVICE), torch.empty(2, 5, 0, device=DEVICE),
+                                         "swiglu", fp8_out=True)
+    assert h.shape == (2, 5, 0) and codes.shape == (10, 0) and scales.shape == (10,)
+    gate, up, xa = torch.empty(5, 0, device=DEVICE), torch.empty(5, 0, device=DEVICE), torch.randn(5, 2).to(DEVICE)
+    b = torch.empty(0, 2, device=DEVICE)
+    h, (codes, scales) = glu_lowrank.glu_forward_lowrank(gate, up, xa, b, 1.0, xa, b, 1.0, "swiglu", fp8_out=True)
+    assert h.shape == codes.shape == (5, 0) and scales.shape == (5,)
+
+
+@pytest.mark.parametrize("bad", [None, "0.5", [0.5], torch.ones(2), float("nan"), float("inf"), True])
+def test_lora_glu_scalings_are_checked_before_any_work(backend, bad):
+    """A scaling that is not a finite real number: ValueError naming it, gate and up untouched (both are written in
+    place by the pass)."""
+    gate, up = torch.randn(4, 8).to(DEVICE), torch.randn(4, 8).to(DEVICE)
+    kept = gate.clone(), up.clone()
+    xa, b = torch.randn(4, 2).to(DEVICE), torch.randn(8, 2).to(DEVICE)
+    with pytest.raises(ValueError, match="s_u must be"):
+        glu_lowrank.glu_forward_lowrank(gate, up, xa, b, 2.0, xa, b, bad, "swiglu", fp8_out=True)
+    with pytest.raises(ValueError, match="s_g must be"):
+        glu_lowrank.glu_forward_lowrank(gate, up, xa, b, bad, xa, b, 2.0, "swiglu")
+    assert torch.equal(gate, kept[0]) and torch.equal(up, kept[1])
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
 @pytest.mark.parametrize("dtype,lora_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                               (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])

@@ -101,8 +101,9 @@ def test_train_quantize_fp8_runs_resumes_and_exports_into_the_dequantised_base(t
     a = load_file(tmp_path / "q" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "split" / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(LeantuneError, match="--quantize must be nf4, fp8 or nf4-fp8"):
+    with pytest.raises(LeantuneError, match="--quantize must be nf4, fp8, nf4-fp8 or off"):
         tiny_config(tiny, tmp_path / "x", quantize="fp4")
+    assert tiny_config(tiny, tmp_path / "x", quantize="off").quantize is None  # --help's default, spelt out
 
 
 def test_train_quantize_nf4_fp8_trains_and_exports_into_its_e4m3_base(tiny, tmp_path, capsys):
@@ -130,7 +131,7 @@ def test_cli_train_quantize_fp8_says_so_and_records_it(tiny, tmp_path, capsys):
     assert "leantune: 14 linear layers in FP8 (e4m3, one scale per output channel; experimental)" in err
     assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["quantize"] == "fp8"
     assert_error(*run_cli(capsys, *train_args(tiny, tmp_path / "bad", "--quantize", "fp4")),
-                 "--quantize must be nf4, fp8 or nf4-fp8")
+                 "--quantize must be nf4, fp8, nf4-fp8 or off")
 
 
 # ------------------------------------------------------------------------------------------ FP8 checkpoints

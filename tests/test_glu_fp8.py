@@ -120,6 +120,15 @@ def test_no_rows(backend):
     assert d_gate.shape == d_up.shape == (0, 8) and codes.shape == (0, 16) and scales.shape == (0,)
 
 
+def test_no_columns(backend):
+    """I = 0: empty halves and [rows, 0] codes, scales at the floor (as quantize_rows of an empty row)."""
+    empty = torch.empty(2, 3, 0, device=DEVICE)
+    none = torch.empty(0, device=DEVICE)
+    d_gate, d_up, (codes, scales) = glu_fp8.glu_backward_fp8(empty, empty, empty.clone(), "swiglu", none, none)
+    assert d_gate.shape == d_up.shape == (2, 3, 0) and codes.shape == (6, 0)
+    assert torch.equal(scales, fp8._quantize_rows_torch(torch.empty(6, 0))[1].to(DEVICE))
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda m: m.double(), "m_gate must be a float32 tensor of shape \\(8,\\)"),
     (lambda m: m[:7], "m_gate must be a float32 tensor of shape \\(8,\\)"),

@@ -217,9 +217,20 @@ def test_nf4_experts_state_dict_and_memory():
         return [ops.dequantize_nf4(m.nf4_stack(n)) for m in found for n in ("gate_up_proj", "down_proj")]
 
     assert all(torch.equal(a, b) for a, b in zip(stacks(other), stacks(models[0])))
+    found = [m for m in other.modules() if hasattr(m, "nf4_stack")]
+    buffers = [{n: b.clone() for n, b in m.named_buffers()} for m in found]
     other.to(torch.float64)  # .to rebuilds the one-element placeholders in the new dtype
     base = other.base_model.model.model.layers[0].mlp.experts.base_layer.base_layer
     assert base.gate_up_proj.dtype == torch.float64 and base.gate_up_proj.untyped_storage().nbytes() == 8
+    # the NF4 buffers (codes, fp32 scales and tables, offset) keep their dtypes and bits; the stacks dequantise to
+    # the new dtype where it is one NF4 computes in (float64 is not: they stay fp32)
+    for cast, dtype in ((torch.float64, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        other.to(cast)
+        for m, before in zip(found, buffers):
+            after = dict(m.named_buffers())
+            assert all(after[n].dtype == b.dtype and torch.equal(after[n], b) for n, b in before.items())
+            assert m.nf4_stack("gate_up_proj").dtype == dtype
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(stacks(models[0]), stacks(other)))
 
 
 @pytest.mark.parametrize("model_type", TRITON)

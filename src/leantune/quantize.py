@@ -73,10 +73,27 @@ _TENSOR_FIELDS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
 
 
+def _apply_keeping_storage(module: nn.Module, fn, apply_rest, names, compute_dtype) -> torch.dtype | None:
+    """``module._apply(fn)`` for a quantised layer: the buffers ``names`` (codes, their scales and tables) follow
+    fn's device but keep their dtypes (``model.to(torch.bfloat16)``, ``.half()`` would otherwise cast them: e4m3
+    codes and fp32 scales lost); ``apply_rest()`` applies fn to everything else. Returns the float dtype fn casts
+    ``compute_dtype`` (the module's) to, for the caller to record, or None when fn gives no float dtype."""
+    held = {n: module._buffers.pop(n) for n in names if module._buffers.get(n) is not None}
+    try:
+        apply_rest()
+    finally:
+        for n, t in held.items():
+            target = fn(t.reshape(-1)[:0])  # what fn does to t, on no elements
+            module._buffers[n] = fn(t) if target.dtype == t.dtype else t.to(target.device)
+    probe = fn(torch.empty(0, dtype=compute_dtype))
+    return probe.dtype if probe.dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+
+
 class NF4Linear(nn.Linear):
     """``y = x W^T + b`` with W [out_features, in_features] stored as NF4 and dequantised at each call.
 
-    The NF4 tensors are buffers (they follow ``.to(device)``); ``bias`` stays a parameter in its dtype. An
+    The NF4 tensors are buffers (they follow ``.to(device)``; a float cast of the model, ``.to(torch.bfloat16)``,
+    keeps their dtypes and makes it the layer's compute dtype); ``bias`` stays a parameter in its dtype. An
     ``nn.Linear`` subclass without a float weight (see the module docstring: what PEFT reads of it).
     """
 
@@ -91,6 +108,13 @@ class NF4Linear(nn.Linear):
         self.register_buffer("fp8_scale", weight.fp8_scale, persistent=False)
         self._meta = (weight.offset, weight.shape, weight.dtype, weight.name)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    def _apply(self, fn, recurse=True):
+        dtype = _apply_keeping_storage(self, fn, lambda: super(NF4Linear, self)._apply(fn, recurse),
+                                       (*_TENSOR_FIELDS, "fp8_scale"), self._meta[2])
+        if dtype is not None:  # the model cast to another float dtype computes in it
+            self._meta = (self._meta[0], self._meta[1], dtype, self._meta[3])
+        return self
 
     @property
     def weight(self) -> torch.Tensor:
@@ -125,8 +149,9 @@ class NF4Linear(nn.Linear):
 class FP8Linear(nn.Linear):
     """``y = x W^T + b`` with W ``[out_features, in_features]`` ~= diag(weight_scale) weight (e4m3), the GEMMs in FP8.
 
-    ``weight`` (float8_e4m3fn) and ``weight_scale`` (fp32 [out]) are buffers saved in the state dict; ``bias``
-    stays a parameter in its dtype. The module docstring says what PEFT reads of it.
+    ``weight`` (float8_e4m3fn) and ``weight_scale`` (fp32 [out]) are buffers saved in the state dict (a float cast
+    of the model keeps their dtypes and makes it the layer's compute dtype); ``bias`` stays a parameter in its
+    dtype. The module docstring says what PEFT reads of it.
     """
 
     def __init__(self, weight: FP8Weight, bias: torch.Tensor | None = None):
@@ -137,9 +162,17 @@ class FP8Linear(nn.Linear):
         self._meta = (weight.dtype, weight.name)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
+    def _apply(self, fn, recurse=True):
+        dtype = _apply_keeping_storage(self, fn, lambda: super(FP8Linear, self)._apply(fn, recurse),
+                                       ("weight", "weight_scale"), self._meta[0])
+        if dtype is not None:  # the model cast to another float dtype computes in it
+            self._meta = (dtype, self._meta[1])
+        return self
+
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the weight was quantised from (the attribute PEFT reads for the adapters' dtype)."""
+        """The dtype the weight was quantised from, or the model was cast to since (the attribute PEFT reads for the
+        adapters' dtype)."""
         return self._meta[0]
 
     @property
@@ -194,13 +227,18 @@ class NF4Experts(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # the placeholders' one element goes through fn (device, dtype) and is expanded again: never fn on the
-        # expand itself, which would allocate the whole stack
+        # expand itself, which would allocate the whole stack; the NF4 buffers keep their dtypes
         held = {n: self._parameters.pop(n) for n in self._leantune_nf4 if n in self._parameters}
+        names = [f"{n}_nf4_{f}" for n in self._leantune_nf4 for f in (*_TENSOR_FIELDS, "offset")]
+        compute = next(iter(self._leantune_nf4.values()))[1]
         try:
-            super()._apply(fn, recurse)
+            dtype = _apply_keeping_storage(self, fn, lambda: super(NF4Experts, self)._apply(fn, recurse), names,
+                                           compute)
         finally:
             for n, p in held.items():
                 self._parameters[n] = _placeholder(p.shape, fn(p.detach()[(slice(0, 1),) * p.dim()].clone()))
+        if dtype is not None:  # the stacks dequantise to the model's new float dtype
+            self._leantune_nf4 = {n: (shape, dtype, *rest) for n, (shape, _, *rest) in self._leantune_nf4.items()}
         return self
 
     def __deepcopy__(self, memo):
@@ -319,6 +357,20 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
             and not any(part.startswith("lora_") or part == "modules_to_save" for part in name.split("."))]
 
 
+def _quantized_kinds(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """``(name, the quant types it is)`` of each layer already quantised by leantune (expert stacks are NF4 under
+    both NF4 types)."""
+    kinds = []
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear):
+            kinds.append((name, ("fp8",)))
+        elif isinstance(m, NF4Linear):
+            kinds.append((name, ("nf4-fp8",) if m.fp8_scale is not None else ("nf4",)))
+        elif isinstance(m, NF4Experts):
+            kinds.append((name, ("nf4", "nf4-fp8")))
+    return kinds
+
+
 def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | None = None) -> dict[str, int]:
     """Replace, in place, every ``nn.Linear`` of the decoder blocks by an :class:`NF4Linear` (``"nf4"``: quantise
     with :func:`~leantune.ops.quantize_nf4`) or an :class:`FP8Linear` (``"fp8"``, experimental: e4m3 with
@@ -346,15 +398,25 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
         absmax, + the fp32 FP8 scales for nf4-fp8; FP8: e4m3 weight + fp32 scales)}``.
 
     Raises:
-        ValueError: an unsupported quant type, a model without ``get_decoder()``, or a layer whose weight cannot be
-            NF4 (e.g. its size is not a multiple of 64) or FP8 (inf/NaN, a block-scale grid that does not fit the
-            weight); the message names the layer, and the model is unchanged.
+        ValueError: an unsupported quant type, a model without ``get_decoder()``, a model with layers leantune
+            quantised to another type (layers already of this type are kept: a second call quantises only what is
+            left), a weight on the meta device, or a layer whose weight cannot be NF4 (e.g. its size is not a
+            multiple of 64) or FP8 (inf/NaN, a block-scale grid that does not fit the weight); the message names the
+            layer, and the model is unchanged.
     """
     if quant_type not in QUANT_TYPES:
         raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {quant_type!r} (fp4 is not supported yet)")
     decoder = _decoder(model)
+    other = [(name, kind) for name, kind in _quantized_kinds(model) if quant_type not in kind]
+    if other:
+        raise ValueError(f"the model is already quantised otherwise ({len(other)} layers, e.g. {other[0][0]} in "
+                         f"{other[0][1][0]}), not {quant_type!r}: quantize its float weights once, to one type")
     prefix = next((n + "." for n, m in model.named_modules() if m is decoder and n), "")
     targets = [(name[len(prefix):], module) for name, module in quantized_linears(model)]
+    for name, linear in targets:
+        if linear.weight.is_meta:
+            raise ValueError(f"{prefix + name}: its weight is on the meta device (not loaded): load or materialise "
+                             "the model before quantize")
     experts = [(prefix + name, m) for name, m in decoder.named_modules() if expert_stacks(m)] \
         if quant_type != "fp8" else []
     if quant_type == "nf4-fp8":  # the check with_fp8_compute would fail on, before anything changes

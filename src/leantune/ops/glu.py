@@ -297,7 +297,7 @@ def _forward(gate, up, activation, impl, fp8_out=False):
         h = _forward_torch(gate, up, activation, out_dtype)
     else:
         h = _runtime.empty(gate.shape, dtype=out_dtype, device=gate.device)
-    return (h, _quantize_rows_torch(h.reshape(-1, h.shape[-1]))) if fp8_out else h
+    return (h, _quantize_rows_torch(h.reshape(math.prod(h.shape[:-1]), h.shape[-1]))) if fp8_out else h
 
 
 def _backward(dh, gate, up, activation, impl, inplace, out=None):

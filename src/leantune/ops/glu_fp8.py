@@ -21,6 +21,8 @@ the separate pass read d_gate, d_up again (4) and wrote the codes (2). Predicted
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -164,5 +166,6 @@ def glu_backward_fp8(dh, gate, up, activation, m_gate, m_up, *, inplace=False):
                                                                m_up.contiguous(), inplace)
             return d_gate, d_up, (codes, scales)
         d_gate, d_up = _backward(dh, gate, up, activation, impl, inplace)
-        g = torch.cat([d_gate.reshape(-1, width).float() * m_gate, d_up.reshape(-1, width).float() * m_up], dim=1)
+        rows = math.prod(gate.shape[:-1])  # not -1: ambiguous when I is 0
+        g = torch.cat([d_gate.reshape(rows, width).float() * m_gate, d_up.reshape(rows, width).float() * m_up], dim=1)
         return d_gate, d_up, _quantize_rows_torch(g)

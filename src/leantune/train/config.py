@@ -171,7 +171,7 @@ class TrainConfig:
         if self.device not in (None, "cpu", "cuda"):
             raise LeantuneError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.quantize not in (None, "nf4", "fp8", "nf4-fp8"):
-            raise LeantuneError(f"--quantize must be nf4, fp8 or nf4-fp8 (fp4 is not supported yet), got "
+            raise LeantuneError(f"--quantize must be nf4, fp8, nf4-fp8 or off (fp4 is not supported yet), got "
                                 f"{self.quantize!r}")
         if self.offload_checkpoints and self.gradient_checkpointing != "on":
             raise LeantuneError("--offload-checkpoints keeps the inputs that gradient checkpointing saves: it needs "
@@ -247,7 +247,8 @@ def coerce(name: str, value, label: str):
 
     Strict: an int field takes only an int (not a bool or float), a float field an int or float, a bool field only
     a real boolean (so TOML ``overwrite = "no"`` is an error, not a truthy string). Conveniences natural in TOML:
-    ``target_modules`` may be a list of names, ``gradient_checkpointing``/``patch`` may be true/false.
+    ``target_modules`` may be a list of names, ``gradient_checkpointing``/``patch`` may be true/false, ``quantize``
+    may be ``"off"`` (None).
     ``label`` names the source in the message (``--lr`` or ``config key 'lr' in run.toml``).
     """
     if name not in FIELDS:
@@ -265,6 +266,8 @@ def coerce(name: str, value, label: str):
         value = spec_from_toml(value)
     if name in ON_OFF_FIELDS and isinstance(value, bool):
         return "on" if value else "off"
+    if name == "quantize" and value == "off":  # what --help shows as its default: a config's setting undone
+        return None
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:

@@ -141,7 +141,7 @@ def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, *,
         gate, up: ``[N, I]`` base projection outputs, one float dtype, unit last stride, not overlapping (overwritten).
         xa_g, xa_u: ``[N, r_g]``, ``[N, r_u]`` (= (m x) A^T); b_g, b_u: ``[I, r]`` (lora_B); all four of one dtype
             (the LoRA dtype); r >= 1.
-        s_g, s_u: scalings (real numbers).
+        s_g, s_u: scalings (finite real numbers).
         activation: one of :data:`leantune.ops.glu.ACTIVATIONS`.
         fp8_out: also return h quantised per row (module docstring, "FP8 side output").
         **launch: Triton path only: ``block_n``, ``block_i``, ``num_warps``, ``base_first`` (GPU tuning).
@@ -151,9 +151,11 @@ def glu_forward_lowrank(gate, up, xa_g, b_g, s_g, xa_u, b_u, s_u, activation, *,
         scales fp32 [N]))``, bit for bit :func:`~leantune.ops.fp8.quantize_rows` of h as stored.
 
     Raises:
-        ValueError: shapes, dtypes, devices, strides or overlap as above; unknown activation.
+        ValueError: shapes, dtypes, devices, strides or overlap as above; unknown activation; a scaling that is not
+            a finite real number.
     """
     impl = check_inputs(gate, up, activation)
+    s_g, s_u = _runtime.check_real("s_g", s_g), _runtime.check_real("s_u", s_u)
     if gate.dim() != 2:
         raise ValueError(f"gate must be 2-D [N, I], got shape {tuple(gate.shape)}")
     if gate.dtype != up.dtype:
