@@ -289,10 +289,12 @@ def test_quantize_fp8_in_both_orders_with_peft_trains_and_saves(tiny_llama, tmp_
     assert before.base_model.model.leantune_summary["counts"]["lora"] == 2 * 7
     # the fused ops round fp32 activations differently (by ulps) from HF's modules; near an e4m3 midpoint an ulp
     # flips a code by one step (relative u), rarely (~ulp / step per element) but by far more than fp32's bar: one
-    # flip in a [tokens, features] block moves its product by ~u / sqrt(features) (measured up to 4e-4 here)
+    # flip in a [tokens, features] block moves its product by ~u / sqrt(features) (measured up to 4e-4 here). The
+    # gradients sum a handful of such flips: worst relative error 6.6e-3 over 40 seeds, 1.03e-2 at seed 462769052;
+    # 2e-2 keeps every seed and still fails for a wrong scale or a missing term (errors of order 1)
     assert rel_err(patched_loss, loss) <= 1e-4
     for n in grads:
-        assert rel_err(patched_grads[n], grads[n]) <= 1e-2, n
+        assert rel_err(patched_grads[n], grads[n]) <= 2e-2, n
     # the default, one dX GEMM for q/k/v and one for gate/up: other roundings (one row scale over the parts), as
     # far from the unquantised model's gradients as the per-projection ones (ratio measured 0.98-1.05 over seeds)
     grouped_loss, grouped_grads = loss_and_grads(before, ids)
