@@ -369,6 +369,15 @@ def test_patch_trainer_names_what_it_takes(tiny_folder, tmp_path, fresh_seed):
     plain = Trainer(model=model, args=TrainingArguments(**_common(tmp_path)))
     with pytest.raises(ValueError, match=r"got transformers\.trainer\.Trainer.*leantune\.patch\(trainer\.model\)"):
         patch_trainer(plain)
+    # a keyword it does not take, or a switch leantune.patch refuses: the trainer's head is left as it was
+    trainer = _sft_trainer(tiny_folder, tmp_path, fresh_seed)
+    hf = trainer.model.get_base_model()
+    head = hf.__dict__.get("forward")
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]"):
+        patch_trainer(trainer, bogus=1)
+    with pytest.raises(ValueError, match="tile_mlp"):
+        patch_trainer(trainer, tile_mlp=0)
+    assert hf.__dict__.get("forward") is head and "leantune_summary" not in dir(hf)
 
 
 def test_summary_after_unpatch_says_unpatched(tiny_folder, tmp_path, fresh_seed):
@@ -405,9 +414,21 @@ def test_loss_runs_says_which_head_ran(tiny_folder, tmp_path, fresh_seed):
     patch_trainer(trainer)
     hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
     assert hf.leantune_summary["loss_runs"].endswith("leantune's head 1 fused_lm_head calls, TRL's chunked head 0")
+    # a MoE's router logits (TRL's SFTTrainer asks for them when router_aux_loss_coef > 0): TRL's head, and why (its
+    # head stubbed: Llama computes no router logits)
+    head = hf.__dict__["forward"]
+    head.previous, trl_head = (lambda *args, **kwargs: None), head.previous
+    hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True, output_router_logits=True)
+    head.previous = trl_head
+    assert hf.leantune_summary["loss_runs"].endswith(
+        "leantune's head 1 fused_lm_head calls, TRL's chunked head 1 (last one: MoE router logits asked for "
+        "(output_router_logits: TRL turns it on for a router_aux_loss_coef above 0), which leantune's head does not "
+        "return)")
     leantune.patch(model, loss=False)  # leantune's head steps aside: TRL's runs, and the count says so
     hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
-    assert hf.leantune_summary["loss_runs"].endswith("leantune's head 1 fused_lm_head calls, TRL's chunked head 1")
+    assert hf.leantune_summary["loss_runs"].endswith(
+        "leantune's head 1 fused_lm_head calls, TRL's chunked head 2 (last one: the model is not patched for its "
+        "loss, or its lm_head is not a plain unhooked nn.Linear)")
 
 
 def _rloo_trainer(folder, tmp_path, seed, **overrides):

@@ -111,12 +111,14 @@ class FusedLMHead:
         self.model, self.previous, self.outputs, self.metrics = model, previous, tuple(outputs), metrics
         self.temperature = temperature  # set: GRPO's head (ops.linear_log_probs at that temperature)
         self.calls = self.passed = 0
+        self.passed_why: str | None = None  # the last call passed on: why
 
     def leantune_runs(self, configured: str) -> str:
         """The summary's ``loss_runs`` (``leantune.patch.PatchSummary``): ``configured`` and which head ran how
-        often."""
+        often, and why the last call passed to TRL's head did."""
+        why = f" (last one: {self.passed_why})" if self.passed and self.passed_why else ""
         return (f"{configured}; ran so far: leantune's head {self.calls} fused_lm_head calls, {self.fallback} "
-                f"{self.passed}")
+                f"{self.passed}{why}")
 
     @property
     def __signature__(self):  # transformers' generate checks its keyword arguments against the forward's
@@ -136,10 +138,15 @@ class FusedLMHead:
                 and not has_hooks(head) and type(head.weight.data) is torch.Tensor)  # not FSDP2's DTensor
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
-        if not self._serves() or kwargs.get("output_router_logits"):
+        served = self._serves()
+        if not served or kwargs.get("output_router_logits"):
             if not fused_lm_head:  # the forward behind may be a model's own (ORPO, CPO): no TRL keyword for it
                 return self.previous(*args, **kwargs)
             self.passed += 1
+            self.passed_why = ("the model is not patched for its loss, or its lm_head is not a plain unhooked "
+                               "nn.Linear" if not served else
+                               "MoE router logits asked for (output_router_logits: TRL turns it on for a "
+                               "router_aux_loss_coef above 0), which leantune's head does not return")
             return self.previous(*args, fused_lm_head=True, **kwargs)
         if not fused_lm_head:
             return causal_lm_forward(self.model, *args, **kwargs)
@@ -360,15 +367,29 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
     Raises:
         ValueError: ``trainer`` is not a TRL trainer with a model (a model, a PEFT wrapper, a plain
             ``transformers.Trainer``: the message says what to call instead), and as :func:`leantune.patch`
-            (unsupported family, not a transformers model).
+            (unsupported family, not a transformers model; the trainer's heads are left as they were).
+        TypeError: a keyword argument that is not one of the above, before the trainer is touched.
     """
     _check_trainer(trainer)
+    unknown = sorted(set(patch_kwargs) - set(inspect.signature(patch).parameters) - {"model"})
+    if unknown:  # before the trainer is touched
+        raise TypeError(f"patch_trainer got unexpected keyword arguments {unknown}: it takes metrics, freeze_heap "
+                        "and leantune.patch's switches")
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:
             continue
-        head = _take_head(model, metrics, trainer)
-        patch(model, **patch_kwargs)
         hf = hf_model(model)
+        before = hf.__dict__.get("forward"), trainer.__dict__.get("concatenated_forward")
+        head = _take_head(model, metrics, trainer)
+        try:
+            patch(model, **patch_kwargs)
+        except Exception:  # a switch patch refuses: the trainer's heads as they were
+            for owner, name, value in ((hf, "forward", before[0]), (trainer, "concatenated_forward", before[1])):
+                if value is None:
+                    owner.__dict__.pop(name, None)
+                else:
+                    owner.__dict__[name] = value
+            raise
         state = hf.__dict__.get(STATE_ATTR)
         if head == "no fused head" and state is not None and state.kind == "causal_lm":
             # a client that reads outputs.logits in training: form them (the loss still from the fused op)
