@@ -97,6 +97,9 @@ def test_unsupported_model_type_names_it():
     assert not is_patched(model) and model.leantune_summary["family"] is None
     with pytest.raises(ValueError, match="transformers causal LM"):
         leantune.patch(torch.nn.Linear(2, 2))
+    for switch in ("strict", "rope", "offload_checkpoints"):  # a truthy string is not a switch
+        with pytest.raises(ValueError, match=f"{switch} must be True or False, got 'yes'"):
+            leantune.patch(model, **{switch: "yes"})
 
 
 @pytest.mark.parametrize("case", ["two_adapters", "merged", "disabled"])

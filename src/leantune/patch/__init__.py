@@ -162,8 +162,14 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
 
     Raises:
         ValueError: ``config.model_type`` has no family row and ``strict`` is set (the message lists the supported
-            ones), ``model`` is not a transformers model, or ``tile_mlp`` is not a positive int.
+            ones), ``model`` is not a transformers model, a switch is not a bool, or ``tile_mlp`` is not a positive
+            int.
     """
+    switches = {"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "loss": loss, "lora": lora,
+                "offload_checkpoints": offload_checkpoints, "strict": strict}
+    for name, value in switches.items():
+        if not isinstance(value, bool):  # "no" would be truthy
+            raise ValueError(f"{name} must be True or False, got {value!r}")
     if tile_mlp is not None:
         check_tile_tokens(tile_mlp, "tile_mlp")
     hf = _hf_model(model)
