@@ -125,6 +125,15 @@ part_fp8_dy() {  # #26: gate/up's dY codes from the GLU backward (ops/glu_fp8.py
   grep -E "tok/s|tokens/s x" "$OUT/gcoff.log"
 }
 
+part_fp8_h() {  # #26: down's input codes from the LoRA GLU's tile absmaxes (one read of h), never run on the card:
+  # its tests, the probe's line (kernel + row quantiser against the tile absmaxes), then the 8B GC-on rows, three runs
+  timeout $(bound 90) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_fp8_fused.py > "$OUT/pytest-fp8-fused.log" 2>&1
+  echo "pytest (fp8_fused) exit $?"; tail -2 "$OUT/pytest-fp8-fused.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest-fp8-fused.log" | head
+  timeout $(bound 60) python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); import fp8_probe as p
+p.glu_h_codes(4096, torch.device('cuda'))" 2>&1 | grep -v -i warn | tail -2
+  REPEAT=${REPEAT:-3} IMPLS=${IMPLS:-hf+peft,leantune+graph,leantune+fp8+graph} part_host
+}
+
 part_qlora_same() {  # #25's QLoRA row in one call: bitsandbytes, bf16, NF4 and NF4-FP8 graphs, 8B GC on, 20 steps; then
   # #26's GC-off row (HF+PEFT vs FP8 graphs, one run) and the LoRA probe
   timeout $(bound 300) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 \
