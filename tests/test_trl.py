@@ -142,6 +142,36 @@ def test_sft_trainer_matches_trl_head_and_runs_leantune_loss(tiny_folder, tmp_pa
     assert loss_head_calls(trainer.model) == micro_batches
 
 
+def _moe_sft_trainer(folder, tmp_path, seed):
+    """A tiny Qwen3-MoE (LoRA on attention and the expert stacks) under SFTTrainer, which asks for router logits
+    (router_aux_loss_coef > 0) and adds their load-balancing loss to the fused head's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, LlamaConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=LlamaConfig.from_pretrained(folder).vocab_size, hidden_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                            router_aux_loss_coef=0.5, pad_token_id=tok.pad_token_id)
+    model = get_peft_model(Qwen3MoeForCausalLM(config), LoraConfig(
+        r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0, init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    return trl.SFTTrainer(model=model, args=trl.SFTConfig(**_common(tmp_path, max_length=64)),
+                          train_dataset=datasets.Dataset.from_list(_sft_rows()), processing_class=tok)
+
+
+def test_moe_sft_trainer_runs_leantune_head_with_the_router_loss(tiny_folder, tmp_path, fresh_seed):
+    """TRL's SFTTrainer asks a MoE for router logits at every step: leantune's head serves the calls and adds the
+    load-balancing loss as TRL's head does (coefficient 0.5 here, so a missing term would show)."""
+    ref_logs = _train(_moe_sft_trainer(tiny_folder, tmp_path, fresh_seed), fresh_seed)
+    trainer = patch_trainer(_moe_sft_trainer(tiny_folder, tmp_path, fresh_seed))
+    logs = _train(trainer, fresh_seed)
+    _compare(ref_logs, logs, ("loss", "grad_norm", "entropy", "mean_token_accuracy"))
+    assert loss_head_calls(trainer.model) == STEPS
+    assert trainer.model.get_base_model().leantune_summary["loss_runs"].endswith("TRL's chunked head 0")
+
+
 def test_dpo_trainer_matches_trl_head_and_runs_leantune_loss(tiny_folder, tmp_path, fresh_seed):
     ref_logs = _train(_dpo_trainer(tiny_folder, tmp_path, fresh_seed), fresh_seed)
     trainer = patch_trainer(_dpo_trainer(tiny_folder, tmp_path, fresh_seed))
@@ -414,16 +444,16 @@ def test_loss_runs_says_which_head_ran(tiny_folder, tmp_path, fresh_seed):
     patch_trainer(trainer)
     hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
     assert hf.leantune_summary["loss_runs"].endswith("leantune's head 1 fused_lm_head calls, TRL's chunked head 0")
-    # a MoE's router logits (TRL's SFTTrainer asks for them when router_aux_loss_coef > 0): TRL's head, and why (its
-    # head stubbed: Llama computes no router logits)
+    # router logits of a model whose config names no experts: TRL's head, and why (its head stubbed: Llama computes
+    # no router logits; a MoE's are served: test_moe_sft_trainer_runs_leantune_head_with_the_router_loss)
     head = hf.__dict__["forward"]
     head.previous, trl_head = (lambda *args, **kwargs: None), head.previous
     hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True, output_router_logits=True)
     head.previous = trl_head
     assert hf.leantune_summary["loss_runs"].endswith(
         "leantune's head 1 fused_lm_head calls, TRL's chunked head 1 (last one: MoE router logits asked for "
-        "(output_router_logits: TRL turns it on for a router_aux_loss_coef above 0), which leantune's head does not "
-        "return)")
+        "(output_router_logits: TRL turns it on for a router_aux_loss_coef above 0) of a model without num_experts "
+        "and num_experts_per_tok in its config)")
     leantune.patch(model, loss=False)  # leantune's head steps aside: TRL's runs, and the count says so
     hf(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
     assert hf.leantune_summary["loss_runs"].endswith(

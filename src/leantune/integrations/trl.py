@@ -46,9 +46,11 @@ from ``ops.preference.orpo_loss``).
 TRL's head is kept (its calls pass through) where leantune's cannot give the same numbers: a trainer other than
 SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, ORPOTrainer or CPOTrainer, for SFT/DPO/KTO a
 temperature other than 1, a logit scale other than 1, ``cast_lm_head_to_fp32``, an ``lm_head`` that is not a
-plain ``nn.Linear`` (LoRA on it, hooks, FSDP2's sharded weight), MoE router logits, or a model that is not patched
-(``leantune.unpatch`` after this call gives TRL's head back, a later ``leantune.patch`` takes it again); the
-summary's ``loss_runs`` says which.
+plain ``nn.Linear`` (LoRA on it, hooks, FSDP2's sharded weight), MoE router logits of a config without
+``num_experts`` / ``num_experts_per_tok``, or a model that is not patched (``leantune.unpatch`` after this call
+gives TRL's head back, a later ``leantune.patch`` takes it again); the summary's ``loss_runs`` says which. With
+router logits asked for (TRL's SFTTrainer does for a ``router_aux_loss_coef`` above 0), leantune's head returns
+the load-balancing ``aux_loss`` as TRL's head computes it (Mixtral's ``load_balancing_loss_func``).
 :func:`loss_head_calls` counts the calls served.
 
 TRL 1.14 and earlier have no fused head: their SFTTrainer reads ``outputs.logits`` in training. For a trainer whose
@@ -139,14 +141,15 @@ class FusedLMHead:
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
         served = self._serves()
-        if not served or kwargs.get("output_router_logits"):
+        if not served or (kwargs.get("output_router_logits") and not _router_aux_loss_ok(self.model)):
             if not fused_lm_head:  # the forward behind may be a model's own (ORPO, CPO): no TRL keyword for it
                 return self.previous(*args, **kwargs)
             self.passed += 1
             self.passed_why = ("the model is not patched for its loss, or its lm_head is not a plain unhooked "
                                "nn.Linear" if not served else
                                "MoE router logits asked for (output_router_logits: TRL turns it on for a "
-                               "router_aux_loss_coef above 0), which leantune's head does not return")
+                               "router_aux_loss_coef above 0) of a model without num_experts and "
+                               "num_experts_per_tok in its config")
             return self.previous(*args, fused_lm_head=True, **kwargs)
         if not fused_lm_head:
             return causal_lm_forward(self.model, *args, **kwargs)
@@ -186,7 +189,15 @@ class FusedLMHead:
                            torch.zeros(mask.shape, dtype=torch.bool if name == "is_top1" else torch.float32,
                                        device=mask.device))
         divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, label_mask=mask, **stats)
+        loss, aux_loss = -log_probs.sum() / divisor, None
+        if kwargs.get("output_router_logits"):  # a MoE's load-balancing loss, as TRL's head adds it (trl 1.16)
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+            text_config = model.config.get_text_config()
+            aux_loss = load_balancing_loss_func(backbone.router_logits, text_config.num_experts,
+                                                text_config.num_experts_per_tok, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=mask, aux_loss=aux_loss, **stats)
 
     def _rows(self, rows, head, targets, softcap, wanted):
         """(-log p of each target row, {statistic: [rows]}) from leantune's head: ops.linear_cross_entropy with its
@@ -200,6 +211,13 @@ class FusedLMHead:
                                    softcap=softcap, entropy=with_entropy, ignore_index=IGNORE_INDEX, checks="deferred")
         log_probs, entropy = out if with_entropy else (out, None)
         return -log_probs, ({"entropy": entropy} if with_entropy else {})
+
+
+def _router_aux_loss_ok(model) -> bool:
+    """Whether leantune's head can add ``model``'s MoE load-balancing loss as TRL's head does (its text config names
+    ``num_experts`` and ``num_experts_per_tok``)."""
+    text_config = model.config.get_text_config()
+    return all(isinstance(getattr(text_config, name, None), int) for name in ("num_experts", "num_experts_per_tok"))
 
 
 def _trl_head_settings(forward) -> dict | None:
