@@ -104,10 +104,12 @@ def assert_grads_close(grads, ref_grads, tol=1e-4):
     at the floor (an error above 1e-6 of the largest norm still fails), every other one relatively."""
     assert grads.keys() == ref_grads.keys()
     floor = NOISE_FLOOR * max(float(ref.double().norm()) for ref in ref_grads.values())
+    # LoRA B must be non-zero (else every lora_A gradient is 0); one projection's may still be exactly 0 where a
+    # softmax saturates to one-hot in fp32 (granite, one draw: seed 1137074894): compared at the floor then
+    assert any(ref.norm() > 0 for name, ref in ref_grads.items() if "lora_A" in name), "LoRA B must be non-zero"
     for name, ref in ref_grads.items():
-        assert ref.norm() > 0, f"{name}: reference gradient is zero (LoRA B must be non-zero)"
         norm = float(ref.double().norm())
-        err = rel_err(grads[name], ref) * norm / max(norm, floor)
+        err = float((grads[name].double() - ref.double()).norm()) / max(norm, floor)
         assert err <= tol, f"{name}: gradient error {err:.3g} (relative to max(||ref||, floor)) > {tol}"
 
 
