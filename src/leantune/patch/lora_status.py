@@ -152,8 +152,8 @@ def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None
     if magnitude is not None:
         if p > 0 and training:  # PEFT's DoRA then runs the frozen GEMM on the dropped input too: not fused
             return None, 0.0, False, "DoRA with lora_dropout in training (ops.dora_linear has no dropout path)"
-        weights = ops.DoraWeights(weight, lora_A.weight, lora_B.weight, module.scaling[name], magnitude.weight,
-                                  base.bias)
+        weights = ops.DoraWeights(weight, lora_A._parameters["weight"], lora_B._parameters["weight"],
+                                  module.scaling[name], magnitude._parameters["weight"], base.bias)
         return weights, p, training, None
     weights = ops.LoraWeights(weight, lora_A._parameters["weight"], lora_B._parameters["weight"], module.scaling[name],
                               base.bias)
