@@ -134,6 +134,25 @@ p.glu_h_codes(4096, torch.device('cuda'))" 2>&1 | grep -v -i warn | tail -2
   REPEAT=${REPEAT:-3} IMPLS=${IMPLS:-hf+peft,leantune+graph,leantune+fp8+graph} part_host
 }
 
+part_fp8_numerics() {  # #26's numerics row on the card: the same 8B-shaped LoRA fine-tune (random init, chitchat, 4096 x 1,
+  # checkpointing on, 60 steps, eval on 16 held-out rows at start and end) in bf16 and with --quantize fp8 (~5 min)
+  local args="--model .gpu/llama3-8b/config.json --data .gpu/chitchat.json --max-steps ${STEPS:-60} --seq-len 4096
+    --batch-size 1 --eval-every 0 --eval-size 16 --save-every 0 --max-examples 3000 --gradient-checkpointing on"
+  timeout $(bound 200) python3 -m leantune train $args --output /tmp/num-bf16 > "$OUT/num-bf16.log" 2>&1; echo "bf16 exit $?"
+  timeout $(bound 200) python3 -m leantune train $args --quantize fp8 --output /tmp/num-fp8 > "$OUT/num-fp8.log" 2>&1
+  echo "fp8 exit $?"
+  for k in bf16 fp8; do cp /tmp/num-$k/metrics.jsonl "$OUT/num-$k-metrics.jsonl"; cp /tmp/num-$k/summary.json "$OUT/num-$k-summary.json"; done
+  python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+evals = {k: [json.loads(l) for l in open(f"{out}/num-{k}-metrics.jsonl") if '"eval"' in l] for k in ("bf16", "fp8")}
+print("| run | eval loss at start | eval loss at end | end vs bf16 |")
+for k, rows in evals.items():
+    first, last = rows[0]["eval_loss"], rows[-1]["eval_loss"]
+    print(f"| {k} | {first:.4f} | {last:.4f} | {last / evals['bf16'][-1]['eval_loss'] - 1:+.2%} |")
+PY
+}
+
 part_qlora_same() {  # #25's QLoRA row in one call: bitsandbytes, bf16, NF4 and NF4-FP8 graphs, 8B GC on, 20 steps; then
   # #26's GC-off row (HF+PEFT vs FP8 graphs, one run) and the LoRA probe
   timeout $(bound 300) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 \
@@ -191,6 +210,21 @@ part_trl() {  # TRL, 8B, 4096 x 1, checkpointing on: leantune's head vs TRL's ow
     > "$OUT/trl-sft.log" 2>&1; echo "trl sft exit $?"; tail -6 "$OUT/trl-sft.log"
   timeout $(bound 600) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer dpo --seq 4096 \
     --steps 3 --out "$OUT/trl" > "$OUT/trl-dpo.log" 2>&1; echo "trl dpo exit $?"; tail -6 "$OUT/trl-dpo.log"
+}
+
+part_dpo_profile() {  # #27's DPO row with a trace: TRL's default head vs leantune, 8B 4096, 5 timed steps, then one
+  # profiled step each (GPU busy, kernels, top kernels in the JSONs); ~5 min; carry .whl (trl, datasets, dill, multiprocess)
+  timeout $(bound 540) python3 benchmarks/trl_bench.py --config .gpu/llama3-8b --trainer dpo --seq 4096 --impls trl,leantune \
+    --warmup 2 --steps 5 --profile --out "$OUT/dpo" > "$OUT/dpo.log" 2>&1; echo "dpo exit $?"; tail -6 "$OUT/dpo.log"
+  python3 - "$OUT/dpo" <<'PY'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("dpo-*.json")):
+    r = json.loads(path.read_text())
+    print(f"{path.stem}: profiled step {r.get('profiled_step_ms', 0):.1f} ms, GPU busy {r.get('busy_fraction') or 0:.1%}, "
+          f"{r.get('kernels_per_step')} kernels")
+    for k in (r.get("top_kernels") or [])[:14]:
+        print(f"  {k['ms_per_step']:8.2f} ms x{k['calls_per_step']:<5.0f} {k['name'][:90]}")
+PY
 }
 
 part_trl_sft() {  # TRL SFT only, 8B 4096 x 1: leantune with and without the heap freeze, TRL, TRL + Liger

@@ -233,7 +233,7 @@ def child(args) -> dict:
         trainer, rollouts = _grpo_trainer(args, model, tokenizer, config, data, output_dir, cuda)
         _forbid_generation(trainer, model.get_base_model(), generation)
     else:
-        common = dict(output_dir=output_dir, max_steps=args.warmup + args.steps,
+        common = dict(output_dir=output_dir, max_steps=args.warmup + args.steps + (1 if args.profile else 0),
                       per_device_train_batch_size=args.batch, learning_rate=1e-4, logging_steps=1, report_to=[],
                       save_strategy="no", seed=args.seed, bf16=cuda, use_cpu=not cuda, disable_tqdm=True,
                       optim="adamw_torch_fused" if cuda else "adamw_torch", max_length=args.seq,
@@ -257,12 +257,19 @@ def child(args) -> dict:
         def on_step_begin(self, args_, state, *_, **__):
             if cuda:
                 torch.cuda.synchronize()
+            if profiler is not None and len(self.times) == args.warmup + args.steps:  # the extra, untimed step
+                profiler.start()
+                self.profile_t0 = time.perf_counter()
             self.start, self.seen = time.perf_counter(), state.num_input_tokens_seen
             self.generated = rollouts.seconds if rollouts else 0.0
 
         def on_step_end(self, args_, state, *_, **__):
             if cuda:
                 torch.cuda.synchronize()
+            if profiler is not None and self.profile_t0 is not None:
+                profiler.stop()
+                self.profile_wall_s, self.profile_t0 = time.perf_counter() - self.profile_t0, None
+                return
             generation_s = (rollouts.seconds if rollouts else 0.0) - self.generated
             self.generation.append(generation_s)
             self.times.append(time.perf_counter() - self.start - generation_s)  # the training part only
@@ -271,7 +278,12 @@ def child(args) -> dict:
             if len(self.times) == args.warmup and cuda:
                 torch.cuda.reset_peak_memory_stats()
 
+    profiler = None
+    if args.profile and args.trainer != "grpo":  # one more step after the timed ones, under torch.profiler
+        from torch.profiler import ProfilerActivity, profile
+        profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
     clock = Clock()
+    clock.profile_t0 = clock.profile_wall_s = None
     trainer.add_callback(clock)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -282,6 +294,15 @@ def child(args) -> dict:
                 "steps_done": len(clock.times), "step_s": clock.times, "tokens": clock.tokens,
                 "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
                 "generate_calls": generation["generate_calls"], "rollout_calls": rollouts.calls if rollouts else None}
+    profiled = {}
+    if profiler is not None and clock.profile_wall_s is not None:
+        from leantune.bench.stepstats import busy_fraction, device_intervals, top_kernels
+
+        events = profiler.profiler.kineto_results.events()
+        intervals, kernels = device_intervals(events, args.device)
+        profiled = {"profiled_step_ms": 1e3 * clock.profile_wall_s, "kernels_per_step": kernels,
+                    "busy_fraction": busy_fraction(intervals, clock.profile_wall_s * 1e9) if intervals else None,
+                    "top_kernels": top_kernels(events, args.device, 1)}
     logs = [h for h in trainer.state.log_history if "loss" in h]
     timed, tokens = clock.times[args.warmup:], clock.tokens[args.warmup:]
     return {**_identity(args), "status": "ok" if math.isfinite(logs[0]["loss"]) else "nonfinite",
@@ -296,7 +317,8 @@ def child(args) -> dict:
             "summary_loss_runs": (getattr(trainer.model.get_base_model(), "leantune_summary", None) or {}).get(
                 "loss_runs"),
             "versions": {m: __import__(m).__version__ for m in ("torch", "transformers", "peft", "trl")},
-            "gpu": torch.cuda.get_device_name() if cuda else None, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "gpu": torch.cuda.get_device_name() if cuda else None, "date": time.strftime("%Y-%m-%d %H:%M"),
+            **profiled}
 
 
 def child_safe(args) -> dict:
@@ -413,6 +435,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="SFT/DPO: one more step after the timed ones under torch.profiler (untimed): GPU-busy "
+                        "fraction, kernels and the top kernels of that step in each implementation's JSON")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", required=True, help="folder for one JSON per implementation and table.md")

@@ -64,6 +64,19 @@ def test_trl_bench_dry_run(model_folder, tmp_path, trainer, capsys, monkeypatch)
     assert not (tmp_path / "bad" / "sft-leantune.json").exists()
 
 
+def test_trl_bench_profile_dry_run(model_folder, tmp_path, monkeypatch):
+    """--profile runs one more, untimed step under torch.profiler (the CPU records operators)."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1] / "src"))
+    code = _bench().main(["--config", model_folder, "--trainer", "dpo", "--impls", "leantune", "--seq", "32",
+                          "--warmup", "1", "--steps", "1", "--device", "cpu", "--profile", "--out", str(tmp_path)])
+    assert code == 0
+    run = json.loads((tmp_path / "dpo-leantune.json").read_text())
+    assert run["status"] == "ok" and len(run["step_s"]) == 1  # the profiled step is not among the timed ones
+    assert run["loss_head_calls"] == 2 * 3  # warm-up, timed and profiled steps, each policy and reference
+    assert run["profiled_step_ms"] > 0 and run["kernels_per_step"] > 0 and 0 < run["busy_fraction"] <= 1
+    assert run["top_kernels"] and all(k["ms_per_step"] > 0 for k in run["top_kernels"])
+
+
 def test_trl_bench_grpo_dry_run(model_folder, tmp_path, capsys, monkeypatch):
     """GRPO, TRL's head against leantune's, each in its process: the fixed completions ran once per step and real
     generation never; TRL counted exactly their tokens; the first step agrees (grad norm through the head, the
