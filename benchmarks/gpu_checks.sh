@@ -153,6 +153,16 @@ for k, rows in evals.items():
 PY
 }
 
+part_fp8_torchao() {  # #26's peer baseline in the same call: torchao 0.17's float8 rowwise training on the frozen base
+  # layers (eager and each Float8Linear compiled) beside HF+PEFT and leantune's FP8 step, 8B 4096 x 1 GC on, 10 steps
+  # (~6 min). Carry .whl-tao (torchao-0.17.0, built for torch 2.11), installed here apart from .whl's packages.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-tao .whl-tao/*.whl
+  PYTHONPATH=$PYTHONPATH:/tmp/site-tao timeout $(bound 560) python3 -m leantune bench e2e --configs .gpu/llama3-8b \
+    --seq 4096 --batch 1 --gc on --steps ${STEPS:-10} --impls ${IMPLS:-hf+peft,hf+peft+torchao,hf+peft+torchao+compile,leantune+fp8+graph} \
+    --matmul-tflops 700 --budget-s $(( $(bound 560) - 10 )) --compare --out "$OUT/torchao" > "$OUT/torchao.log" 2>&1
+  echo "torchao exit $?"; grep -E "tok/s|x[0-9.]+, peak|not run|skipped" "$OUT/torchao.log" | grep -v -i warn | tail -8
+}
+
 part_qlora_same() {  # #25's QLoRA row in one call: bitsandbytes, bf16, NF4 and NF4-FP8 graphs, 8B GC on, 20 steps; then
   # #26's GC-off row (HF+PEFT vs FP8 graphs, one run) and the LoRA probe
   timeout $(bound 300) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 \

@@ -478,6 +478,52 @@ def test_child_skips_liger_when_not_importable(tiny_config, monkeypatch):
     assert r["status"] == "skipped" and "liger_kernel not importable" in r["error"]
 
 
+def test_child_skips_torchao_when_not_importable(tiny_config, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "torchao", None)
+    monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)
+    r = step.run_one_safe(RunSpec("hf+peft+torchao", tiny_config, seq=8, batch=1, gc=False, device="cpu"))
+    assert r["status"] == "skipped" and "torchao not importable" in r["error"]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_torchao_baseline_converts_only_the_frozen_base_layers(tiny_config, monkeypatch, compiled):
+    """hf+peft+torchao: torchao's converter sees every module, and its filter passes exactly the 7 x layers frozen
+    PEFT base layers (no LoRA A/B, no lm_head); the rowwise recipe; +compile compiles each converted module. torchao
+    itself is a stub here (the CI image has none): the card runs the real one."""
+    import sys
+    import types
+
+    seen, compiled_modules = {}, []
+
+    class Float8Linear(torch.nn.Linear):
+        def compile(self, *args, **kwargs):
+            compiled_modules.append(self)
+
+    def convert(model, *, module_filter_fn, config):
+        for fqn, module in list(model.named_modules()):
+            if isinstance(module, torch.nn.Linear) and module_filter_fn(module, fqn):
+                seen[fqn] = module
+                module.__class__ = Float8Linear
+        seen["recipe"] = config
+        return model
+
+    fake = types.ModuleType("torchao.float8")
+    fake.Float8LinearConfig = types.SimpleNamespace(from_recipe_name=lambda name: name)
+    fake.convert_to_float8_training = convert
+    fake_linear = types.ModuleType("torchao.float8.float8_linear")
+    fake_linear.Float8Linear = Float8Linear
+    for name, module in (("torchao", types.ModuleType("torchao")), ("torchao.float8", fake),
+                         ("torchao.float8.float8_linear", fake_linear)):
+        monkeypatch.setitem(sys.modules, name, module)
+    impl = "hf+peft+torchao+compile" if compiled else "hf+peft+torchao"
+    model, config = build.build(RunSpec(impl, tiny_config, seq=8, batch=1, gc=False, device="cpu"))
+    assert seen.pop("recipe") == "rowwise"
+    layers = config.num_hidden_layers
+    assert len(seen) == 7 * layers and all(fqn.endswith("base_layer") for fqn in seen)
+    assert all(not p.requires_grad for m in seen.values() for p in m.parameters())
+    assert compiled_modules == (list(seen.values()) if compiled else [])
+
+
 def test_child_errors_are_results(tiny_config, tmp_path):
     r = step.run_one_safe(RunSpec("hf+peft", str(tmp_path / "missing"), seq=8, batch=1, gc=False, device="cpu"))
     assert r["status"] == "error" and "model config not found" in r["error"]

@@ -11,7 +11,9 @@ checkpointing non-reentrant with ``enable_input_require_grads``.
 Implementations: ``hf+peft`` (HF modules, eager), ``hf+peft+liger`` (``apply_liger_kernel_to_llama()`` before the
 model is built; skipped when liger_kernel is not importable), ``hf+peft+batched_mm`` and ``hf+peft+eager_experts``
 (MoE configs only: HF+PEFT with transformers' ``experts_implementation`` "batched_mm" or "eager", a Python loop
-over experts, instead of its default "grouped_mm"), ``leantune`` (``leantune.patch`` after
+over experts, instead of its default "grouped_mm"), ``hf+peft+torchao`` and ``hf+peft+torchao+compile`` (the FP8
+peer: torchao's float8 rowwise training on the frozen base layers, eager or each layer compiled,
+:func:`_torchao_float8`; skipped when torchao is not importable), ``leantune`` (``leantune.patch`` after
 ``get_peft_model``), ``leantune+offload`` (checkpointed layer inputs in pinned host memory),
 ``leantune+offload+tiled`` (also the MLP over 4096-token tiles, ``+tiledN`` over N-token ones; both need
 checkpointing), ``leantune+graph`` and ``leantune+nf4+graph`` (the same models, each step replayed from CUDA graphs by
@@ -58,7 +60,7 @@ def attention_implementation(config) -> str:
 IMPLS = ("hf+peft", "hf+peft+liger", "hf+peft+batched_mm", "hf+peft+eager_experts",
          "leantune", "leantune+graph", "leantune+offload", "leantune+offload+tiled",
          "leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
-         "leantune+fp8+graph", "leantune+nf4fp8", "leantune+nf4fp8+graph")
+         "leantune+fp8+graph", "leantune+nf4fp8", "leantune+nf4fp8+graph", "hf+peft+torchao", "hf+peft+torchao+compile")
 QUANTIZED = ("leantune+nf4", "leantune+nf4+graph", "leantune+nf4+offload+tiled", "hf+peft+bnb", "leantune+fp8",
              "leantune+fp8+graph", "leantune+nf4fp8", "leantune+nf4fp8+graph")
 TILE_TOKENS = 4096  # the tiled MLP's tile of "leantune+offload+tiled"
@@ -168,7 +170,30 @@ def _build_bf16(spec, config, device):
     _checkpointing(model, spec)
     model = get_peft_model(model, _lora_config(spec, model))
     seeded_init(model, spec.seed + 1, trainable_only=True)
+    if spec.impl.startswith("hf+peft+torchao"):
+        _torchao_float8(model, compiled=spec.impl.endswith("+compile"))
     return model
+
+
+def _torchao_float8(model, compiled: bool) -> None:
+    """The FP8 peer baseline (issue #26): torchao's ``convert_to_float8_training`` with its rowwise recipe (per-row
+    scales of x and dY, per-output-channel of W: leantune's FP8 layout) on the frozen bf16 ``base_layer`` of every
+    PEFT LoRA projection; the LoRA branch, embeddings and ``lm_head`` stay bf16/fp32. torchao quantises W at every
+    call (its weights stay bf16). ``compiled``: each ``Float8Linear`` through ``torch.compile`` (torchao's advice:
+    its casts and scalings fused; per module, so checkpointing and PEFT stay eager). Skip without torchao."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError as exc:
+        raise Skip(f"torchao not importable ({exc})") from None
+    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn.endswith("base_layer"),
+                               config=Float8LinearConfig.from_recipe_name("rowwise"))
+    converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    if not converted:
+        raise Skip("torchao converted no base layer")
+    if compiled:
+        for module in converted:
+            module.compile()
 
 
 def _hf_build_options(spec, config) -> dict:

@@ -27,7 +27,7 @@ QLORA_BASELINE = "hf+peft+bnb"  # QLoRA rows agree with and compare to this one 
 IMPL_ORDER = ("hf+peft", "hf+peft+liger", "hf+peft+batched_mm", "hf+peft+eager_experts", "leantune", "leantune+graph",
               "leantune+offload", "leantune+offload+tiled", "hf+peft+bnb", "leantune+nf4", "leantune+nf4+graph",
               "leantune+nf4+offload+tiled", "leantune+fp8", "leantune+fp8+graph", "leantune+nf4fp8",
-              "leantune+nf4fp8+graph")
+              "leantune+nf4fp8+graph", "hf+peft+torchao", "hf+peft+torchao+compile")
 LOSS_RTOL, GRAD_RTOL = 1e-2, 3e-2
 
 
