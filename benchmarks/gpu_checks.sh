@@ -163,6 +163,14 @@ part_fp8_torchao() {  # #26's peer baseline in the same call: torchao 0.17's flo
   echo "torchao exit $?"; grep -E "tok/s|x[0-9.]+, peak|not run|skipped" "$OUT/torchao.log" | grep -v -i warn | tail -8
 }
 
+part_fp8_70b() {  # #26: Llama-3-70B shape with FP8 frozen weights on one H200 (~67.6 GiB of e4m3 codes), 4096 x 1,
+  # GC on, 3 timed steps (~3-4 min; built layer by layer); needs the H200's memory
+  timeout $(bound 330) python3 -m leantune bench e2e --configs .gpu/llama3-70b --seq 4096 --batch 1 --gc on --steps 3 \
+    --warmup 1 --profile-steps 0 --impls leantune+fp8 --matmul-tflops 700 --budget-s $(( $(bound 330) - 10 )) \
+    --out "$OUT/fp8-70b" > "$OUT/fp8-70b.log" 2>&1
+  echo "fp8-70b exit $?"; grep -v -i warn "$OUT/fp8-70b.log" | tail -5
+}
+
 part_qlora_same() {  # #25's QLoRA row in one call: bitsandbytes, bf16, NF4 and NF4-FP8 graphs, 8B GC on, 20 steps; then
   # #26's GC-off row (HF+PEFT vs FP8 graphs, one run) and the LoRA probe
   timeout $(bound 300) python3 -m leantune bench e2e --configs .gpu/llama3-8b --seq 4096 --batch 1 --gc on --steps 20 \
