@@ -39,7 +39,7 @@ MOE = {
     "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 24, "norm_topk_prob": True},
     "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40},
     "mixtral": {"num_local_experts": 4, "sliding_window": 5},
-    "olmoe": {"num_experts": 4},
+    "olmoe": {"num_experts": 4, "clip_qkv": 1.0},  # q/k/v clamped to [-1, 1] (OLMoE's clip_qkv; some values are)
     # sliding then full attention, the window (4) shorter than the sequences (9): both masks matter; sinks, biases
     # on q/k/v/o and on the experts, clamped SwiGLU, yarn RoPE (gpt-oss's default) with cos/sin per frequency
     "gpt_oss": {"num_local_experts": 4, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
@@ -262,6 +262,21 @@ def test_nf4_experts_module_is_hf_over_dequantised_stacks(model_type):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj: NF4 needs .* multiple of 64"):
         leantune.quantize(model, "nf4")
     assert not any(type(m).__name__.startswith("NF4") for m in model.modules())
+
+
+def test_olmoe_clip_qkv_through_hf_attention(monkeypatch):
+    """OLMoE with LoRA on the router only: HF's attention runs over leantune's norms and clamps q_norm's output in
+    place (clip_qkv); loss and LoRA gradients equal the unpatched model's."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = get_peft_model(tiny_moe_model("olmoe"), LoraConfig(r=4, lora_alpha=8, target_modules=["gate"],
+                                                                init_lora_weights=False)).train()
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    ref_loss, _, ref_grads = loss_and_grads(model, input_ids, input_ids)
+    leantune.patch(model)
+    loss, _, grads = loss_and_grads(model, input_ids, input_ids)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    for name, ref in ref_grads.items():
+        assert rel_err(grads[name], ref) <= 1e-4, name
 
 
 def test_disabled_adapters_keep_peft(monkeypatch):

@@ -81,6 +81,22 @@ def test_3d_and_strided_inputs(backend, variant):
     _check(xs, w2, kwargs)
 
 
+def test_output_may_be_modified_in_place(backend):
+    """HF code may clamp a norm's output in place (OLMoE's clip_qkv on q_norm's): the 3-D output is no view made
+    inside the Function (autograd would refuse), and the gradient is the float64 one through the clamp."""
+    x, w, _ = _inputs(5, 64, torch.float32, "llama", lead=(2,))
+    y = ops.rms_norm(x, w, 1e-6)
+    assert not y._is_view() and y.shape == x.shape
+    clip = 0.5
+    y.clamp_(min=-clip, max=clip)
+    assert (y.abs() == clip).any() and (y.abs() < clip).any()  # some values clamped, some not
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, w], dy)
+    _, ref_grads = grads64(lambda a, b: rms_norm_ref(a, b, 1e-6, 0.0).clamp(min=-clip, max=clip), [x, w], dy)
+    for name, g, r in zip(["dx", "dw"], grads, ref_grads):
+        assert_close(name, g, r, torch.float32)
+
+
 def test_mixed_dtypes_promote_as_hf(backend):
     """bf16 activations with an fp32 weight give fp32 out, as LlamaRMSNorm does."""
     # The interpreter truncates at fp32 -> bf16 casts (the GPU rounds), so it is checked there in fp16.

@@ -180,6 +180,19 @@ def first_derivative_only(backward: Callable) -> Callable:
     return wrapper
 
 
+def reshaped_output(t: torch.Tensor, shape) -> torch.Tensor:
+    """The contiguous ``t`` as a ``shape``-shaped tensor over the same storage that is not a view (``t.view(shape)``
+    would be one), so that the caller of an ``autograd.Function`` may modify it in place (autograd forbids in-place
+    ops on a view created inside a Function). Only for outputs the Function does not save for backward: the new
+    tensor has its own version counter, so an in-place change would go unseen by a saved ``t``. Under torch.compile
+    (``set_`` is not traced) and when ``t`` already has ``shape``: ``t.view(shape)``."""
+    if tuple(t.shape) == tuple(shape) or torch.compiler.is_compiling():
+        return t.view(shape)
+    if not t.is_contiguous():
+        raise ValueError(f"reshaped_output needs a contiguous tensor, got strides {t.stride()}")
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), tuple(shape))
+
+
 def distinct_output(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a new view (``t.view_as(t)``) while torch.compile traces; ``t`` itself in eager mode. Every op's
     ``autograd.Function.forward`` returns each differentiable output through this.

@@ -211,7 +211,9 @@ class RMSNormFunction(torch.autograd.Function):
         y, rstd, quantized = forward(x2d, weight, eps, offset, gemma, out_dtype, fp8_out)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.impl, ctx.offset, ctx.gemma, ctx.x_shape = impl, offset, gemma, x.shape
-        y = _runtime.distinct_output(y.view(x.shape))
+        # not a view of y's rows: HF code may modify a norm's output in place (OLMoE's clip_qkv clamps q_norm's),
+        # which autograd forbids on a view made inside a Function; y is not saved, so nothing here sees the change
+        y = _runtime.distinct_output(_runtime.reshaped_output(y, x.shape))
         if quantized is None:
             return y
         ctx.mark_non_differentiable(*quantized)

@@ -162,6 +162,9 @@ def _fused_attention(self, family: Family, kind, statuses, hidden_states, positi
     q_norm, k_norm = (getattr(self, name) for name in family.qk_norm_names) if family.qk_norm else (None, None)
     if family.qk_norm == "width":  # OLMo 2/3: over all heads of the projection, before the head split
         query, key = q_norm(query), k_norm(key)
+    clip = getattr(self.config, family.qkv_clip_attr, None) if family.qkv_clip_attr else None
+    if clip is not None:  # OLMoE's clip_qkv (HF: clamp_ in place, same values and gradients)
+        query, key, value = (t.clamp(min=-clip, max=clip) for t in (query, key, value))
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
     if family.qk_norm == "head":
         query, key = q_norm(query), k_norm(key)  # on the head dim: same before or after the transpose

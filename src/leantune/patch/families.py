@@ -36,6 +36,9 @@ Sources (transformers 5.17, ``models/<family>/modeling_<family>.py``):
   forward then skips transformers' masks, the op applies causality and the window); under flex / flash / hub
   kernels the sinks are passed as ``s_aux`` to HF's attention function, which applies them. The projections
   around it are fused either way.
+- ``qkv_clip_attr``: OLMoE's ``config.clip_qkv`` (when not None, q, k and v are clamped to [-c, c] after the
+  width QK-norm, before the head split; HF clamps in place, the fused attention out of place: same values and
+  gradients).
 - Attention-logit softcap: Gemma2 only. Final-logit softcap: Gemma2/3 ``final_logit_softcapping``.
 - Scalars: the attention scale is always ``module.scaling`` (Granite's ``attention_multiplier``, Gemma's
   ``query_pre_attn_scalar``); Granite's ``embedding_multiplier`` is applied by the base model HF runs;
@@ -92,6 +95,7 @@ class Family:
     qkv: str = "separate"  # "separate" (q_proj, k_proj, v_proj) | "fused" (qkv_proj)
     qk_norm: str | None = None  # None | "head" (before RoPE) | "head_after_rope" | "width" (before the head split)
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    qkv_clip_attr: str | None = None  # config attribute c: q, k, v clamped to [-c, c] after the QK-norm (OLMoE)
     rope: str = "half"  # "half" / "half_freqs" (cos per frequency): ops.rope | "interleaved": HF's function kept
     rope_if: object = None  # None (every layer rotates) or a function(attention module) -> bool
     sliding_window: str | None = None  # None (not passed) | "config" | "module" | "module_if_sliding"
@@ -195,7 +199,7 @@ FAMILIES: dict[str, Family] = dict([
     _row("qwen3_moe", "Qwen3Moe", sliding_window="module", qk_norm="head", experts="swiglu"),
     _row("qwen2_moe", "Qwen2Moe", experts="swiglu"),
     _row("mixtral", "Mixtral", sliding_window="config", experts="swiglu"),
-    _row("olmoe", "Olmoe", qk_norm="width", sliding_window="config", experts="swiglu"),
+    _row("olmoe", "Olmoe", qk_norm="width", qkv_clip_attr="clip_qkv", sliding_window="config", experts="swiglu"),
     _row("gpt_oss", "GptOss", norm_casting="gemma", rope="half_freqs", sliding_window="module",
          attention_sinks_attr="sinks", mlp="none", mlp_projections=(), experts="clamped_swiglu",
          experts_interleaved=True),
