@@ -279,6 +279,37 @@ def test_olmoe_clip_qkv_through_hf_attention(monkeypatch):
         assert rel_err(grads[name], ref) <= 1e-4, name
 
 
+def test_qwen2_moe_without_shared_expert_keeps_hf_mlp(monkeypatch):
+    """Qwen2-MoE with shared_expert_intermediate_size 0: its zero-width shared-expert MLP keeps HF's forward (the
+    fused ops take no empty projection) and the summary says so; the rest is patched and matches HF+PEFT."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = model_from_config(
+        "qwen2_moe", num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=VOCAB, intermediate_size=24, num_experts=4, moe_intermediate_size=24, num_experts_per_tok=2,
+        shared_expert_intermediate_size=0, pad_token_id=0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                             init_lora_weights=False)).train()
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+
+    def run():  # the zero-width shared expert's LoRA gets no gradient, on both sides
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    ref_loss, ref_grads = run()
+    leantune.patch(model)
+    summary = model.leantune_summary
+    kept = {**summary["kept"], **summary["unpatched"]}
+    assert sum("no rows or columns" in str(reason) for reason in kept.values()) == 2, kept
+    loss, grads = run()
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert sum(g is not None for g in ref_grads.values()) > 0
+    for name, ref in ref_grads.items():
+        assert (grads[name] is None) == (ref is None), name
+        assert ref is None or rel_err(grads[name], ref) <= 1e-4, name
+
+
 def test_disabled_adapters_keep_peft(monkeypatch):
     """With adapters disabled (a DPO reference pass), PEFT's / HF's experts forward runs, as unpatched."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")

@@ -211,6 +211,9 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             _bind(module, ModuleState("attention", family, rope=use_rope, lora=lora))
             counts["rope"] += int(use_rope)
         elif kind is mlp_cls and ((mlp and family.mlp != "plain") or lora):
+            if _zero_width(module, family):
+                left[name] = "a projection with no rows or columns (e.g. Qwen2-MoE without a shared expert): kept"
+                continue
             use_mlp = mlp and activation is not None
             if mlp and activation is None and family.mlp != "plain":
                 left[name] = f"activation {act_name!r} has no fused op: HF's activation kept"
@@ -270,6 +273,12 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     hf.__dict__[SUMMARY_ATTR] = PatchSummary(hf, summary)
     logger.info("leantune.patch(%s): %s", type(hf).__name__, _describe(summary))
     return model
+
+
+def _zero_width(mlp, family) -> bool:
+    """Whether one of the MLP's projections has 0 output or input features (HF's forward then runs it)."""
+    projections = (getattr(mlp, name, None) for name in family.mlp_projections)
+    return any(getattr(p, attr, 1) == 0 for p in projections for attr in ("in_features", "out_features"))
 
 
 def _bind_experts(name, module, experts_cls, family, config, counts, left) -> None:
