@@ -407,6 +407,10 @@ def test_patch_trainer_names_what_it_takes(tiny_folder, tmp_path, fresh_seed):
         patch_trainer(trainer, bogus=1)
     with pytest.raises(ValueError, match="tile_mlp"):
         patch_trainer(trainer, tile_mlp=0)
+    with pytest.raises(ValueError, match="metrics must be True or False, got 'no'"):  # "no" is truthy
+        patch_trainer(trainer, metrics="no")
+    with pytest.raises(ValueError, match="freeze_heap must be True or False, got 1"):
+        patch_trainer(trainer, freeze_heap=1)
     assert hf.__dict__.get("forward") is head and "leantune_summary" not in dir(hf)
 
 

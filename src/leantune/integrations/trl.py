@@ -387,12 +387,16 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
             ``transformers.Trainer``: the message says what to call instead), and as :func:`leantune.patch`
             (unsupported family, not a transformers model; the trainer's heads are left as they were).
         TypeError: a keyword argument that is not one of the above, before the trainer is touched.
+        ValueError: ``metrics`` or ``freeze_heap`` not a bool, before the trainer is touched.
     """
     _check_trainer(trainer)
     unknown = sorted(set(patch_kwargs) - set(inspect.signature(patch).parameters) - {"model"})
     if unknown:  # before the trainer is touched
         raise TypeError(f"patch_trainer got unexpected keyword arguments {unknown}: it takes metrics, freeze_heap "
                         "and leantune.patch's switches")
+    for name, value in (("metrics", metrics), ("freeze_heap", freeze_heap)):
+        if not isinstance(value, bool):  # "no" would be truthy
+            raise ValueError(f"{name} must be True or False, got {value!r}")
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:
             continue
