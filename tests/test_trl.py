@@ -414,6 +414,22 @@ def test_patch_trainer_names_what_it_takes(tiny_folder, tmp_path, fresh_seed):
     assert hf.__dict__.get("forward") is head and "leantune_summary" not in dir(hf)
 
 
+def test_head_counted_under_accelerate_mixed_precision(tiny_folder, tmp_path, fresh_seed):
+    """bf16=True on a model without PEFT: Trainer.train wraps the instance forward (leantune's head) in accelerate's
+    autocast and fp32-output wrappers; loss_head_calls and loss_runs still count the head's calls."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from leantune.integrations.trl import FusedLMHead, loss_head_calls
+
+    torch.manual_seed(fresh_seed)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_folder))
+    trainer = patch_trainer(_sft_trainer(tiny_folder, tmp_path, fresh_seed, model=model, bf16=True, max_steps=2))
+    trainer.train()
+    assert not isinstance(model.__dict__["forward"], FusedLMHead)  # wrapped by accelerate
+    assert loss_head_calls(trainer.model) == 2
+    assert "ran so far: leantune's head 2 fused_lm_head calls" in model.leantune_summary["loss_runs"]
+
+
 def test_summary_after_unpatch_says_unpatched(tiny_folder, tmp_path, fresh_seed):
     trainer = patch_trainer(_sft_trainer(tiny_folder, tmp_path, fresh_seed))
     hf = trainer.model.get_base_model()

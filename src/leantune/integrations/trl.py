@@ -72,7 +72,7 @@ from torch import nn
 from .. import ops
 from ..heap import long_lived_frozen
 from ..patch import patch
-from ..patch._model import hf_model
+from ..patch._model import hf_model, instance_forward
 from ..patch.forwards import STATE_ATTR, causal_lm_forward
 from ..patch.lora_status import has_hooks
 from .trl_preference import PairForward, pair_trainer_kind, take_pair_head
@@ -355,7 +355,7 @@ def _leave_out_of_logs(trainer, names: tuple[str, ...]) -> None:
 
 def _not_computed(trainer) -> tuple[str, ...]:
     """The logged metrics whose statistic the policy's leantune head does not compute."""
-    forward = hf_model(trainer.model).__dict__.get("forward")
+    forward = _head_of(hf_model(trainer.model))
     if not isinstance(forward, FusedLMHead):
         return ()
     return tuple(metric for stat, metrics in LOGGED_FROM.items() if stat in forward.outputs
@@ -469,8 +469,13 @@ def _freeze_heap_in_train(trainer, on: bool) -> None:
 def loss_head_calls(model) -> int:
     """How many ``fused_lm_head=True`` calls leantune's head served on ``model`` (or the transformers model inside
     a PEFT wrapper); 0 when :func:`patch_trainer` never took its head."""
-    forward = hf_model(model).__dict__.get("forward")
+    forward = _head_of(hf_model(model))
     return forward.calls if isinstance(forward, FusedLMHead) else 0
+
+
+def _head_of(hf):
+    """hf's instance forward, leantune's head where one sits under accelerate's mixed-precision wrappers."""
+    return instance_forward(hf, lambda f: isinstance(f, FusedLMHead))
 
 
 __all__ = ["FusedLMHead", "loss_head_calls", "patch_trainer"]

@@ -41,6 +41,7 @@ import weakref
 from torch import nn
 
 from ._model import hf_model as _hf_model
+from ._model import instance_forward
 from .document_attention import install_dispatchers as install_mask_dispatchers
 from .experts import experts_activation, experts_base, experts_status, float_class
 from .families import ACTIVATIONS, FAMILIES, NOT_COVERED, SINK_IMPLEMENTATIONS, Family, family_for
@@ -109,10 +110,12 @@ class PatchSummary(dict):
 def _loss_runs_now(hf: nn.Module, configured: str) -> str:
     """``loss_runs`` from what ran: a loss head that reports its own runs (``leantune_runs``: leantune's TRL head),
     or a foreign wrapper put on after :func:`patch` in front of leantune's forward, with leantune's loss count."""
-    forward = hf.__dict__.get("forward")
-    describe = getattr(forward, "leantune_runs", None)
+    # leantune's TRL head may sit under accelerate's mixed-precision wrappers (Trainer.train with bf16=True)
+    describe = getattr(instance_forward(hf, lambda f: callable(getattr(f, "leantune_runs", None))), "leantune_runs",
+                       None)
     if callable(describe):
         return describe(configured)
+    forward = hf.__dict__.get("forward")
     if configured != LEANTUNE_FORWARD_LOSS or forward is None or is_leantune_forward(forward):
         return configured
     calls = hf.__dict__.get(LOSS_CALLS_ATTR, 0)

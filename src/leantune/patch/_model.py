@@ -26,6 +26,19 @@ def hf_model(model) -> nn.Module:
                      f"{type(model).__name__}")
 
 
+def instance_forward(module: nn.Module, is_ours):
+    """The module's instance-level forward (None if it has none), seen through the ``functools.wraps`` wrappers put
+    on over it (accelerate's mixed-precision autocast and fp32-output wrappers, which ``Trainer.train`` adds for
+    ``bf16=True``): the first callable in the ``__wrapped__`` chain for which ``is_ours`` is true, else the outer
+    one."""
+    outer = forward = module.__dict__.get("forward")
+    for _ in range(8):  # a chain, never a cycle in practice; bounded all the same
+        if forward is None or is_ours(forward):
+            return forward if forward is not None else outer
+        forward = getattr(forward, "__wrapped__", None)
+    return outer
+
+
 def checkpoint_reentrant(func) -> bool | None:
     """Whether a module's ``_gradient_checkpointing_func`` runs torch's checkpoint reentrantly: transformers sets a
     ``functools.partial`` of it, whose missing ``use_reentrant`` means torch's default, reentrant; leantune's offload
