@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from reference import rel_err
-from test_patch_families import assert_grads_close, batch, lora_config, loss_and_grads, tiny_peft_model
+from test_patch_families import assert_grads_close, batch, lora_config, loss_and_grads, tiny_model, tiny_peft_model
 
 import leantune
 from leantune import assets, ops
@@ -377,6 +377,22 @@ def test_mlp_off_counts_no_fused_lora_mlp():
     leantune.patch(model, mlp=False)
     counts = model.leantune_summary["counts"]
     assert counts["mlp"] == 0 and counts["lora_mlp"] == 0 and counts["lora"] == 14
+
+
+def test_summary_fused_lists_what_runs():
+    """``fused`` follows the switches and the model: a kind switched off, no PEFT, no dense MLP leave out its part."""
+    def fused(model, **switches):
+        leantune.patch(model, **switches)
+        return " | ".join(model.leantune_summary["fused"])
+
+    full = fused(tiny_peft_model("llama"))
+    for part in ("RMSNorm", "ops.rope", "ops.lora_qkv", "ops.lora_mlp", "loss: ops.linear_cross_entropy"):
+        assert part in full, (part, full)
+    no_loss = fused(tiny_peft_model("llama"), loss=False)
+    assert "loss:" not in no_loss and "ops.lora_qkv" in no_loss
+    plain = fused(tiny_model("llama"))  # no PEFT: the GLU alone, no LoRA op
+    assert "LoRA" not in plain and "ops.lora_mlp" not in plain and "MLP activation: ops.swiglu" in plain
+    assert fused(tiny_peft_model("llama"), rms_norm=False, rope=False, mlp=False, loss=False, lora=False) == ""
 
 
 def test_float64_and_meta_models_run_hf_forwards(monkeypatch):

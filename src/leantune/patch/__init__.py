@@ -151,7 +151,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         strict: raise for a model type that has no family row, instead of warning and leaving the model unpatched.
 
     Returns:
-        ``model``. Its summary (counts per kind, ``fused``: the family's parts that run leantune's ops,
+        ``model``. Its summary (counts per kind, ``fused``: the parts of the family's layers that run leantune's
+        ops as patched (a kind switched off, no PEFT, no dense MLP leave theirs out),
         ``kept``: parts of its layers that keep HF's forward and why, ``loss_runs``: the loss that the model's
         forward runs, re-read at each access from what is installed and what ran (:class:`PatchSummary`), and
         ``unpatched``: modules left alone and why) is logged at INFO and stored as ``leantune_summary`` on the
@@ -159,9 +160,10 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         a ``UserWarning`` naming what is missing (its summary has ``family`` None). A wrapper forward put on the
         causal LM by someone else (TRL's fused LM head) is kept: patched before it, leantune's forward inside
         runs where the wrapper calls it; patched after, the loss is the wrapper's unless it holds leantune's
-        forward or is leantune's own head (:mod:`leantune.integrations.trl`). LoRA counts are as of the call:
-        patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time (call
-        ``patch`` again to refresh the summary; patching twice is harmless).
+        forward or is leantune's own head (:mod:`leantune.integrations.trl`). Counts and ``fused`` are as of the
+        call: patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time, and
+        after ``merge_and_unload`` the counts still name the adapters (call ``patch`` again to refresh the summary;
+        patching twice is harmless).
 
     Raises:
         ValueError: ``config.model_type`` has no family row and ``strict`` is set (the message lists the supported
@@ -198,6 +200,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
 
     counts = collections.Counter()
     left: dict[str, str] = {}
+    attention_bound = False
     for name, module in hf.named_modules():
         if experts_cls is not None and mlp:
             _bind_experts(name, module, experts_cls, family, hf.config, counts, left)
@@ -213,6 +216,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         elif kind is attention_cls and (use_rope or lora):
             _bind(module, ModuleState("attention", family, rope=use_rope, lora=lora))
             counts["rope"] += int(use_rope)
+            attention_bound = True
         elif kind is mlp_cls and ((mlp and family.mlp != "plain") or lora):
             if _zero_width(module, family):
                 left[name] = "a projection with no rows or columns (e.g. Qwen2-MoE without a shared expert): kept"
@@ -266,7 +270,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         "family": family.name,
         "counts": {k: counts[k] for k in _COUNTS},
         "off": [k for k, on in zip(KINDS, (rms_norm, rope, mlp, loss, lora)) if not on],
-        "fused": _fused_parts(family, activation, attn_implementation) + ([_DORA_NOTE] if counts["dora"] else []),
+        "fused": (_fused_parts(family, activation, attn_implementation, counts, attention_bound)
+                  + ([_DORA_NOTE] if counts["dora"] else [])),
         "kept": family.kept(attn_implementation),
         "offload_checkpoints": offload_checkpoints,
         "tile_mlp": tile_mlp,
@@ -336,37 +341,41 @@ _DORA_NOTE = ("DoRA fused: q/k/v through ops.lora_qkv, the gated MLP through ops
               "and ||W + sBA|| rows formed once per call; DoRA with lora_dropout in training keeps PEFT's forward")
 
 
-def _fused_parts(family: Family, activation: str | None, attn_implementation: str | None) -> list[str]:
-    """What of the family's layers runs leantune's ops when every kind is on (``kept`` lists the rest)."""
+def _fused_parts(family: Family, activation: str | None, attn_implementation: str | None, counts,
+                 attention_bound: bool) -> list[str]:
+    """What of the family's layers runs leantune's ops as patched (``counts``: the patch's; a part with none left out,
+    e.g. with its kind off, without PEFT or with no dense MLP); ``kept`` lists what keeps HF's forward."""
     parts = []
-    if family.norm:
+    if counts["rms_norm"]:
         parts.append(f"RMSNorm (casting {family.norm_casting}, offset {family.norm_offset:g})"
                      + (f", incl. {family.qk_norm} q/k norms" if family.qk_norm else ""))
-    if family.rope_fused:
+    if counts["rope"]:
         parts.append("RoPE: ops.rope " + ("on the whole head (cos/sin given per frequency, widened to [cos, cos])"
                                           if family.rope == "half_freqs" else
                                           "(partial rotary where cos is narrower than a head)")
                      + (", skipped on layers without RoPE" if family.rope_if else ""))
-    qkv = "qkv_proj LoRA: ops.lora_linear" if family.qkv == "fused" else "q/k/v LoRA: ops.lora_qkv"
-    parts.append(qkv + "; o_proj LoRA: ops.lora_linear")
-    if family.attention_sinks_attr and attn_implementation in SINK_IMPLEMENTATIONS:
+    if counts["lora"]:
+        qkv = "qkv_proj LoRA: ops.lora_linear" if family.qkv == "fused" else "q/k/v LoRA: ops.lora_qkv"
+        parts.append((qkv + "; " if counts["lora_qkv"] else "") + "other LoRA projections: ops.lora_linear")
+    if family.attention_sinks_attr and attention_bound and attn_implementation in SINK_IMPLEMENTATIONS:
         parts.append(f"attention with sinks ({family.attention_sinks_attr}): ops.sink_attention (SDPA, the sink as "
                      f"an extra key; HF's mask for each layer type) instead of HF's {attn_implementation} function")
-    if family.mlp == "plain":
-        parts.append(f"MLP {'/'.join(family.mlp_projections)} LoRA: ops.lora_linear")
-    elif activation is not None:
+    if counts["lora_mlp"]:
         fused = " (gate_up_proj split by rows; per projection when LoRA dropout is on in training)" \
             if family.mlp == "gated_fused" else ""
         parts.append(f"MLP: ops.lora_mlp / {activation}{fused}")
-    if family.experts:
+    elif counts["mlp"]:
+        parts.append(f"MLP activation: ops.{activation} between the projections")
+    if counts["experts"]:
         parts.append(f"MoE experts: ops.moe_experts ({family.experts}, gate/up "
                      f"{'interleaved' if family.experts_interleaved else 'halves'}; tokens grouped by expert on the "
                      "device, LoRA on gate_up_proj / down_proj as per-expert low-rank products, W + BA never "
                      "formed; NF4 stacks from leantune.quantize dequantised inside the op); router, shared expert "
                      "and aux loss: HF's")
-    scaled = family.logits_divisor_attr or family.logits_multiplier_attr
-    parts.append("loss: ops.linear_cross_entropy" + (" on the hidden states scaled as the logits" if scaled else "")
-                 + (" with the final-logit softcap" if family.final_softcap_attr else ""))
+    if counts["loss"]:
+        scaled = family.logits_divisor_attr or family.logits_multiplier_attr
+        parts.append("loss: ops.linear_cross_entropy" + (" on the hidden states scaled as the logits" if scaled else "")
+                     + (" with the final-logit softcap" if family.final_softcap_attr else ""))
     return parts
 
 
