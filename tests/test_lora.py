@@ -463,6 +463,34 @@ def test_mlp_under_autocast_matches_peft(backend):
         assert rel_err(a, b) <= 3e-2
 
 
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_mlp_without_output_saves_the_same_for_backward(backend, monkeypatch, p):
+    """output=False (a checkpoint's recomputation): the down projection's GEMM is not run, y is only shaped, and a
+    backward from that node gives bit for bit the gradients of the node that formed y (same saved tensors, the same
+    dropout masks from the same generator state)."""
+    calls = []
+    frozen = lora.passes._frozen_forward
+    monkeypatch.setattr(lora.passes, "_frozen_forward", lambda *a, **k: calls.append(len(a[1])) or frozen(*a, **k))
+    projs = [_proj(IN, 32, 2, LOW, torch.float32), _proj(IN, 32, 3, LOW, torch.float32),
+             _proj(32, OUT, 2, LOW, torch.float32)]
+    x0 = torch.randn(2, 7, IN, device=DEVICE).to(LOW)
+    dy = torch.randn(2, 7, OUT, device=DEVICE).to(LOW)
+    grads = []
+    for output in (True, False):
+        torch.manual_seed(1234)  # the dropout seeds: as a checkpoint's recomputation restores the RNG state
+        x = x0.clone().requires_grad_()
+        calls.clear()
+        y = ops.lora_mlp(x, *projs, dropout=p, training=True, output=output)
+        assert y.shape == (2, 7, OUT) and y.dtype == LOW
+        assert calls == ([2, 1] if output else [2])  # gate/up's GEMMs always; down's only with the output
+        leaves = [x] + [t for proj in projs for t in _leaves(proj)]
+        grads.append(torch.autograd.grad(y, leaves, dy))
+    for with_y, without in zip(*grads):
+        assert torch.equal(with_y, without)
+    with pytest.raises(ValueError, match="output must be True or False, got 1"):
+        ops.lora_mlp(x0, *projs, output=1)
+
+
 def test_mlp_backward_twice_raises(backend):
     x = torch.randn(5, IN, device=DEVICE, requires_grad=True)
     projs = [_proj(IN, 32, 2, torch.float32, torch.float32), _proj(IN, 32, 2, torch.float32, torch.float32),

@@ -224,18 +224,28 @@ def test_loss_only_keeps_logits_bit_exact(family, monkeypatch):
     assert training.logits is None and rel_err(training.loss, ref_loss) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_gradient_checkpointing_same_gradients(family, monkeypatch):
-    """Non-reentrant checkpointing recomputes the patched forwards (RoPE context included): same gradients."""
+@pytest.mark.parametrize("family, dropout", [("llama", 0.0), ("llama", 0.1), ("gemma2", 0.0)])
+def test_gradient_checkpointing_same_gradients(family, dropout, monkeypatch):
+    """Non-reentrant checkpointing recomputes the patched forwards (RoPE context included): same gradients. Where
+    the MLP's output goes straight to the residual (Llama), the recomputation skips forming it (lora_mlp
+    output=False); Gemma 2's post-feedforward norm saves it, so there it is formed again."""
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
-    model = tiny_peft_model(family, device=DEVICE).train()
+    model = tiny_peft_model(family, device=DEVICE, lora_dropout=dropout).train()
     input_ids, labels = batch(device=DEVICE)
+    if dropout:  # PEFT draws other masks: the reference is then the patched model without checkpointing
+        leantune.patch(model)
+    torch.manual_seed(7)
     ref_loss, _, ref_grads = loss_and_grads(model, input_ids, labels)
     leantune.patch(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     assert model.get_base_model().model.gradient_checkpointing
+    outputs = []
+    lora_mlp = ops.lora_mlp
+    monkeypatch.setattr(ops, "lora_mlp", lambda *a, **k: outputs.append(k["output"]) or lora_mlp(*a, **k))
+    torch.manual_seed(7)  # the same dropout masks as the reference run
     loss, _, grads = loss_and_grads(model, input_ids, labels)
+    assert outputs == [True, True] + ([False, False] if family == "llama" else [True, True])  # 2 layers
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
 

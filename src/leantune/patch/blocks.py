@@ -21,6 +21,7 @@ from . import fp8_inputs
 from ._common import call_original, hf_rope, reset_rope_active, rotate, served, set_rope_active
 from .families import SINK_IMPLEMENTATIONS, Family
 from .lora_status import fusable, fused_group, lora_status, project
+from .recompute import in_checkpoint_recompute
 
 
 # ------------------------------------------------------------------------------------------------------------ MLP
@@ -78,8 +79,12 @@ def _gated(self, state, family: Family, x, modules, statuses):
                 split = _split_rows(weights[0]) if p == 0.0 or not training else None
                 weights = None if split is None else [*split, weights[1]]
             if weights is not None:
+                # in a checkpointed layer's recomputation the MLP output goes only to the residual add (whose result
+                # is thrown away): the op saves what backward needs without forming it (down's GEMM skipped)
+                output = not (family.mlp_output_to_residual and not (self._forward_hooks or self._forward_pre_hooks)
+                              and in_checkpoint_recompute())
                 return ops.lora_mlp(x, *weights, activation=state.activation, dropout=p, training=training,
-                                    x_quantized=fp8_inputs.take(x, weights[:2]))
+                                    x_quantized=fp8_inputs.take(x, weights[:2]), output=output)
     if family.mlp == "gated_fused":
         gate, up = project(modules[0], x, statuses[0]).chunk(2, dim=-1)
     else:

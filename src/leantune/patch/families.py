@@ -96,6 +96,9 @@ class Family:
     qk_norm: str | None = None  # None | "head" (before RoPE) | "head_after_rope" | "width" (before the head split)
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     qkv_clip_attr: str | None = None  # config attribute c: q, k, v clamped to [-c, c] after the QK-norm (OLMoE)
+    # the decoder layer adds the MLP's output straight to the residual (no post-MLP norm, which would save it):
+    # a checkpoint's recomputation may then skip forming it (patch.recompute)
+    mlp_output_to_residual: bool = False
     rope: str = "half"  # "half" / "half_freqs" (cos per frequency): ops.rope | "interleaved": HF's function kept
     rope_if: object = None  # None (every layer rotates) or a function(attention module) -> bool
     sliding_window: str | None = None  # None (not passed) | "config" | "module" | "module_if_sliding"
@@ -168,34 +171,36 @@ _GEMMA23 = {**_GEMMA, "activation_attr": "hidden_activation", "final_softcap_att
 _FUSED_GLU = {"mlp": "gated_fused", "mlp_projections": ("gate_up_proj", "down_proj"), "act_fn_attr": "activation_fn"}
 _PLAIN = {"mlp": "plain", "mlp_projections": ("up_proj", "down_proj")}
 _OLMO = {"norm_casting": "gemma", "qk_norm": "width"}
+# checked in transformers 5.17's decoder layers: ``hidden_states = residual + [dropout / multiplier](mlp(...))``
+_TO_RESIDUAL = {"mlp_output_to_residual": True}
 
 FAMILIES: dict[str, Family] = dict([
-    _row("llama", "Llama"),
-    _row("mistral", "Mistral", sliding_window="config"),
-    _row("ministral", "Ministral", sliding_window="module"),
-    _row("qwen2", "Qwen2", sliding_window="module"),
-    _row("qwen3", "Qwen3", sliding_window="module", qk_norm="head"),
-    _row("gemma", "Gemma", **_GEMMA),
+    _row("llama", "Llama", **_TO_RESIDUAL),
+    _row("mistral", "Mistral", sliding_window="config", **_TO_RESIDUAL),
+    _row("ministral", "Ministral", sliding_window="module", **_TO_RESIDUAL),
+    _row("qwen2", "Qwen2", sliding_window="module", **_TO_RESIDUAL),
+    _row("qwen3", "Qwen3", sliding_window="module", qk_norm="head", **_TO_RESIDUAL),
+    _row("gemma", "Gemma", **_GEMMA, **_TO_RESIDUAL),
     _row("gemma2", "Gemma2", attn_softcap=True, **_GEMMA23),
     _row("gemma3_text", "Gemma3", "gemma3", qk_norm="head", **_GEMMA23),
     _row("olmo2", "Olmo2", **_OLMO),
     _row("olmo3", "Olmo3", sliding_window="module", **_OLMO),
-    _row("smollm3", "SmolLM3", sliding_window="module", rope_if=rope_if_use_rope),
-    _row("phi3", "Phi3", qkv="fused", sliding_window="config", **_FUSED_GLU),
-    _row("granite", "Granite", logits_divisor_attr="logits_scaling"),
-    _row("granite_swa", "GraniteSWA", logits_divisor_attr="logits_scaling", sliding_window="module"),
+    _row("smollm3", "SmolLM3", sliding_window="module", rope_if=rope_if_use_rope, **_TO_RESIDUAL),
+    _row("phi3", "Phi3", qkv="fused", sliding_window="config", **_FUSED_GLU, **_TO_RESIDUAL),
+    _row("granite", "Granite", logits_divisor_attr="logits_scaling", **_TO_RESIDUAL),
+    _row("granite_swa", "GraniteSWA", logits_divisor_attr="logits_scaling", sliding_window="module", **_TO_RESIDUAL),
     _row("hyperclovax", "HyperCLOVAX", logits_multiplier_attr="logits_scaling"),
-    _row("cwm", "Cwm", sliding_window="module"),
-    _row("glm", "Glm", rope="interleaved", **_FUSED_GLU),
+    _row("cwm", "Cwm", sliding_window="module", **_TO_RESIDUAL),
+    _row("glm", "Glm", rope="interleaved", **_FUSED_GLU, **_TO_RESIDUAL),
     _row("glm4", "Glm4", rope="interleaved", **_FUSED_GLU),
-    _row("helium", "Helium", norm_casting="gemma", rope="interleaved"),
+    _row("helium", "Helium", norm_casting="gemma", rope="interleaved", **_TO_RESIDUAL),
     _row("exaone4", "Exaone4", qk_norm="head", sliding_window="module_if_sliding", rope_if=rope_if_sliding),
-    _row("seed_oss", "SeedOss", residual_dropout_attr="residual_dropout"),
+    _row("seed_oss", "SeedOss", residual_dropout_attr="residual_dropout", **_TO_RESIDUAL),
     _row("arcee", "Arcee", **_PLAIN),
     _row("apertus", "Apertus", qk_norm="head", **_PLAIN),
     _row("hunyuan_v1_dense", "HunYuanDenseV1", qk_norm="head_after_rope",
-         qk_norm_names=("query_layernorm", "key_layernorm")),
-    _row("ernie4_5", "Ernie4_5", rope="interleaved"),
+         qk_norm_names=("query_layernorm", "key_layernorm"), **_TO_RESIDUAL),
+    _row("ernie4_5", "Ernie4_5", rope="interleaved", **_TO_RESIDUAL),
     _row("qwen3_moe", "Qwen3Moe", sliding_window="module", qk_norm="head", experts="swiglu"),
     _row("qwen2_moe", "Qwen2Moe", experts="swiglu"),
     _row("mixtral", "Mixtral", sliding_window="config", experts="swiglu"),

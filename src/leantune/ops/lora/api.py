@@ -223,7 +223,7 @@ class LoraMLPFunction(torch.autograd.Function):
     buffers with d_gate/d_up."""
 
     @staticmethod
-    def forward(ctx, meta_gu, meta_down, activation, x, x_codes, x_scales, *tensors):
+    def forward(ctx, meta_gu, meta_down, activation, output, x, x_codes, x_scales, *tensors):
         x2d = _runtime.as_rows(x)
         x_quantized = None if x_codes is None else (x_codes, x_scales)
         (gate_p, up_p, down_p), _ = _Proj.unflatten(tensors, 3)
@@ -239,7 +239,7 @@ class LoraMLPFunction(torch.autograd.Function):
             (gate, up), (xa_g, xa_u) = group_forward(x2d, [gate_w, up_w], meta_gu, seeds, 0, add_lowrank=not fuse,
                                                      x_quantized=x_quantized)
             # an FP8 down reading h as it is (h in its compute dtype): the GLU pass also writes h's e4m3 codes
-            fp8_out = fp8_gemms(down_p.weight) and gate.dtype == meta_down.compute_dtype
+            fp8_out = output and fp8_gemms(down_p.weight) and gate.dtype == meta_down.compute_dtype
             side = {"fp8_out": True} if fp8_out else {}
             if fuse:
                 ldt = meta_gu.lora_dtype
@@ -248,9 +248,12 @@ class LoraMLPFunction(torch.autograd.Function):
             else:
                 h = glu_forward(gate, up, activation, **side)
             h, h_quantized = h if fp8_out else (h, None)
-            (y,), (xa_d,) = group_forward(h, _dequantized([down_p], meta_down.compute_dtype, first_slot=2), meta_down,
-                                          seeds, n_gu_lora, x_quantized=h_quantized)
+            down_w = _dequantized([down_p], meta_down.compute_dtype, first_slot=2) if output else [down_p]
+            (y,), (xa_d,) = group_forward(h, down_w, meta_down, seeds, n_gu_lora, x_quantized=h_quantized,
+                                          outputs=output)
         del h, h_quantized  # h recomputed in backward
+        if y is None:  # output=False: the down projection's [N, H] is not formed (a recomputation discards it)
+            y = torch.empty((x2d.shape[0], down_p.weight.shape[0]), dtype=meta_down.compute_dtype, device=x.device)
         plain = [None if isinstance(t, _QUANTIZED) else t for t in tensors]
         ctx.save_for_backward(x2d, gate, up, seeds, *plain, xa_g, xa_u, xa_d, *nf4_tensors)
         ctx.metas, ctx.activation, ctx.x_shape, ctx.n_gu_lora = (meta_gu, meta_down), activation, x.shape, n_gu_lora
@@ -270,8 +273,8 @@ class LoraMLPFunction(torch.autograd.Function):
         projs, (xa_g, xa_u, xa_d) = _Proj.unflatten(rest[:len(rest) - n_nf4], 3)
         gate_p, up_p, down_p = _join_nf4(projs, rest[len(rest) - n_nf4:], ctx.nf4)
         meta_gu, meta_down = ctx.metas
-        # after the metas and activation: x, x's codes and scales, then the projections' tensors
-        need_x, flags = ctx.needs_input_grad[3], ctx.needs_input_grad[6:]
+        # after the metas, activation and output: x, its codes and scales, then the projections' tensors
+        need_x, flags = ctx.needs_input_grad[4], ctx.needs_input_grad[7:]
         (gate_needs, up_needs, down_needs), _ = _Proj.unflatten(flags, 3)
         with _no_autocast(x2d.device):
             h = glu_forward(gate, up, ctx.activation)
@@ -299,7 +302,7 @@ class LoraMLPFunction(torch.autograd.Function):
             gate_p, up_p = _dequantized([gate_p, up_p], meta_gu.compute_dtype)
             dx, gu_grads = group_backward([d_gate, d_up], x2d, [xa_g, xa_u], [gate_p, up_p], meta_gu, seeds, 0,
                                           need_x, [gate_needs, up_needs], dy_quantized)
-        return (None, None, None, None if dx is None else dx.view(ctx.x_shape), None, None,
+        return (None, None, None, None, None if dx is None else dx.view(ctx.x_shape), None, None,
                 *_Proj.flatten([*gu_grads, down_grads]))
 
 
@@ -380,7 +383,8 @@ def lora_qkv(x, q, k, v, *, dropout=0.0, training=True, x_quantized=None):
     return tuple(_lora_group(x, named, dropout, training, x_quantized))
 
 
-def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=True, x_quantized=None):
+def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=True, x_quantized=None,
+             output=True):
     """y = down(act(gate(x)) * up(x)), each projection a LoRA linear (HF LlamaMLP / GemmaMLP under PEFT).
 
     Args:
@@ -393,6 +397,10 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
         x_quantized: as :func:`lora_linear`, for gate/up (ignored by the DoRA node). An FP8 down weight reads
             h's codes from the GLU pass that writes h (:mod:`leantune.ops.glu`, "FP8 side output"): no separate
             quantisation pass over h either.
+        output: False for a recomputation whose result is thrown away (activation checkpointing): everything the
+            backward reads is formed and saved as with True, but not the down projection's output (its frozen
+            GEMM and low-rank add are skipped); y is then an uninitialised tensor of its shape and dtype.
+            Ignored by the DoRA node.
 
     Returns:
         ``y [..., H_out]`` in down's compute dtype. Saves x, gate and up outputs and ``[N, r]`` terms only.
@@ -427,4 +435,6 @@ def lora_mlp(x, gate, up, down, *, activation="swiglu", dropout=0.0, training=Tr
         p = max(meta_gu.p, meta_down.p)
         meta_gu, meta_down = meta_gu._replace(p=p), meta_down._replace(p=p)
     flat = _Proj.flatten(tensors for tensors, _ in (*gu, *dn))
-    return LoraMLPFunction.apply(meta_gu, meta_down, activation, x, x_codes, x_scales, *flat)
+    if not isinstance(output, bool):
+        raise ValueError(f"output must be True or False, got {output!r}")
+    return LoraMLPFunction.apply(meta_gu, meta_down, activation, output, x, x_codes, x_scales, *flat)

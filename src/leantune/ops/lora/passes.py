@@ -127,14 +127,16 @@ def _cat_lora_A(projs, lora, ldt):
     return torch.cat([projs[j].lora_A.to(ldt) for j in lora])
 
 
-def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True, x_quantized=None):
+def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True, x_quantized=None, outputs=True):
     """Outputs ``[N, out_j]`` (compute dtype) and xa_j of the projections sharing ``x2d``; seeds[first_seed:] are
     theirs. ``add_lowrank=False`` leaves the s xa B^T terms out of the outputs (the caller fuses them); a sequence
     of bools, one per projection, leaves out those of the projections marked False. ``x_quantized``: ``(codes,
     scales)`` = ``quantize_rows(x2d)`` made by the kernel that wrote x2d, for the FP8 projections' GEMMs; used only
-    when x2d is in the compute dtype (else the GEMM input is x2d cast, which is quantised here)."""
+    when x2d is in the compute dtype (else the GEMM input is x2d cast, which is quantised here). ``outputs=False``:
+    the xa_j alone (outputs None; no frozen GEMM, no low-rank add)."""
     cdt, ldt = meta.compute_dtype, meta.lora_dtype
-    ys = _frozen_forward(x2d.to(cdt), projs, cdt, x_quantized if x2d.dtype == cdt else None)
+    ys = (_frozen_forward(x2d.to(cdt), projs, cdt, x_quantized if x2d.dtype == cdt else None) if outputs
+          else [None] * len(projs))
     lora = [j for j, (_, a, _, _) in enumerate(projs) if a is not None]
     xas = [None] * len(projs)
     if not lora:
@@ -160,7 +162,7 @@ def group_forward(x2d, projs, meta, seeds, first_seed, add_lowrank=True, x_quant
                 xas[j] = _dropout(x2d, seeds, first_seed + k, meta.p, meta.impl, ldt) @ projs[j].lora_A.to(ldt).T
     adds = [add_lowrank] * len(projs) if isinstance(add_lowrank, bool) else list(add_lowrank)
     for j in lora:
-        if adds[j]:
+        if adds[j] and outputs:
             _lowrank_add(ys[j], xas[j], projs[j].lora_B.to(ldt).T, meta.scalings[j], cdt, meta.impl)
     return ys, xas
 
