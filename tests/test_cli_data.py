@@ -130,3 +130,24 @@ def test_a_run_on_a_weighted_mix_with_eval_data_a_chat_template_and_bf16(tiny, t
     assert AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer").chat_template == template.read_text()
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["config"]["eval_data"] == str(tmp_path / "eval.jsonl") and run["data"]["sources"]
+
+
+def test_json_lines_in_a_json_file_read_as_jsonl(tmp_path):
+    """datasets' to_json writes JSON Lines into .json files: read like .jsonl; real malformed JSON names its line;
+    an object of splits says what a .json file may hold."""
+    import pytest
+
+    from leantune.errors import LeantuneError
+    from leantune.train.records import read_records
+
+    rows = [{"text": "one"}, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "a.json").write_text(lines)
+    (tmp_path / "a.jsonl").write_text(lines)
+    assert read_records(tmp_path / "a.json") == read_records(tmp_path / "a.jsonl") == rows
+    (tmp_path / "bad.json").write_text('[\n{"text": "one"},\n{"text": }\n]\n')
+    with pytest.raises(LeantuneError, match=r"malformed JSON at .*bad\.json: .*line 3"):
+        read_records(tmp_path / "bad.json")
+    (tmp_path / "splits.json").write_text(json.dumps({"train": rows}))
+    with pytest.raises(LeantuneError, match=r"'train' holds a list without a 'messages' list.*JSON Lines"):
+        read_records(tmp_path / "splits.json")

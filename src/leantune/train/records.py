@@ -28,7 +28,10 @@ def _chitchat_records(raw: dict, path: Path) -> list[dict]:
     for key, conversation in raw.items():
         turns = conversation.get("messages") if isinstance(conversation, dict) else None
         if not isinstance(turns, list):
-            raise LeantuneError(f"{path}: not the chitchat format (a conversation without a 'messages' list)")
+            got = f"a {type(conversation).__name__}" if not isinstance(conversation, dict) else "an object"
+            raise LeantuneError(f"{path}: a JSON object must be the chitchat format ({{id: {{'messages': [...]}}}}), "
+                                f"but {key!r} holds {got} without a 'messages' list; a .json file may also hold a "
+                                "list of records, or one record per line (JSON Lines)")
         roles: dict[str, str] = {}
         messages = []
         for turn in turns:
@@ -79,8 +82,8 @@ def read_records(path: str | Path, check=None) -> list[dict]:
         raise LeantuneError(f"cannot read data file {path}: not UTF-8 text") from None
     if suffix == ".txt":
         return [{"stream": text}]
-    if suffix == ".json":
-        raw = _parse_json(text, str(path))
+    raw = _json_value(text, path) if suffix == ".json" else None
+    if raw is not None:
         if isinstance(raw, dict):
             return _chitchat_records(raw, path)
         if isinstance(raw, list):
@@ -91,6 +94,22 @@ def read_records(path: str | Path, check=None) -> list[dict]:
         if line.strip():
             records.append(checked(_parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
     return records
+
+
+def _json_value(text: str, path: Path):
+    """A .json file's one JSON value, or None when it is JSON Lines (one object per line, as datasets' ``to_json``
+    writes): its text is then read as a .jsonl file's. Raises LeantuneError for malformed JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        first = next((line for line in text.splitlines() if line.strip()), "")
+        if exc.msg == "Extra data":
+            try:
+                if isinstance(json.loads(first), dict):
+                    return None
+            except json.JSONDecodeError:
+                pass
+        raise LeantuneError(f"malformed JSON at {path}: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
 
 
 ROLES = ("system", "user", "assistant", "tool")
