@@ -107,9 +107,13 @@ def test_gguf_target_rules_and_an_interrupted_write(tiny, tmp_path, capsys, monk
     assert_error(code, err, "--out", ".gguf")
     code, err = run_cli(capsys, "export", "--adapter", run, "--out", out / "m", "--dtype", "q8_0")
     assert_error(code, err, "--dtype", "q8_0", "--format hf")
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", out / "x.gguf", "--format", "hf")
+    assert_error(code, err, "ends in .gguf", "--format is hf")
+    assert not (out / "x.gguf").exists()
     users = out / "users.gguf"
     users.write_bytes(b"GGUF not really")
-    code, err = run_cli(capsys, "export", "--adapter", run, "--out", users, "--format", "gguf", "--overwrite")
+    # no --format: a .gguf --out asks for GGUF (here refused: the file is the user's)
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", users, "--overwrite")
     assert_error(code, err, str(users), "not a leantune GGUF export")
     assert users.read_bytes() == b"GGUF not really"
     path = out / "model.gguf"

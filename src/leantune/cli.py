@@ -118,7 +118,8 @@ def _train(args) -> int:
 def _export(args) -> int:
     from .train import export
 
-    path = export(args.adapter, args.out, overwrite=args.overwrite, format=args.format, dtype=args.dtype)
+    format = args.format or ("gguf" if args.out.lower().endswith(".gguf") else "hf")
+    path = export(args.adapter, args.out, overwrite=args.overwrite, format=format, dtype=args.dtype)
     print(f"leantune: wrote the merged model to {path}")
     return 0
 
@@ -167,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="output folder for the merged model (required)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: False)")
     # the output format (issue #28): a GGUF file for llama.cpp / Ollama beside the HF folder
-    export.add_argument("--format", choices=("hf", "gguf"), default="hf",
+    export.add_argument("--format", choices=("hf", "gguf"), default=None,
                         help="hf: a Hugging Face folder; gguf: one .gguf file (Llama architecture; --out ends in "
-                             ".gguf) (default: hf)")
+                             ".gguf) (default: gguf when --out ends in .gguf, else hf)")
     export.add_argument("--dtype", choices=("f16", "bf16", "q8_0", "f32"), default=None,
                         help="stored weights; q8_0 for gguf only (default: the base's 16-bit dtype, else f32 for "
                              "hf and f16 for gguf)")

@@ -152,6 +152,9 @@ def export(adapter: str, out: str, *, overwrite: bool = False, format: str = "hf
     """
     if format not in ("hf", "gguf"):
         raise LeantuneError(f"--format must be hf or gguf, got {format!r}")
+    if format == "hf" and str(out).lower().endswith(".gguf"):  # a folder named x.gguf is not what was meant
+        raise LeantuneError(f"--out {out} ends in .gguf but --format is hf (a Hugging Face folder): use --format "
+                            "gguf, or a folder name")
     from .gguf_export import GGUF_DTYPES
 
     allowed = GGUF_DTYPES if format == "gguf" else ("f16", "bf16", "f32")
