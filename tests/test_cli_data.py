@@ -151,3 +151,11 @@ def test_json_lines_in_a_json_file_read_as_jsonl(tmp_path):
     (tmp_path / "splits.json").write_text(json.dumps({"train": rows}))
     with pytest.raises(LeantuneError, match=r"'train' holds a list without a 'messages' list.*JSON Lines"):
         read_records(tmp_path / "splits.json")
+
+
+def test_warmup_as_long_as_the_run_is_refused(tiny, tmp_path, capsys):
+    args = train_args(tiny, tmp_path / "out", "--warmup-steps", "3")
+    args[args.index("--max-steps") + 1] = "3"
+    code, err = run_cli(capsys, *args)
+    assert_error(code, err, "--warmup-steps 3 is not below the run's 3 steps")
+    assert not (tmp_path / "out" / "checkpoints").exists()

@@ -299,6 +299,9 @@ def _prepare(config: TrainConfig) -> _Run:
                             f"than one step's --batch-size x --grad-accum{processes} = {rows_per_step}")
     total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, round(0.05 * total_steps))
+    if config.warmup_steps is not None and warmup >= total_steps > 1:  # the lr would never reach --lr
+        raise LeantuneError(f"--warmup-steps {warmup} is not below the run's {total_steps} steps: the whole run would "
+                            "be warm-up below --lr; give fewer warm-up steps, or more --max-steps / --epochs")
     stored = None
     if resumed is not None:
         run_folder.check_resume_steps(resumed, resume_from, total_steps)
