@@ -159,3 +159,12 @@ def test_warmup_as_long_as_the_run_is_refused(tiny, tmp_path, capsys):
     code, err = run_cli(capsys, *args)
     assert_error(code, err, "--warmup-steps 3 is not below the run's 3 steps")
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_target_modules_naming_a_block_is_refused_by_name(tiny, tmp_path, capsys):
+    """self_attn exists but is a block of layers: one error line naming it and the linear layers, not PEFT's
+    message cut at its first line."""
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--target-modules", "self_attn"))
+    assert_error(code, err, "--target-modules: 'self_attn' names LlamaAttention blocks", "q_proj")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--target-modules", "q_proj,nope"))
+    assert_error(code, err, "'nope' not found in the model")
