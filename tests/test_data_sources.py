@@ -183,6 +183,11 @@ def test_eval_data_and_eval_split(tmp_path, tokenizer):
     f = rng.choice([0.1, 0.25, 0.4])
     train, held, info = load(train_file, tokenizer, eval_split=f, eval_size=100)
     assert len(numbers(held)) == round(f * 40) and numbers(train) == set(range(40)) - numbers(held)
+    assert info["split_unscored"] == 0
+    # an eval of one row scores only the held-out examples that fill it: the rest are counted (and said)
+    train, held, info = load(train_file, tokenizer, eval_split=f, eval_size=1)
+    assert len(held) == 1 and info["split_unscored"] == round(f * 40) - len(numbers(held)) > 0
+    assert len(numbers(train)) == 40 - round(f * 40)  # the unscored ones are not trained on either
     with pytest.raises(LeantuneError, match="--eval-data and --eval-split exclude each other"):
         make_config(flag_values={"eval_data": str(eval_file), "eval_split": 0.1})
     with pytest.raises(LeantuneError, match=r"--eval-split must be a fraction in \(0, 1\), got 1.0"):

@@ -318,6 +318,7 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, eval_size: int, seed
             "truncated": stream.truncated + (held_stream.truncated if eval_data is None else 0),
             "train_rows": len(train), "eval_rows": len(held), "target_tokens": train.num_targets(),
             "available": len(order), "sources": {names[s]: n for s, n in sorted(stream.per_source.items())},
+            "split_unscored": (k - held_stream.used) if eval_data is None and eval_split is not None else 0,
             "held_out": held_out}
     return train, held, info
 
@@ -342,6 +343,10 @@ def load_run_data(config, tokenizer, rows_per_step: int) -> tuple[PackedData, Pa
     if info["eval_rows"] < (eval_rows or config.eval_size):
         say(f"leantune: --eval-size {config.eval_size} clamped to {info['eval_rows']} rows: the held-out examples "
             f"({info['held_out']}) pack into {info['eval_rows']} of --seq-len {config.seq_len}")
+    if info["split_unscored"]:  # held out by --eval-split, yet beyond the rows the eval packs
+        say(f"leantune: --eval-split {config.eval_split:g}: {info['split_unscored']} of its held-out examples are "
+            f"neither trained on nor scored (the eval packs --eval-size {info['eval_rows']} rows); raise --eval-size "
+            "to score more")
     if train_rows is not None and info["examples"] < info["available"]:
         say(f"leantune: tokenised {info['examples']} of {info['available']} examples: what {config.max_steps} steps x "
             f"{rows_per_step} rows and {info['eval_rows']} eval rows need")
