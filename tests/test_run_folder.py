@@ -324,6 +324,26 @@ def test_resume_refuses_another_step_count(tiny, tmp_path, capsys, monkeypatch):
     assert len(lrs) == 4 and all(a >= b for a, b in zip(lrs[1:], lrs[2:])), lrs  # decays from the peak, no jump
 
 
+def test_resume_refuses_data_changed_under_the_same_path(tiny, tmp_path, capsys, monkeypatch):
+    """run.json keeps a digest of the data files: --resume on other contents at the same path is refused, before
+    anything is written; the same contents (copied back) resume."""
+    import shutil
+
+    data = tmp_path / "data.jsonl"
+    shutil.copy(tiny["data"], data)
+    out = tmp_path / "out"
+    stopped_run(capsys, monkeypatch, train_args(tiny, out, "--max-steps", "4", "--save-every", "1", data=data))
+    original = data.read_bytes()
+    data.write_bytes(original.replace(b"e", b"a", 1))  # same size, other contents
+    before = files_of(out)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "4", data=data))
+    assert_error(code, err, f"--resume: the data at {data.resolve()} changed since the run started")
+    assert files_of(out) == before
+    data.write_bytes(original)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "4", data=data))
+    assert code == 0, err
+
+
 def test_a_dangling_symlink_as_output_is_one_error_line(tiny, tmp_path, capsys):
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "dangling"))

@@ -69,7 +69,7 @@ from .model import (
     wrap_lora,
 )
 from .signals import GracefulInterrupt, SignalsDeferred, TerminateAborts
-from .sources import canonical
+from .sources import canonical, parse_spec
 from .step_log import StepLog, raise_deferred_errors
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,6 +218,7 @@ class _Run:
     captured: CapturedStep | None = None  # --cuda-graphs: the step's graphs (``_graph_step``)
     graph_hosts: dict = field(default_factory=dict)  # id(device position_ids) -> (them, their host copy)
     seq_len_default: bool = False  # --seq-len not given: the device's default (config.DEFAULT_SEQ_LEN) was taken
+    data_fingerprint: str = ""  # run_folder.data_fingerprint of the data files, kept in run.json for --resume
 
 
 def train(config: TrainConfig, *, progress: bool = True, on_step=None) -> RunResult:
@@ -288,8 +289,12 @@ def _prepare(config: TrainConfig) -> _Run:
     use_chat_template(tokenizer, config.chat_template)
     # the embedded set is looked up only when it is used: a run on the user's data needs no chitchat package
     data_path = chitchat_path() if config.data is None else canonical(config.data)
+    data_files = [chitchat_path()] if config.data is None else [path for path, _ in parse_spec(config.data)]
+    fingerprint = distributed.on_main(lambda: run_folder.data_fingerprint(data_files))
     resumed = (distributed.on_main(lambda: run_folder.check_resume(config, output, model_path, data_path))
                if resume_from is not None else None)
+    if resumed is not None:
+        run_folder.check_resume_data(resumed, fingerprint)
     rows_per_step = config.batch_size * config.grad_accum * size
     train_data, eval_data, data_info = load_run_data(config, tokenizer, rows_per_step)
     steps_per_epoch = len(train_data) // rows_per_step
@@ -313,6 +318,7 @@ def _prepare(config: TrainConfig) -> _Run:
     run = _Run(config, output, resume_from, device, dtype, kind, model_path, data_path, tokenizer, train_data,
                eval_data, data_info, total_steps, warmup,
                seq_len_default=seq_len_chosen is not None or bool((resumed or {}).get("seq_len_default")))
+    run.data_fingerprint = fingerprint
 
     # stored weights under several processes: rank 0 reads them on the CPU, the others build the model on the meta
     # device and receive rank 0's values through the engine (distributed.wrap's from_main); NF4 codes are formed
@@ -401,7 +407,7 @@ def _claim(run: _Run, replaced: list) -> None:
                     "model_path": str(run.model_path.resolve()), "data_path": str(run.data_path.resolve()),
                     "data": info, "device": run.device, "dtype": str(run.dtype), "total_steps": run.total_steps,
                     "warmup_steps": run.warmup, "world_size": world.size, "engine": world.engine,
-                    "seq_len_default": run.seq_len_default}
+                    "seq_len_default": run.seq_len_default, "data_fingerprint": run.data_fingerprint}
         (output / "run.json").write_text(to_json(run_info, indent=2))
         run.metrics = MetricsLog(output / "metrics.jsonl")
     distributed.barrier(world)  # the folder is claimed before any rank goes on

@@ -209,6 +209,37 @@ def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path:
     return info
 
 
+def data_fingerprint(paths) -> str:
+    """A short digest of the data files' sizes and contents (their first and last MiB; a saved dataset folder: every
+    file's name and size), recorded in run.json so that ``--resume`` notices data replaced under the same path.
+    Cheap at any size: at most 2 MiB read a file."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in map(Path, paths):
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            size = file.stat().st_size if file.exists() else -1
+            digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}:{size};".encode())
+            if size > 0 and not path.is_dir():
+                with open(file, "rb") as f:
+                    digest.update(f.read(1 << 20))
+                    if size > 2 << 20:
+                        f.seek(-(1 << 20), os.SEEK_END)
+                        digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def check_resume_data(info: dict, fingerprint: str) -> None:
+    """Raise LeantuneError when the data files at the resumed run's paths are not the ones it started on (by
+    :func:`data_fingerprint`); runs of an older leantune, which recorded none, are not checked."""
+    saved = info.get("data_fingerprint")
+    if saved is not None and saved != fingerprint:
+        raise LeantuneError(f"--resume: the data at {info.get('data_path')} changed since the run started (its size "
+                            "or contents differ); resuming would continue the schedule on other examples and compare "
+                            "eval losses of another held-out set: restore the file or start a new --output")
+
+
 def check_resume_steps(info: dict, resume_from: Path, total_steps: int) -> int:
     """The step ``resume_from`` was saved at, when this run's step count is the resumed run's: the warmup and the
     cosine decay are laid out over the step count, so another count would make the learning rate jump at the
