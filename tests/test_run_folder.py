@@ -344,6 +344,26 @@ def test_resume_refuses_data_changed_under_the_same_path(tiny, tmp_path, capsys,
     assert code == 0, err
 
 
+def test_a_run_killed_while_replacing_another_says_where_that_one_is(tiny, tmp_path, capsys):
+    """An --overwrite run killed (SIGKILL: no clean-up) before its first checkpoint leaves the previous run in
+    .replaced-*: export and --resume name it instead of only saying there is nothing there."""
+    import shutil
+
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out))
+    assert code == 0, err
+    kept = out / ".replaced-1765000000-0"  # the state a kill leaves: the old run aside, the new one's run.json
+    kept.mkdir()
+    for entry in list(out.iterdir()):
+        if entry != kept:
+            shutil.move(str(entry), kept / entry.name)
+    shutil.copy(kept / "run.json", out / "run.json")
+    code, err = run_cli(capsys, "export", "--adapter", out, "--out", tmp_path / "merged")
+    assert_error(code, err, "nothing to export", f"kept in {kept}")
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume"))
+    assert_error(code, err, "nothing to resume", f"kept in {kept}")
+
+
 def test_a_dangling_symlink_as_output_is_one_error_line(tiny, tmp_path, capsys):
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     code, err = run_cli(capsys, *train_args(tiny, tmp_path / "dangling"))

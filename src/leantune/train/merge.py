@@ -30,7 +30,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .metrics import one_line, say
 from .model import load_model, load_tokenizer, lora_config
-from .run_folder import nearest_existing, read_run_info, remove
+from .run_folder import kept_run_hint, nearest_existing, read_run_info, remove
 from .signals import SignalsDeferred, TerminateAborts
 
 EXPORT_MARKER = "leantune_export.json"
@@ -185,7 +185,7 @@ def _adapter_source(src: Path) -> tuple[Path, Path, Path | None]:
     found = checkpoint.latest_checkpoint(src)
     if found is None:
         raise LeantuneError(f"no adapter in {src}: the run was stopped before its first checkpoint, so there is "
-                            "nothing to export; run it again")
+                            f"nothing to export; run it again{kept_run_hint(src)}")
     step = checkpoint.checkpoint_step(found, export=True)
     say(f"leantune: the run in {src} was stopped at step {step} of {info.get('total_steps', '?')} before writing "
         f"its adapter; exporting its last checkpoint (step {step}); 'leantune train --resume' with the run's "

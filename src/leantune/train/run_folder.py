@@ -74,6 +74,16 @@ def replaced_runs(output: Path) -> list[Path]:
     return [p for p in output.glob(REPLACED + "*") if p.is_dir() and read_run_info(p) is not None]
 
 
+def kept_run_hint(output: Path) -> str:
+    """``; a previous run is kept in ...`` when ``output`` holds a run leantune moved aside to replace it and the
+    replacing run died before finishing (an OOM kill, a preemption): where it is and how to get it back. Else ""."""
+    kept = sorted(replaced_runs(output))
+    if not kept:
+        return ""
+    return (f"; the run it was replacing is kept in {kept[-1]} (move its files back into {output} to use or resume "
+            "it)")
+
+
 def nearest_existing(path: Path) -> Path:
     """``path`` (made absolute) or its nearest existing parent: where a folder that does not exist yet would be
     created, and what must be a writable directory for that."""
@@ -278,7 +288,7 @@ def check_output(config: TrainConfig) -> Path | None:
     if config.resume:
         found = checkpoint.latest_checkpoint(output)
         if found is None:
-            raise LeantuneError(f"nothing to resume: no checkpoint in {output}")
+            raise LeantuneError(f"nothing to resume: no checkpoint in {output}{kept_run_hint(output)}")
         return found
     if not output.is_dir():
         return None
@@ -290,6 +300,8 @@ def check_output(config: TrainConfig) -> Path | None:
     ours = {p.name for p in replaced_runs(output)} | {LOCK}
     entries = {p.name for p in output.iterdir()} - ours
     if "run.json" in entries and entries <= set(RUN_FILES) and read_run_info(output) is not None:
+        if replaced_runs(output):  # a replacing run died: say where the run it replaced still is
+            say(f"leantune: replacing the incomplete run in {output}{kept_run_hint(output)}")
         return None  # an incomplete run of ours
     if entries and not config.overwrite:
         raise LeantuneError(f"output dir {output} is not empty and holds no leantune run; choose another --output "
