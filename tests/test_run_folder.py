@@ -453,3 +453,16 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_earlier_one(ti
     shutil.move(damaged.parent, tmp_path / "moved-away")  # as the message says
     code, err = run_cli(capsys, "train", "--output", out, "--resume")
     assert code == 0 and "resuming from" in err and "step 1 of 3" in err, err
+    # bytes changed inside a file that still decodes (same size): caught by state.json's SHA-256, for resume and
+    # for export alike
+    for name in ("optimizer.pt", "adapter_model.safetensors"):
+        flipped = tmp_path / f"flipped-{name}"
+        shutil.copytree(stopped, flipped)
+        target = flipped / "checkpoints" / "step-000002" / name
+        raw = bytearray(target.read_bytes())
+        raw[-200] ^= 0x01  # a tensor byte near the end, past the headers
+        target.write_bytes(bytes(raw))
+        code, err = run_cli(capsys, "train", "--output", flipped, "--resume")
+        assert_error(code, err, f"checkpoint file {target} is truncated or corrupt", "SHA-256 differs")
+    code, err = run_cli(capsys, "export", "--adapter", target.parent, "--out", tmp_path / "merged")
+    assert_error(code, err, f"checkpoint file {target} is truncated or corrupt", "SHA-256 differs")

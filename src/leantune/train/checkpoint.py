@@ -115,7 +115,8 @@ def save_checkpoint(output: Path, step: int, model, optimizer, scheduler, metric
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(_host_numbers(scheduler.state_dict()), tmp / "scheduler.pt")
     torch.save(rng, tmp / "rng.pt")
-    state = {**(extra or {}), "step": step, "metrics_lines": metrics_lines}
+    state = {**(extra or {}), "step": step, "metrics_lines": metrics_lines,
+             "sha256": {name: _sha256(tmp / name) for name in DIGESTED}}
     (tmp / "state.json").write_text(json.dumps(finite_or_none(state), allow_nan=False))  # strict JSON
     if final.exists():
         shutil.rmtree(final)
@@ -182,10 +183,28 @@ def damaged(file: Path, reason: str, *, export: bool = False) -> LeantuneError:
     return LeantuneError(f"checkpoint file {file} is truncated or corrupt ({reason}); {todo}; nothing was deleted")
 
 
-def _read(file: Path, reader, *, export: bool = False):
-    """``reader(file)``, any failure to read or decode it a ``damaged`` error (the reader only reads)."""
+DIGESTED = ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt")  # state.json's "sha256"
+
+
+def _sha256(file: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read(file: Path, reader, *, export: bool = False, sha256: dict | None = None):
+    """``reader(file)``, any failure to read or decode it a ``damaged`` error (the reader only reads); with
+    ``sha256`` (state.json's, absent in checkpoints of an older leantune) the file's digest must match first:
+    damage inside a file that still decodes (a flipped byte in the optimizer state) is caught too."""
     if not file.is_file():
         raise damaged(file, "missing", export=export)
+    expected = (sha256 or {}).get(file.name)
+    if expected is not None and _sha256(file) != expected:
+        raise damaged(file, "its SHA-256 differs from the one saved with it", export=export)
     try:
         return reader(file)
     except Exception as exc:  # safetensors, torch's zip reader, pickle and json each raise their own kinds
@@ -210,9 +229,13 @@ def checkpoint_step(path: Path, *, export: bool = False) -> int:
     return read_state(path, export=export)["step"]
 
 
-def read_adapter(path: Path, *, export: bool = False) -> dict:
-    """The adapter tensors of a checkpoint (PEFT's keys); a damaged file is a LeantuneError."""
-    return _read(Path(path) / "adapter_model.safetensors", lambda f: load_file(str(f)), export=export)
+def read_adapter(path: Path, *, export: bool = False, sha256: dict | None = None) -> dict:
+    """The adapter tensors of a checkpoint (PEFT's keys); a damaged file is a LeantuneError (``sha256``: as
+    ``_read``; None: state.json's, read here)."""
+    path = Path(path)
+    if sha256 is None:
+        sha256 = read_state(path, export=export).get("sha256")
+    return _read(path / "adapter_model.safetensors", lambda f: load_file(str(f)), export=export, sha256=sha256)
 
 
 def _optimizer(file: Path) -> dict:
@@ -226,10 +249,12 @@ def read_checkpoint(path: Path) -> dict:
     """Every file of a checkpoint, read and checked (nothing applied yet): ``adapter``, ``optimizer``,
     ``scheduler``, ``rng``, ``state``. Raises the ``damaged`` LeantuneError for the first unreadable file."""
     path = Path(path)
-    return {"state": read_state(path), "adapter": read_adapter(path),
-            "optimizer": _read(path / "optimizer.pt", _optimizer),
-            "scheduler": _read(path / "scheduler.pt", lambda f: torch.load(f, weights_only=True)),
-            "rng": _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))}
+    state = read_state(path)
+    digests = state.get("sha256") if isinstance(state.get("sha256"), dict) else None
+    return {"state": state, "adapter": read_adapter(path, sha256=digests or {}),
+            "optimizer": _read(path / "optimizer.pt", _optimizer, sha256=digests),
+            "scheduler": _read(path / "scheduler.pt", lambda f: torch.load(f, weights_only=True), sha256=digests),
+            "rng": _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False), sha256=digests)}
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, world: World = World(),
