@@ -191,3 +191,26 @@ def test_help_and_version_do_not_import_transformers_or_peft(argv):
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert "HEAVY []" in done.stderr, done.stderr[-2000:]
     assert "leantune" in done.stdout
+
+
+def test_dora_and_rslora_flags_reach_peft_and_are_kept_for_resume(tiny, tmp_path, capsys):
+    """--dora / --rslora: PEFT's use_dora / use_rslora in the saved adapter config; fixed for --resume (a run.json
+    without them, from before they existed, resumes as plain LoRA); --dora with --quantize is refused."""
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, *train_args(tiny, out, "--dora", "--rslora"))
+    assert code == 0, err
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter["use_dora"] is True and adapter["use_rslora"] is True
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume"))  # the run's own settings: DoRA again
+    assert code == 0 and "resuming from" in err, err
+    assert json.loads((out / "run.json").read_text())["config"]["dora"] is True
+    plain = tmp_path / "plain"  # a run.json of before the flags: resumes as plain LoRA
+    code, err = run_cli(capsys, *train_args(tiny, plain, "--max-steps", "2", "--save-every", "1"))
+    assert code == 0, err
+    info = json.loads((plain / "run.json").read_text())
+    del info["config"]["dora"], info["config"]["rslora"]
+    (plain / "run.json").write_text(json.dumps(info))
+    code, err = run_cli(capsys, *train_args(tiny, plain, "--resume", "--max-steps", "2"))
+    assert code == 0 and "resuming from" in err, err
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "q", "--dora", "--quantize", "nf4"))
+    assert_error(code, err, "--dora with --quantize nf4 is not supported")

@@ -168,7 +168,7 @@ def test_chat_template_file_for_a_tokenizer_without_one(tmp_path, tokenizer):
         use_chat_template(plain, str(tmp_path / "none.jinja"))
 
 
-def test_eval_data_and_eval_split(tmp_path, tokenizer):
+def test_eval_data_and_eval_split(tmp_path, tokenizer, capsys):
     rng = random.Random(random.randrange(2**31))
     train_file = write_jsonl(tmp_path / "train.jsonl", [{"text": f"{i} " + sentence(rng)} for i in range(40)])
     eval_file = write_jsonl(tmp_path / "eval.jsonl", [{"text": "held " + sentence(rng)} for _ in range(12)])
@@ -178,6 +178,10 @@ def test_eval_data_and_eval_split(tmp_path, tokenizer):
     assert info["examples"] == 40 and numbers(train) == set(range(40)) and train.num_targets() == sum(
         len(tokenizer(r["text"], add_special_tokens=False)["input_ids"]) for r in data_mod.read_records(train_file))
     scored = tokenizer.decode(held.input_ids.flatten().tolist())
+    assert "also a training source" not in capsys.readouterr().err
+    load(train_file, tokenizer, eval_data=str(train_file), eval_size=2)  # the training file as eval: said
+    err = capsys.readouterr().err
+    assert f"--eval-data {train_file} is also a training source" in err
     assert scored.count("held") == 12 and not numbers(held) and info["eval_rows"] == len(held) < 100
     # --eval-split: the last round(f * N) examples of the order are held out, disjoint from the training rows
     f = rng.choice([0.1, 0.25, 0.4])

@@ -49,12 +49,17 @@ class TrainConfig:
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
     warmup_steps: int | None = field(default=None, metadata={"help": "linear warmup steps before the cosine "
                                      "decay"})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of --lr"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "the cosine decay's floor as a fraction of --lr "
+                                "(reached one step past the last, as in HF's schedule)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (0: off)"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling = alpha / r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout probability"})
+    dora: bool = field(default=False, metadata={"help": "DoRA (PEFT use_dora: weight-decomposed LoRA, a learned "
+                                                        "magnitude per output channel), fused by leantune's ops"})
+    rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA: scaling alpha / sqrt(r) instead of "
+                                                          "alpha / r (PEFT use_rslora)"})
     target_modules: str = field(default="all-linear", metadata={"help": "all-linear, or comma-separated module "
                                 "names (e.g. q_proj,v_proj)"})
     gradient_checkpointing: str = field(default="off", metadata={"help": "on|off: recompute activations in "
@@ -152,6 +157,9 @@ class TrainConfig:
             raise LeantuneError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if not self.lora_alpha > 0:
             raise LeantuneError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if self.dora and self.quantize is not None:  # DoRA's weight norm reads the dense frozen weight
+            raise LeantuneError(f"--dora with --quantize {self.quantize} is not supported: DoRA's magnitude "
+                                "normalisation reads the dense frozen weight; drop one of them")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise LeantuneError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps is not None and self.warmup_steps < 0:

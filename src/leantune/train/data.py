@@ -280,6 +280,9 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, eval_size: int, seed
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     want_eval = eval_size if eval_rows is None else eval_rows
     if eval_data is not None:
+        if any(Path(eval_data).resolve() == source.path.resolve() for source in sources):
+            say(f"leantune: warning: --eval-data {eval_data} is also a training source: the eval scores examples "
+                "the run trains on, so its loss measures memorisation, not held-out loss")
         held_source = [Source(Path(eval_data), columns, tokenizer, seq_len)]
         held, held_stream = _pack_stream(_examples(held_source, mixed_order(held_source, seed)), tokenizer,
                                          seq_len, pad_id, want_eval)

@@ -372,7 +372,8 @@ def lora_config(model, config: TrainConfig):
         raise LeantuneError(f"--lora-r {config.lora_r} is larger than every linear layer of the model allows: the "
                             f"widest has min(in, out) = {widest}, and a rank above it is not low-rank")
     return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM", use_dora=config.dora,
+                      use_rslora=config.rslora)
 
 
 def wrap_lora(model, config: TrainConfig):

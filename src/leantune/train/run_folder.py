@@ -39,7 +39,8 @@ REPLACED = ".replaced-"  # prefix of the folder that keeps a replaced run until 
 # settings a resumed run must share with the run it continues: the adapter's shape and scaling, the base weights,
 # the data rows each step takes, and the optimizer settings its saved state holds (clipping, eval and save
 # intervals may change; the step count is checked by check_resume_steps, once the data says what it is)
-RESUME_FIXED = ("model", "data", "seq_len", "batch_size", "grad_accum", "lora_r", "lora_alpha", "lora_dropout",
+RESUME_FIXED = ("model", "data", "seq_len", "batch_size", "grad_accum", "lora_r", "lora_alpha", "lora_dropout", "dora",
+                "rslora",
                 "target_modules", "seed", "eval_size", "max_examples", "quantize",
                 "text_column", "messages_column", "prompt_column", "completion_column", "chat_template", "eval_data",
                 "eval_split", "dtype",  # these fix the rows, the held-out split and the weights' dtype
@@ -195,7 +196,8 @@ def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path:
     before, now = info["config"], config.to_dict()
     differ, hint = [], ""
     for name in RESUME_FIXED:
-        old, new = before.get(name), now.get(name)
+        # a setting newer than the run (e.g. --dora) had its default there
+        old, new = before.get(name, FIELDS[name].default), now.get(name)
         if name in ("model", "data"):  # the files, however they were spelled (relative, absolute, ..)
             old, new = info.get(f"{name}_path"), str((model_path if name == "model" else data_path).resolve())
             same = old is not None and Path(old).resolve() == Path(new)
