@@ -17,6 +17,7 @@ Several processes (``distributed.py``): every rank takes part in gathering the f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -187,8 +188,6 @@ DIGESTED = ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt
 
 
 def _sha256(file: Path) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     with open(file, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):

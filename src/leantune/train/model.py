@@ -352,19 +352,18 @@ def lora_config(model, config: TrainConfig):
     targets = config.target_modules
     if targets != "all-linear":
         targets = [name.strip() for name in targets.split(",") if name.strip()]
-        names = [name for name, _ in model.named_modules()]
+        modules = dict(model.named_modules())
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
         # PEFT's rule for a list: a module matches a key when its name is the key or ends with "." + key; PEFT
         # itself only complains when no key matches, so a typo next to a valid name would be silently dropped.
-        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        matches = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in targets}
+        unmatched = [t for t in targets if not matches[t]]
         if unmatched or not targets:
             raise LeantuneError(f"--target-modules: {', '.join(repr(t) for t in unmatched) or '(none)'} not found "
                                 f"in the model; its linear layers are {', '.join(linear)}")
-        modules = dict(model.named_modules())
         for t in targets:  # a block (e.g. self_attn) matches by name, but LoRA goes on layers, not on blocks
-            matches = [m for n, m in modules.items() if n == t or n.endswith("." + t)]
-            if all(next(m.children(), None) is not None for m in matches):
-                raise LeantuneError(f"--target-modules: {t!r} names {type(matches[0]).__name__} blocks, not layers "
+            if all(next(m.children(), None) is not None for m in matches[t]):
+                raise LeantuneError(f"--target-modules: {t!r} names {type(matches[t][0]).__name__} blocks, not layers "
                                     f"LoRA can wrap; its linear layers are {', '.join(linear)}")
     widest = max((min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)),
                  default=0)

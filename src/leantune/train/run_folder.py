@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -225,8 +226,6 @@ def data_fingerprint(paths) -> str:
     """A short digest of the data files' sizes and contents (their first and last MiB; a saved dataset folder: every
     file's name and size), recorded in run.json so that ``--resume`` notices data replaced under the same path.
     Cheap at any size: at most 2 MiB read a file."""
-    import hashlib
-
     digest = hashlib.sha256()
     for path in map(Path, paths):
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
