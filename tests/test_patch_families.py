@@ -250,6 +250,27 @@ def test_gradient_checkpointing_same_gradients(family, dropout, monkeypatch):
     assert_grads_close(grads, ref_grads)
 
 
+def test_recompute_without_early_stop_forms_the_mlp_output(monkeypatch):
+    """With checkpoint early stop off the recomputation runs the whole layer, hooks included: the MLP output is
+    formed again, and a decoder-layer hook sees in the recomputation what it saw in forward."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = leantune.patch(tiny_peft_model("llama", device=DEVICE)).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    seen = []
+    layer = model.get_base_model().model.layers[0]
+    layer.register_forward_hook(lambda module, args, out: seen.append((out[0] if isinstance(out, tuple)
+                                                                      else out).detach().clone()))
+    outputs = []
+    lora_mlp = ops.lora_mlp
+    monkeypatch.setattr(ops, "lora_mlp", lambda *a, **k: outputs.append(k["output"]) or lora_mlp(*a, **k))
+    input_ids, labels = batch(device=DEVICE)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        loss_and_grads(model, input_ids, labels)
+    assert outputs == [True, True, True, True]
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
 def test_patch_before_get_peft_model(family, op_calls, monkeypatch):
     """patch(hf_model) then get_peft_model: the LoRA layers PEFT inserts later are fused at forward time."""

@@ -25,3 +25,18 @@ def test_recompute_is_recognised_only_in_the_non_reentrant_recomputation():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # other hooks (e.g. offload's)
         assert not in_checkpoint_recompute()
     assert not in_checkpoint_recompute()
+
+
+def test_recompute_without_early_stop_is_not_recognised():
+    # the rest of the layer then runs too (its hooks would see an output the skip never formed)
+    seen = []
+
+    def layer(x):
+        seen.append(in_checkpoint_recompute())
+        return (x.sin() * 2).cos()
+
+    x = torch.randn(5, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False, early_stop=False).sum().backward()
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert seen == [False, False, False, False]
