@@ -119,6 +119,12 @@ def test_error_cases():
         ops.linear_distillation_loss(h, w, th, tw, reduction="mean")
     with pytest.raises(ValueError, match="temperature must be"):
         ops.linear_distillation_loss(h, w, th, tw, temperature=0)
+    with pytest.raises(ValueError, match="inverse is finite"):
+        ops.linear_distillation_loss(h, w, th, tw, temperature=1e-320)
+    with pytest.raises(ValueError, match="num_items is 0 but all 5 rows are scored"):
+        ops.linear_distillation_loss(h, w, th, tw, num_items=0)
+    with pytest.raises(ValueError, match="num_items is 0 but 5 labels are valid"):
+        ops.linear_distillation_loss(h, w, th, tw, num_items=torch.tensor(0, device=h.device))
     with pytest.raises(ValueError, match="labels must have shape"):
         ops.linear_distillation_loss(h, w, th, tw, labels[:-1])
     with pytest.raises(ValueError, match="num_items is only valid"):

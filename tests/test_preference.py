@@ -147,8 +147,8 @@ def test_dpo_matches_reference_and_trl(loss_type):
 
     def ours(x):
         seq = x.sum(1)
-        return preference.dpo_loss(seq[:B], seq[B:], rc, rr, beta=beta, loss_type=loss_type,
-                                   chosen_lengths=lengths[:B], rejected_lengths=lengths[B:])[0]
+        lengths_of = dict(chosen_lengths=lengths[:B], rejected_lengths=lengths[B:]) if loss_type == "ipo" else {}
+        return preference.dpo_loss(seq[:B], seq[B:], rc, rr, beta=beta, loss_type=loss_type, **lengths_of)[0]
 
     loss = ours(per_token)
     expected = grads64(lambda x: dpo_ref(x.sum(1)[:B], x.sum(1)[B:], rc, rr, beta, loss_type, 0.0, lengths[:B],
@@ -279,3 +279,66 @@ def test_error_cases():
         preference.dpo_loss(c, c[:1], c, c)
     with pytest.raises(ValueError, match="given together"):
         preference.kto_loss(c, c, c, c, kl_log_probs=c)
+
+
+def test_orpo_gradient_finite_near_and_at_zero():
+    """A chosen mean log-prob in (-6e-8, 0] (a confident model in fp32, or a row without valid token): the log1mexp
+    branch not taken stays finite, so the gradient is the float64 one (at 0 exactly: finite, the log odds large)."""
+    c = torch.tensor([-1e-8, -1.0, -3e-8], device=DEVICE, requires_grad=True)
+    r = torch.tensor([-2.0, -2.0, -0.5], device=DEVICE)
+    loss, _ = preference.orpo_loss(c, r, beta=0.1)
+    _grad_check("orpo near 0", loss, grads64(lambda a: orpo_ref(a, r, 0.1, torch.zeros(())), [c], torch.tensor(1.0)), [c])
+    zero = torch.tensor([0.0, -1.0], device=DEVICE, requires_grad=True)
+    loss, log_odds = preference.orpo_loss(zero, torch.tensor([-2.0, -2.0], device=DEVICE), beta=0.1)
+    (grad,) = torch.autograd.grad(loss, [zero])
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(log_odds).all()
+    assert log_odds[0] > 80  # log(p / (1 - p)) at p = 1 - 2^-126 and more
+
+
+def test_kto_empty_kl_batch_gives_zero_baseline():
+    c = _log_probs(3)
+    empty = torch.zeros(0, device=DEVICE)
+    loss, kl = preference.kto_loss(c, c[:0], c.detach() - 0.2, c[:0].detach(), empty, empty)
+    expected, _ = preference.kto_loss(c, c[:0], c.detach() - 0.2, c[:0].detach())
+    assert kl.item() == 0.0 and torch.isfinite(loss) and loss.item() == expected.item()
+
+
+def test_grpo_inputs_as_trl_passes_them():
+    """advantages [B, 1] as [B]; old and reference log-probs carry no gradient (TRL computes them without)."""
+    lp, mask = _log_probs(B, T), _mask()
+    adv = torch.randn(B, device=DEVICE)
+    ref = lp.detach() - 0.1
+    base = preference.grpo_loss(lp, mask, adv, ref_log_probs=ref, beta=0.04)[0]
+    column = preference.grpo_loss(lp, mask, adv[:, None], ref_log_probs=ref, beta=0.04)[0]
+    assert column.item() == base.item()
+    (expected,) = torch.autograd.grad(base, [lp])
+    with_graph = preference.grpo_loss(lp, mask, adv, old_log_probs=lp, ref_log_probs=lp * 1.0 - 0.1, beta=0.04)[0]
+    (grad,) = torch.autograd.grad(with_graph, [lp])
+    assert torch.equal(grad, expected)
+
+
+def test_option_errors():
+    lp, mask, adv = _log_probs(2, 3), torch.ones(2, 3, device=DEVICE), torch.ones(2, device=DEVICE)
+    with pytest.raises(ValueError, match="importance_sampling_ratio must be"):
+        preference.grpo_loss(lp, mask, adv, importance_sampling_ratio=torch.ones(3, device=DEVICE))
+    for bad in (-5, 0, "x", 2.5, True):
+        with pytest.raises(ValueError, match="num_items must be a positive int"):
+            preference.grpo_loss(lp, mask, adv, num_items=bad)
+        with pytest.raises(ValueError, match="max_completion_length must be a positive int"):
+            preference.grpo_loss(lp, mask, adv, loss_type="dr_grpo", max_completion_length=bad)
+    with pytest.raises(ValueError, match="num_items must be a positive int or a 0-dim tensor"):
+        preference.grpo_loss(lp, mask, adv, num_items=torch.ones(2, device=DEVICE))
+    c = _log_probs(2)
+    with pytest.raises(ValueError, match="label_smoothing is the sigmoid loss's"):
+        preference.dpo_loss(c, c, c, c, loss_type="hinge", label_smoothing=0.3)
+    with pytest.raises(ValueError, match="normalise the ipo loss"):
+        preference.dpo_loss(c, c, c, c, chosen_lengths=torch.ones(2, device=DEVICE))
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        preference.orpo_loss(c, c, beta=-1.0)
+    with pytest.raises(ValueError, match="nll must have shape"):
+        preference.orpo_loss(c, c, nll=torch.ones(2, device=DEVICE))
+    with pytest.raises(ValueError, match="desirable_weight must be finite"):
+        preference.kto_loss(c, c, c, c, desirable_weight=float("nan"))
+    h, w, tokens = torch.randn(2, 3, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE), torch.zeros(2, 3).long()
+    with pytest.raises(ValueError, match="no entropy option"):
+        preference.sequence_log_probs(h, w, tokens.to(DEVICE), entropy=True)

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import leantune
 from leantune.integrations.trl import loss_head_calls, patch_trainer
+from leantune.patch.forwards import LOSS_CALLS_ATTR
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -272,7 +273,9 @@ def test_trainer_without_fused_head_gets_logits_in_training(tiny_folder, tmp_pat
     del hf.forward  # the model as TRL <= 1.14 leaves it: no fused LM head
     reference = copy.deepcopy(trainer.model)
     patch_trainer(trainer)
-    assert "logits formed in training" in hf.leantune_summary["loss_runs"]
+    runs = hf.leantune_summary["loss_runs"]
+    assert "logits formed in training" in runs and "SFTTrainer makes no fused_lm_head calls" in runs
+    assert "ran so far: 0 losses" in runs  # what ran: none yet
     input_ids = torch.randint(0, 259, (2, 19))
     out, ref = (m.train()(input_ids=input_ids, labels=input_ids) for m in (trainer.model, reference))
     assert out.logits is not None
@@ -452,9 +455,15 @@ def test_loss_runs_says_which_head_ran(tiny_folder, tmp_path, fresh_seed):
     model, _ = _lora_model(tiny_folder, fresh_seed)
     leantune.patch(model)
     hf = model.get_base_model()
-    assert hf.leantune_summary["loss_runs"] == "ops.linear_cross_entropy (leantune's causal-LM forward)"
-    trainer = _sft_trainer(tiny_folder, tmp_path, fresh_seed, model=model)
+    runs = hf.leantune_summary["loss_runs"]
+    assert runs.startswith("ops.linear_cross_entropy (leantune's causal-LM forward); ran so far: 0 losses")
     input_ids = torch.randint(0, hf.config.vocab_size, (2, 13))
+    hf.train()(input_ids=input_ids)  # no labels: logits back, no loss of leantune's
+    assert "ran so far: 0 losses" in hf.leantune_summary["loss_runs"]
+    hf(input_ids=input_ids, labels=input_ids)
+    assert "ran so far: 1 losses" in hf.leantune_summary["loss_runs"]
+    hf.__dict__[LOSS_CALLS_ATTR] = 0
+    trainer = _sft_trainer(tiny_folder, tmp_path, fresh_seed, model=model)
     hf.train()(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
     runs = hf.leantune_summary["loss_runs"]
     assert "TRL's chunked head" in runs and "patch_trainer" in runs and runs.endswith(": 0 losses so far")

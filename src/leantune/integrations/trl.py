@@ -416,7 +416,9 @@ def patch_trainer(trainer, *, metrics: bool = True, freeze_heap: bool = True, **
         if head == "no fused head" and state is not None and state.kind == "causal_lm":
             # a client that reads outputs.logits in training: form them (the loss still from the fused op)
             hf.__dict__[STATE_ATTR] = dataclasses.replace(state, training_logits=True)
-            hf.leantune_summary["loss_runs"] += "; logits formed in training too (no fused head: TRL <= 1.14)"
+            hf.leantune_summary["loss_runs"] += (f"; logits formed in training too ({type(trainer).__name__} makes "
+                                                 "no fused_lm_head calls: TRL <= 1.14, or a trainer that scores "
+                                                 "the logits or hidden states itself, e.g. GKD or distillation)")
         elif head.startswith("TRL's"):
             hf.leantune_summary["loss_runs"] = head
     _leave_out_of_logs(trainer, _not_computed(trainer))

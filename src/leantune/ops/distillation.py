@@ -265,8 +265,9 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, lab
 
     Raises:
         ValueError: non-float or mixed dtypes within a head, wrong shapes (N or V differing between the heads),
-            labels not int64 ``[N]``, beta outside [0, 1], temperature not > 0, an unknown reduction, num_items with
-            "sum" or negative, chunk_bytes not a positive int, tensors on different devices.
+            labels not int64 ``[N]``, beta outside [0, 1], temperature not > 0 (or 1 / temperature not finite), an
+            unknown reduction, num_items with "sum", negative, or 0 while rows are scored, chunk_bytes not a
+            positive int, tensors on different devices.
         RuntimeError: ``LEANTUNE_BACKEND=triton`` on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _check_head("", hidden, weight, bias)
@@ -276,6 +277,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, lab
     beta = _runtime.check_real("beta", beta, low=0.0, high=1.0)
     temperature = _runtime.check_real("temperature", temperature, low=0.0, low_open=True,
                                       expected="a finite number > 0")
+    if not math.isfinite(1.0 / temperature):
+        raise ValueError(f"temperature must be a finite number > 0 whose inverse is finite, got {temperature!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if chunk_bytes is None:
@@ -295,8 +298,14 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, lab
         labels = labels.contiguous()
     else:
         n_valid = n_rows
-        check_options(torch.zeros(0, dtype=torch.int64, device=hidden.device), 1, ignore_index, 0.0, None, 0.0,
+        # every row counts: a 0 divisor is refused for N > 0 as with labels (a tensor num_items is read back by
+        # the check anyway, so its rows ride along; otherwise no tensor is read)
+        rows = n_rows if isinstance(num_items, torch.Tensor) else 0
+        check_options(torch.zeros(rows, dtype=torch.int64, device=hidden.device), 1, ignore_index, 0.0, None, 0.0,
                       "mean" if reduction == "batchmean" else "sum", num_items)
+        if num_items is not None and not isinstance(num_items, torch.Tensor) and num_items == 0 and n_rows:
+            raise ValueError(f"num_items is 0 but all {n_rows} rows are scored (labels=None): a divisor of 0 is only "
+                             "accepted when no row is")
     if reduction == "sum":
         divisor = torch.ones((), dtype=torch.float32, device=hidden.device)
     elif isinstance(num_items, torch.Tensor):

@@ -51,7 +51,14 @@ def sequence_log_probs(hidden, weight, tokens, bias=None, *, average=False, **op
 
     Returns:
         ``[B]`` float32, differentiable w.r.t. hidden, weight and bias. A sequence without valid token gives 0.
+
+    Raises:
+        ValueError: ``entropy`` given (per-token entropies: :func:`linear_log_probs` with ``entropy=True``), and as
+            :func:`linear_log_probs`.
     """
+    if "entropy" in options:
+        raise ValueError("sequence_log_probs takes no entropy option: linear_log_probs(..., entropy=True) gives the "
+                         "per-token entropies")
     log_probs = linear_log_probs(hidden, weight, tokens, bias, **options)
     total = log_probs.sum(-1)
     if not average:
@@ -68,6 +75,22 @@ def _as_float(name, t, shape=None):
     return t.float()
 
 
+def _per_row(name, t, shape):
+    """``t`` as fp32 ``[B, T]`` or ``[B, 1]`` (a ``[B]`` tensor gets the column): per-token or per-sequence values."""
+    t = _as_float(name, t)
+    if t.shape == shape[:1]:
+        return t[:, None]
+    if t.dim() == 2 and t.shape[0] == shape[0] and t.shape[1] in (1, shape[1]):
+        return t
+    raise ValueError(f"{name} must be [B], [B, 1] or [B, T] = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def _masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
@@ -81,20 +104,23 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
         log_probs: ``[B, T]`` policy log-probs of the completion tokens (differentiable; e.g. from
             :func:`linear_log_probs`).
         mask: ``[B, T]`` completion mask (bool or 0/1).
-        advantages: ``[B]`` or ``[B, T]``.
-        old_log_probs: ``[B, T]`` log-probs at sampling time; None: ``log_probs.detach()`` (one update per
-            generation: ratio 1, the gradient is A's policy gradient).
-        ref_log_probs: ``[B, T]`` reference log-probs; required when ``beta != 0``.
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        old_log_probs: ``[B, T]`` log-probs at sampling time (no gradient: detached here, as TRL computes them
+            without); None: ``log_probs.detach()`` (one update per generation: ratio 1, the gradient is A's policy
+            gradient).
+        ref_log_probs: ``[B, T]`` reference log-probs (detached here); required when ``beta != 0``.
         loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"`` or ``"dapo"`` (TRL 1.16's default).
         beta: KL coefficient (k3 estimator); epsilon_low / epsilon_high: clip range [1 - low, 1 + high] (high
             defaults to low); delta: upper clamp of the unclipped ratio (two-sided clipping) or None.
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO: one ratio per sequence).
-        max_completion_length: L_max for ``"dr_grpo"`` (default T).
-        num_items: ``"dapo"``'s divisor (int or 0-dim tensor; TRL passes the valid tokens of one accumulation
-            window); default ``sum(mask)``.
+        max_completion_length: L_max for ``"dr_grpo"``, a positive int (default T).
+        num_items: ``"dapo"``'s divisor, a positive int or a 0-dim tensor (TRL passes the valid tokens of one
+            accumulation window; a tensor's value is not read on the host: below 1 it counts as 1); default
+            ``sum(mask)``.
         bias_correction_kl: multiply kl_t by the importance ratio (TRL's ``use_bias_correction_kl``).
-        importance_sampling_ratio: ``[B, T]`` or ``[B, 1]`` weights (no gradient) of the clipped surrogate before the
-            KL term: TRL's correction for completions sampled by another engine (vLLM), pi_train / pi_sampler.
+        importance_sampling_ratio: ``[B, T]``, ``[B, 1]`` or ``[B]`` weights (no gradient) of the clipped surrogate
+            before the KL term: TRL's correction for completions sampled by another engine (vLLM), pi_train /
+            pi_sampler.
 
     Returns:
         ``(loss, metrics)``: 0-dim float32 loss, and detached masked means ``{"kl", "clip_ratio/low_mean",
@@ -103,7 +129,8 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
 
     Raises:
         ValueError: an unknown loss_type or importance_sampling_level, shapes that differ from log_probs',
-            ``ref_log_probs`` missing with beta != 0, negative epsilons, a non-finite option.
+            ``ref_log_probs`` missing with beta != 0, negative epsilons, a non-finite option, ``num_items`` or
+            ``max_completion_length`` not a positive int (a tensor ``num_items`` not 0-dim).
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
@@ -113,15 +140,17 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
     if lp.dim() != 2:
         raise ValueError(f"log_probs must be [B, T], got shape {tuple(lp.shape)}")
     m = _as_float("mask", mask, lp.shape)
-    adv = _as_float("advantages", advantages)
-    if adv.shape == lp.shape[:1]:
-        adv = adv[:, None]
-    elif adv.shape != lp.shape:
-        raise ValueError(f"advantages must be [B] or [B, T] = {tuple(lp.shape)}, got {tuple(adv.shape)}")
+    adv = _per_row("advantages", advantages, lp.shape)
     beta = _runtime.check_real("beta", beta)
     epsilon_low = _runtime.check_real("epsilon_low", epsilon_low, low=0.0)
     epsilon_high = epsilon_low if epsilon_high is None else _runtime.check_real("epsilon_high", epsilon_high, low=0.0)
-    old = lp.detach() if old_log_probs is None else _as_float("old_log_probs", old_log_probs, lp.shape)
+    old = lp.detach() if old_log_probs is None else _as_float("old_log_probs", old_log_probs, lp.shape).detach()
+    if max_completion_length is not None:
+        max_completion_length = _positive_int("max_completion_length", max_completion_length)
+    if num_items is not None and not isinstance(num_items, torch.Tensor):
+        num_items = _positive_int("num_items", num_items)
+    elif isinstance(num_items, torch.Tensor) and num_items.dim() != 0:
+        raise ValueError(f"num_items must be a positive int or a 0-dim tensor, got shape {tuple(num_items.shape)}")
     log_ratio = lp - old
     if importance_sampling_level == "token":
         log_weight = log_ratio
@@ -132,12 +161,12 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
     unclipped = ratio if delta is None else torch.clamp(ratio, max=_runtime.check_real("delta", delta))
     per_token = -torch.min(unclipped * adv, clipped * adv)
     if importance_sampling_ratio is not None:
-        per_token = per_token * _as_float("importance_sampling_ratio", importance_sampling_ratio).detach()
+        per_token = per_token * _per_row("importance_sampling_ratio", importance_sampling_ratio, lp.shape).detach()
     metrics = {}
     if beta != 0.0:
         if ref_log_probs is None:
             raise ValueError("ref_log_probs is required when beta != 0 (the KL term to the reference)")
-        diff = _as_float("ref_log_probs", ref_log_probs, lp.shape) - lp
+        diff = _as_float("ref_log_probs", ref_log_probs, lp.shape).detach() - lp
         kl = torch.exp(diff) - diff - 1.0
         if bias_correction_kl:
             kl = kl * ratio
@@ -179,14 +208,26 @@ def dpo_loss(chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
     """DPO and its sigmoid / hinge / ipo variants (module docstring) on sequence log-probs ``[B]``.
 
     ``chosen_lengths`` / ``rejected_lengths`` (``[B]`` token counts, ipo only): divide each log-ratio by its length
-    first, as TRL 1.16 does. ``label_smoothing`` in [0, 0.5): the conservative (cDPO) sigmoid loss.
+    first, as TRL 1.16 does. ``label_smoothing`` in [0, 0.5), sigmoid only: the conservative (cDPO, Mitchell 2023)
+    sigmoid loss. TRL 1.16's ``sigmoid`` has no smoothing (its ``label_smoothing`` serves its robust, EXO and AOT
+    losses): with 0 (the default) the two are the same loss.
 
     Returns:
         ``(loss, chosen_rewards, rejected_rewards)``: 0-dim mean loss; ``beta * (lp - ref)`` per pair, detached.
+
+    Raises:
+        ValueError: an unknown loss_type, beta not > 0, shapes other than ``[B]``, and an option the loss type does
+            not read (label_smoothing other than 0 with hinge or ipo, lengths with sigmoid or hinge).
     """
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
     beta = _runtime.check_real("beta", beta, low=0.0, low_open=True)
+    if loss_type != "sigmoid" and label_smoothing != 0.0:
+        raise ValueError(f"label_smoothing is the sigmoid loss's (cDPO); loss_type {loss_type!r} takes none, got "
+                         f"{label_smoothing!r}")
+    if loss_type != "ipo" and (chosen_lengths is not None or rejected_lengths is not None):
+        raise ValueError(f"chosen_lengths / rejected_lengths normalise the ipo loss; loss_type {loss_type!r} takes "
+                         "none")
     chosen = _as_float("chosen_log_probs", chosen_log_probs)
     if chosen.dim() != 1:
         raise ValueError(f"chosen_log_probs must be [B], got shape {tuple(chosen.shape)}")
@@ -208,26 +249,39 @@ def dpo_loss(chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
 
 
 def _log1mexp(x):
-    """log(1 - e^x) for x < 0 without cancellation (Maechler 2012: branch at -log 2)."""
-    return torch.where(x < -math.log(2.0), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+    """log(1 - e^x) for x < 0 without cancellation (Maechler 2012: branch at -log 2). Each branch reads a safe input
+    where the other is taken (torch.where's gradient is 0 * the untaken branch's, NaN if that is infinite), and x is
+    clamped to at most -tiny: a mean log-prob of exactly 0 (every token at probability 1 in fp32, or a row without
+    a valid token) gives a large finite log odds and a finite gradient instead of inf and NaN."""
+    x = x.clamp(max=-torch.finfo(x.dtype).tiny)
+    far = x < -math.log(2.0)
+    return torch.where(far, torch.log1p(-torch.exp(torch.where(far, x, -1.0))),
+                       torch.log(-torch.expm1(torch.where(far, -0.5, x))))
 
 
 def orpo_loss(chosen_log_probs, rejected_log_probs, *, beta=0.1, nll=None):
     """ORPO (module docstring) on mean token log-probs ``[B]`` (:func:`sequence_log_probs` with average=True).
 
     ``nll``: the chosen responses' token-mean NLL (0-dim; e.g. minus the mean of their token log-probs), added to
-    the odds-ratio term; None leaves it out.
+    the odds-ratio term; None leaves it out. ``beta`` >= 0 (ORPO's lambda).
 
     Returns:
         ``(loss, log_odds)``: 0-dim loss and the per-pair log odds ratio (detached).
+
+    Raises:
+        ValueError: beta negative or not finite, log-probs not ``[B]`` of one shape, ``nll`` not 0-dim.
     """
-    beta = _runtime.check_real("beta", beta)
+    beta = _runtime.check_real("beta", beta, low=0.0)
     c = _as_float("chosen_log_probs", chosen_log_probs)
+    if c.dim() != 1:
+        raise ValueError(f"chosen_log_probs must be [B], got shape {tuple(c.shape)}")
     r = _as_float("rejected_log_probs", rejected_log_probs, c.shape)
+    if nll is not None:
+        nll = _as_float("nll", nll, ())
     log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
     loss = -beta * _mean(F.logsigmoid(log_odds))
     if nll is not None:
-        loss = loss + _as_float("nll", nll)
+        loss = loss + nll
     return loss, log_odds.detach()
 
 
@@ -249,21 +303,26 @@ def kto_loss(chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
 
     Returns:
         ``(loss, kl)``: 0-dim mean over all Bc + Br weighted losses (0.0 when both are empty) and the clamped KL
-        baseline z (detached).
+        baseline z (detached; 0 for an empty KL batch).
+
+    Raises:
+        ValueError: beta not > 0, a weight negative or not finite, mismatched shapes, one of the KL pair missing.
     """
     beta = _runtime.check_real("beta", beta, low=0.0, low_open=True)
+    desirable_weight = _runtime.check_real("desirable_weight", desirable_weight, low=0.0)
+    undesirable_weight = _runtime.check_real("undesirable_weight", undesirable_weight, low=0.0)
     c = _as_float("chosen_log_probs", chosen_log_probs)
     r = _as_float("rejected_log_probs", rejected_log_probs)
     c_ratio = c - _as_float("ref_chosen_log_probs", ref_chosen_log_probs, c.shape)
     r_ratio = r - _as_float("ref_rejected_log_probs", ref_rejected_log_probs, r.shape)
     if (kl_log_probs is None) != (ref_kl_log_probs is None):
         raise ValueError("kl_log_probs and ref_kl_log_probs must be given together")
-    if kl_log_probs is None:
-        kl = torch.zeros((), dtype=torch.float32, device=c.device)
-    else:
+    kl = torch.zeros((), dtype=torch.float32, device=c.device)
+    if kl_log_probs is not None:  # an empty KL batch keeps the baseline 0 (the mean of nothing is NaN)
         kl_policy = _as_float("kl_log_probs", kl_log_probs)
-        kl = (kl_policy - _as_float("ref_kl_log_probs", ref_kl_log_probs, kl_policy.shape)).mean().detach()
-        kl = kl.clamp_min(0.0)
+        kl_ref = _as_float("ref_kl_log_probs", ref_kl_log_probs, kl_policy.shape)
+        if kl_policy.numel():
+            kl = (kl_policy - kl_ref).mean().detach().clamp_min(0.0)
     losses = torch.cat([desirable_weight * (1.0 - torch.sigmoid(beta * (c_ratio - kl))),
                         undesirable_weight * (1.0 - torch.sigmoid(beta * (kl - r_ratio)))])
     return _mean(losses), kl

@@ -116,9 +116,13 @@ def _loss_runs_now(hf: nn.Module, configured: str) -> str:
     if callable(describe):
         return describe(configured)
     forward = hf.__dict__.get("forward")
+    calls = hf.__dict__.get(LOSS_CALLS_ATTR, 0)
+    if configured.startswith(LEANTUNE_FORWARD_LOSS) and (forward is None or is_leantune_forward(forward)):
+        # only calls with labels run it: a loss a caller forms from the returned logits (or hidden states) is its own
+        return (f"{configured}; ran so far: {calls} losses (calls with labels; a loss the caller computes from the "
+                "returned logits or hidden states is the caller's)")
     if configured != LEANTUNE_FORWARD_LOSS or forward is None or is_leantune_forward(forward):
         return configured
-    calls = hf.__dict__.get(LOSS_CALLS_ATTR, 0)
     return (f"the instance forward {_name(forward)}'s own head for its own calls (put on after leantune.patch; for "
             f"TRL's fused_lm_head=True calls that is TRL's chunked head: leantune.integrations.trl.patch_trainer"
             f"(trainer) makes them leantune's); ops.linear_cross_entropy only where it calls leantune's causal-LM "
