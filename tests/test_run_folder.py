@@ -178,6 +178,8 @@ def test_resume_reads_the_runs_settings_and_refuses_every_differing_flag_at_once
     code, err = run_cli(capsys, "train", "--output", out, "--resume", "--lora-alpha", "1.0")
     assert_error(code, err, "--resume: --lora-alpha 1.0 (saved: 32.0) differs from the run being resumed",
                  "leave it out")
+    code, err = run_cli(capsys, "train", "--output", out, "--resume", "--quantize", "fp8")
+    assert_error(code, err, "--resume: --quantize fp8 (saved: off) differs")  # as the CLI spells None
     assert files_of(out) == before  # nothing rewritten by a refused resume
     (out / "checkpoints" / ".tmp-step-000003").mkdir()  # a save cut short by a kill
     code, err = run_cli(capsys, "train", "--output", out, "--resume")  # every other setting from run.json

@@ -18,6 +18,14 @@ dtype the weight had (adapters are rounded through it as PEFT does over a 16-bit
 give the same adapters, loss and gradients. Merging into the codes is not possible in either order (PEFT's merge
 fails on the packed shape); ``leantune export`` merges into the dequantised weights.
 
+Both also answer PEFT's probe for a quantised layer whose dense weight it needs (``dequantize_module_weight``: a
+``W_q`` attribute, then ``dequantize()``, the protocol of HQQ's layers): DoRA's weight norm (PEFT's forward, in
+either order) reads the dense weight the layer computes with. A merge into the codes is not possible:
+:func:`dequantize` turns the layers back into ``nn.Linear`` layers of the dequantised weights first (then
+``merge_and_unload`` and ``save_pretrained`` work). ``save_pretrained`` of the quantised transformers model is
+refused (transformers would write codes it reads back as float weights), and so is loading a float ``weight``
+into a quantised layer (it would be cast into the codes under the old scales).
+
 FP8 (:class:`FP8Linear`) follows the same pattern: ``weight`` is the e4m3 tensor and ``compute_dtype`` the dtype it
 was quantised from (PEFT would otherwise cast the adapters to float8, a floating dtype to it). Its forward is
 ``ops.lora_linear`` without adapters, so y and dX run as e4m3 GEMMs (``torch._scaled_mm`` on the card, the exact
@@ -60,7 +68,9 @@ from .ops import (
     FP8Weight,
     NF4Weight,
     dequantize_blocks,
+    dequantize_fp8,
     dequantize_nf4,
+    dequantize_nf4_fp8,
     lora_linear,
     quantize_fp8,
     quantize_nf4,
@@ -69,6 +79,7 @@ from .ops import (
 )
 
 QUANT_TYPES = ("nf4", "fp8", "nf4-fp8")
+_COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TENSOR_FIELDS = ("codes", "absmax_codes", "nested_absmax", "code", "nested_code")
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
 
@@ -89,7 +100,56 @@ def _apply_keeping_storage(module: nn.Module, fn, apply_rest, names, compute_dty
     return probe.dtype if probe.dtype in (torch.float32, torch.float16, torch.bfloat16) else None
 
 
-class NF4Linear(nn.Linear):
+class _Dequantizable:
+    """What :class:`NF4Linear` and :class:`FP8Linear` share: PEFT's probe for a quantised layer's dense weight, and
+    the refusal of a float ``weight`` on load."""
+
+    @property
+    def W_q(self) -> torch.Tensor:  # noqa: N802 (the name PEFT's dequantize_module_weight looks for)
+        """The codes, under the name PEFT's ``dequantize_module_weight`` probes: it then calls :meth:`dequantize`
+        instead of reading ``weight`` (codes) as a float matrix (DoRA's weight norm)."""
+        return self.weight
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense weight ``[out_features, in_features]`` the layer computes with, in its compute dtype (a new
+        tensor, no gradient)."""
+        raise NotImplementedError
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and not _holds_codes(self, weight):
+            # a float weight would be cast into the codes under the old scales (or ignored): refuse this layer
+            error_msgs.append(f"{prefix}weight: a {weight.dtype} weight of shape {tuple(weight.shape)} cannot be "
+                              f"loaded into leantune's {type(self).__name__} (quantised codes): load the float "
+                              "weights into the model before leantune.quantize, or leantune.dequantize it first")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+class _Codes(torch.Tensor):
+    """An NF4Linear's codes as its ``weight`` shows them: assigning ``.data`` (PEFT's merge into the base weight)
+    raises instead of replacing the codes with a merged float matrix cast to uint8."""
+
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        raise ValueError("merging an adapter into leantune's NF4Linear codes is not possible: "
+                         "leantune.dequantize(model) first (then merge_and_unload), or leantune export for a leantune "
+                         "train run")
+
+
+def _holds_codes(layer, weight: torch.Tensor) -> bool:
+    """Whether a state dict's ``weight`` entry is this quantised layer's own kind (FP8Linear: e4m3 codes; an
+    NF4Linear saves no weight entry at all)."""
+    return isinstance(layer, FP8Linear) and weight.dtype == layer.weight.dtype
+
+
+class NF4Linear(_Dequantizable, nn.Linear):
     """``y = x W^T + b`` with W [out_features, in_features] stored as NF4 and dequantised at each call.
 
     The NF4 tensors are buffers (they follow ``.to(device)``; a float cast of the model, ``.to(torch.bfloat16)``,
@@ -119,8 +179,9 @@ class NF4Linear(nn.Linear):
     @property
     def weight(self) -> torch.Tensor:
         """The packed NF4 codes (uint8, two weights a byte), as bitsandbytes' ``Linear4bit.weight`` holds them: what
-        PEFT and other code probing a linear layer's ``weight`` for its device find. Not a float matrix."""
-        return self.codes
+        PEFT and other code probing a linear layer's ``weight`` for its device find. Not a float matrix; a view
+        whose ``.data`` cannot be replaced (PEFT's merges write a float matrix there: :class:`_Codes`)."""
+        return self.codes.as_subclass(_Codes)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -132,6 +193,14 @@ class NF4Linear(nn.Linear):
         offset, shape, dtype, name = self._meta
         return NF4Weight(**{f: getattr(self, f) for f in _TENSOR_FIELDS}, offset=offset, shape=shape, dtype=dtype,
                          fp8_scale=self.fp8_scale, name=name)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense weight in the compute dtype: the NF4 values, or with FP8 compute the e4m3 values its GEMMs
+        read (dequantised in fp32, rounded once)."""
+        with torch.no_grad():
+            if self.fp8_scale is not None:
+                return dequantize_fp8(dequantize_nf4_fp8(self.weight_nf4), self.compute_dtype)
+            return dequantize_nf4(self.weight_nf4, dtype=self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_scale is not None:  # FP8 compute: e4m3 GEMMs on codes dequantised to e4m3, as the fused ops run
@@ -146,7 +215,7 @@ class NF4Linear(nn.Linear):
                 f"nf4{compute}")
 
 
-class FP8Linear(nn.Linear):
+class FP8Linear(_Dequantizable, nn.Linear):
     """``y = x W^T + b`` with W ``[out_features, in_features]`` ~= diag(weight_scale) weight (e4m3), the GEMMs in FP8.
 
     ``weight`` (float8_e4m3fn) and ``weight_scale`` (fp32 [out]) are buffers saved in the state dict (a float cast
@@ -179,7 +248,15 @@ class FP8Linear(nn.Linear):
     def weight_fp8(self) -> FP8Weight:
         return FP8Weight(self.weight, self.weight_scale, self._meta[0], self._meta[1])
 
+    def dequantize(self) -> torch.Tensor:
+        """diag(weight_scale) weight in the compute dtype (formed in fp32, rounded once)."""
+        with torch.no_grad():
+            return dequantize_fp8(self.weight_fp8, self.compute_dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):  # the e4m3 GEMMs take these
+            raise ValueError(f"{self._meta[1]}: an FP8Linear takes float32, float16 or bfloat16 inputs, got "
+                             f"{x.dtype} (a float64 model cannot run FP8 layers: leantune.dequantize it first)")
         return lora_linear(x, self.weight_fp8, None, None, 0.0, self.bias)
 
     def extra_repr(self) -> str:
@@ -405,7 +482,10 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
             layer, and the model is unchanged.
     """
     if quant_type not in QUANT_TYPES:
-        raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {quant_type!r} (fp4 is not supported yet)")
+        raise ValueError(f"quant_type must be one of {QUANT_TYPES} (lower case), got {quant_type!r}")
+    if dtype is not None and dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be None or one of torch.float32, torch.float16, torch.bfloat16 (the compute "
+                         f"dtype), got {dtype!r}")
     decoder = _decoder(model)
     other = [(name, kind) for name, kind in _quantized_kinds(model) if quant_type not in kind]
     if other:
@@ -413,12 +493,20 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
                          f"{other[0][1][0]}), not {quant_type!r}: quantize its float weights once, to one type")
     prefix = next((n + "." for n, m in model.named_modules() if m is decoder and n), "")
     targets = [(name[len(prefix):], module) for name, module in quantized_linears(model)]
+    done = [(name, m) for name, m in model.named_modules() if isinstance(m, (FP8Linear, NF4Linear))]
+    if dtype is not None and any(m.compute_dtype != dtype for _, m in done):
+        name, m = next((n, m) for n, m in done if m.compute_dtype != dtype)
+        raise ValueError(f"{name} is already quantised with compute dtype {m.compute_dtype}; dtype={dtype} would "
+                         f"apply only to layers quantised now: cast the model (model.to({dtype})) instead")
     for name, linear in targets:
         if linear.weight.is_meta:
             raise ValueError(f"{prefix + name}: its weight is on the meta device (not loaded): load or materialise "
                              "the model before quantize")
     experts = [(prefix + name, m) for name, m in decoder.named_modules() if expert_stacks(m)] \
         if quant_type != "fp8" else []
+    if not targets and not experts and not _quantized_kinds(model):
+        raise ValueError(f"{type(model).__name__}: no nn.Linear layer in its decoder blocks to quantise (e.g. "
+                         "GPT-2's Conv1D layers are not nn.Linear): leantune.quantize takes nn.Linear projections")
     if quant_type == "nf4-fp8":  # the check with_fp8_compute would fail on, before anything changes
         for name, linear in targets:
             if linear.in_features % 64:
@@ -458,4 +546,82 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
     for name, module in experts:  # after the linears: one stack at a time, its bf16 tensor freed as it goes
         b, a = quantize_experts(module, name)
         before, after = before + b, after + a
+    _refuse_save_pretrained(model, quant_type)
     return {"layers": len(replacements), "experts": len(experts), "bytes_before": before, "bytes_after": after}
+
+
+class _QuantizedSave:
+    """A quantised transformers model's ``save_pretrained``: refused (an instance attribute :func:`quantize` sets and
+    :func:`dequantize` removes; a class, so the model still pickles). transformers would write the codes under the
+    float weights' names, and read them back as float weights without an error."""
+
+    def __init__(self, quant_type: str):
+        self.quant_type = quant_type
+
+    def __call__(self, *args, **kwargs):
+        raise ValueError(f"save_pretrained of a model leantune.quantize put in {self.quant_type} would write codes "
+                         "that transformers loads back as float weights: save the adapter (PEFT's save_pretrained), or "
+                         "leantune.dequantize(model) first to save dense weights (leantune export merges a run's "
+                         "adapter into its dequantised base)")
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)  # a PeftModel: the transformers model under it
+    return get_base() if callable(get_base) else model
+
+
+def _refuse_save_pretrained(model: nn.Module, quant_type: str) -> None:
+    hf = _transformers_model(model)
+    if callable(getattr(type(hf), "save_pretrained", None)):
+        hf.__dict__["save_pretrained"] = _QuantizedSave(quant_type)
+
+
+def dequantize(model: nn.Module) -> dict[str, int]:
+    """Undo :func:`quantize`, in place: every :class:`NF4Linear` / :class:`FP8Linear` becomes an ``nn.Linear`` of
+    its dequantised weight (:meth:`NF4Linear.dequantize`: the values the layer computed with, in its compute dtype;
+    frozen; the bias kept) and every NF4 experts module its float class again, its stacks dequantised. Afterwards
+    PEFT's ``merge_and_unload`` and transformers' ``save_pretrained`` work as on a float model (the weights carry
+    the quantisation error: they are not the weights before :func:`quantize`). The adapters are untouched.
+
+    Returns:
+        ``{"layers": linear layers dequantised, "experts": experts modules dequantised}``.
+    """
+    layers = experts = 0
+    with torch.no_grad():
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if not isinstance(child, (NF4Linear, FP8Linear)):
+                    continue
+                weight = child.dequantize()
+                linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                linear.weight = nn.Parameter(weight, requires_grad=False)
+                linear.bias = child.bias
+                setattr(parent, name, linear)
+                layers += 1
+        for module in list(model.modules()):
+            if isinstance(module, NF4Experts):
+                _dequantize_experts(module)
+                experts += 1
+    allow_save_pretrained(model)
+    return {"layers": layers, "experts": experts}
+
+
+def allow_save_pretrained(model: nn.Module) -> None:
+    """Lift :func:`quantize`'s refusal of ``save_pretrained`` (for code that has replaced every quantised layer
+    itself, as ``leantune export`` does; :func:`dequantize` calls it)."""
+    _transformers_model(model).__dict__.pop("save_pretrained", None)
+
+
+def _dequantize_experts(module: NF4Experts) -> None:
+    """An NF4 experts module back to its float class, each stack a frozen parameter of its dequantised values (under
+    a PEFT parametrization: its ``original``)."""
+    stacks = {n: dequantize_nf4(module.nf4_stack(n)) for n in module._leantune_nf4}
+    for n, dense in stacks.items():
+        if nn.utils.parametrize.is_parametrized(module, n):
+            module.parametrizations[n].original.data = dense
+        else:
+            module._parameters[n] = nn.Parameter(dense, requires_grad=False)
+        for f in (*_TENSOR_FIELDS, "offset"):
+            del module._buffers[f"{n}_nf4_{f}"]
+    module.__class__ = module._leantune_float_class
+    del module._leantune_nf4

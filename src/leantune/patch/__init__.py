@@ -56,7 +56,7 @@ from .forwards import (
     lora_status,
     unbind,
 )
-from .lora_status import is_dora
+from .lora_status import is_dora, quantized_kind
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
 from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp
 
@@ -102,6 +102,17 @@ class PatchSummary(dict):
 
     def __repr__(self):
         return repr(dict(self.items()))
+
+    def __eq__(self, other):  # as read, loss_runs included
+        if isinstance(other, PatchSummary):
+            other = dict(other.items())
+        return dict(self.items()) == other if isinstance(other, dict) else NotImplemented
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None
 
     def __reduce__(self):
         return dict, (dict(self.items()),)
@@ -155,19 +166,19 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         strict: raise for a model type that has no family row, instead of warning and leaving the model unpatched.
 
     Returns:
-        ``model``. Its summary (counts per kind, ``fused``: the parts of the family's layers that run leantune's
-        ops as patched (a kind switched off, no PEFT, no dense MLP leave theirs out),
-        ``kept``: parts of its layers that keep HF's forward and why, ``loss_runs``: the loss that the model's
-        forward runs, re-read at each access from what is installed and what ran (:class:`PatchSummary`), and
-        ``unpatched``: modules left alone and why) is logged at INFO and stored as ``leantune_summary`` on the
-        transformers model (reachable through PEFT wrappers). A model type without a row is left unpatched with
-        a ``UserWarning`` naming what is missing (its summary has ``family`` None). A wrapper forward put on the
-        causal LM by someone else (TRL's fused LM head) is kept: patched before it, leantune's forward inside
-        runs where the wrapper calls it; patched after, the loss is the wrapper's unless it holds leantune's
-        forward or is leantune's own head (:mod:`leantune.integrations.trl`). Counts and ``fused`` are as of the
-        call: patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA is fused at forward time, and
-        after ``merge_and_unload`` the counts still name the adapters (call ``patch`` again to refresh the summary;
-        patching twice is harmless).
+        ``model``. Its summary (counts per kind, ``fused``: the parts of the family's layers that run leantune's ops as
+        patched (a kind switched off, no PEFT, no dense MLP leave theirs out), ``kept``: parts of its layers that keep
+        HF's forward and why, ``loss_runs``: the loss that the model's forward runs, re-read at each access from what is
+        installed and what ran (:class:`PatchSummary`), and ``unpatched``: modules left alone and why, ``quantized``:
+        how many linear layers hold leantune.quantize's codes, by kind, e.g. ``{"fp8": 224}``, also named in ``fused``)
+        is logged at INFO and stored as ``leantune_summary`` on the transformers model (reachable through PEFT
+        wrappers). A model type without a row is left unpatched with a ``UserWarning`` naming what is missing (its
+        summary has ``family`` None). A wrapper forward put on the causal LM by someone else (TRL's fused LM head) is
+        kept: patched before it, leantune's forward inside runs where the wrapper calls it; patched after, the loss is
+        the wrapper's unless it holds leantune's forward or is leantune's own head (:mod:`leantune.integrations.trl`).
+        Counts and ``fused`` are as of the call: patching before ``get_peft_model`` counts 0 LoRA projections, yet LoRA
+        is fused at forward time, and after ``merge_and_unload`` the counts still name the adapters (call ``patch``
+        again to refresh the summary; patching twice is harmless).
 
     Raises:
         ValueError: ``config.model_type`` has no family row and ``strict`` is set (the message lists the supported
@@ -281,7 +292,10 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         "tile_mlp": tile_mlp,
         "loss_runs": loss_runs,
         "unpatched": left,
+        "quantized": _quantized_counts(model),
     }
+    if summary["quantized"]:
+        summary["fused"].append(_QUANTIZED_NOTE + ", ".join(f"{kind} {n}" for kind, n in summary["quantized"].items()))
     hf.__dict__[SUMMARY_ATTR] = PatchSummary(hf, summary)
     logger.info("leantune.patch(%s): %s", type(hf).__name__, _describe(summary))
     return model
@@ -327,6 +341,7 @@ def _not_covered(hf: nn.Module, model_type) -> None:
         "family": None, "counts": dict.fromkeys(_COUNTS, 0),
         "off": list(KINDS), "fused": [], "kept": {"<model>": reason}, "offload_checkpoints": False,
         "tile_mlp": None, "loss_runs": "HF's forward (model type not covered)", "unpatched": {"<model>": reason},
+        "quantized": _quantized_counts(hf),
     }
 
 
@@ -338,6 +353,16 @@ def _decoder_layer_parts(hf: nn.Module) -> str:
         if isinstance(module, nn.ModuleList) and len(module) and len(module) == layers:
             return f"{type(module[0]).__name__}: " + ", ".join(sorted({type(c).__name__ for c in module[0].children()}))
     return ""
+
+
+_QUANTIZED_NOTE = ("frozen weights of leantune.quantize (fp8: e4m3 codes, the frozen GEMMs in FP8; nf4: dequantised "
+                   "per GEMM; nf4-fp8: NF4 codes dequantised to e4m3, the GEMMs in FP8), layers: ")
+
+
+def _quantized_counts(model: nn.Module) -> dict[str, int]:
+    """How many of the model's linear layers hold leantune.quantize's codes, by kind ("fp8", "nf4", "nf4-fp8")."""
+    counts = collections.Counter(kind for m in model.modules() if (kind := quantized_kind(m)) is not None)
+    return dict(sorted(counts.items()))
 
 
 _DORA_NOTE = ("DoRA fused: q/k/v through ops.lora_qkv, the gated MLP through ops.lora_mlp (their DoRA nodes; a "
@@ -454,7 +479,7 @@ def unpatch(model):
             "family": None, "counts": dict.fromkeys(_COUNTS, 0),
             "off": list(KINDS), "offload_checkpoints": False, "tile_mlp": None,
             "loss_runs": "not leantune's: the model is unpatched (leantune.unpatch)",
-            "unpatched": {"model": "leantune.unpatch"},
+            "unpatched": {"model": "leantune.unpatch"}, "quantized": _quantized_counts(hf),
         }
     return model
 

@@ -79,6 +79,15 @@ def _quantized_weight_attr(cls) -> str | None:
                 None)
 
 
+def quantized_kind(module) -> str | None:
+    """``"fp8"``, ``"nf4"`` or ``"nf4-fp8"`` for a layer of leantune.quantize (read by its codes' property, as the
+    fused ops take them), None for any other module."""
+    attr = _quantized_weight_attr(type(module))
+    if attr is None:
+        return None
+    return "fp8" if attr == "weight_fp8" else "nf4-fp8" if module.fp8_scale is not None else "nf4"
+
+
 def lora_status(module) -> tuple[ops.LoraWeights | None, float, bool, str | None]:
     """``(weights, dropout_p, training, reason)`` for one projection as the fused LoRA ops would consume it.
 

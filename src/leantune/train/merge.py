@@ -107,7 +107,7 @@ def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4"
     codes its GEMMs read, dequantised. MoE expert stacks are NF4 in an NF4 or NF4-FP8 run (FP8 keeps them in the
     compute dtype)."""
     from ..ops import dequantize_fp8, dequantize_nf4, dequantize_nf4_fp8, quantize_fp8, quantize_nf4, with_fp8_compute
-    from ..quantize import EXPERT_STACKS, FP8Linear, expert_stacks, quantized_linears
+    from ..quantize import EXPERT_STACKS, FP8Linear, allow_save_pretrained, expert_stacks, quantized_linears
 
     with torch.no_grad():
         for name, linear in quantized_linears(model):
@@ -135,6 +135,7 @@ def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4"
                     if child.bias is not None:
                         linear.bias = torch.nn.Parameter(child.bias.detach().float(), requires_grad=False)
                     setattr(parent, child_name, linear)
+    allow_save_pretrained(model)  # no quantised layer is left
 
 
 def export(adapter: str, out: str, *, overwrite: bool = False, format: str = "hf", dtype: str | None = None) -> Path:

@@ -205,7 +205,8 @@ def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path:
         else:
             same = old == new
         if not same:
-            differ.append(f"--{name.replace('_', '-')} {new} (saved: {old})")
+            shown = ["off" if v is None and name == "quantize" else v for v in (new, old)]  # as the CLI spells it
+            differ.append(f"--{name.replace('_', '-')} {shown[0]} (saved: {shown[1]})")
             if name in ("model", "data") and old is not None and not Path(old).is_absolute():
                 hint = ("; run.json of an older leantune holds the paths relative to where that run started: "
                         "resume from there")
