@@ -514,12 +514,11 @@ def test_rloo_trainer_matches_trl_head_and_runs_leantune_log_probs(tiny_folder, 
     logs = _train(trainer, fresh_seed)
     _compare(ref_logs, logs, ("entropy", "reward", "reward_std"))
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):
-        if float(ref["reward_std"]) > 0:
-            _compare([ref], [out], ("grad_norm",))
-        else:  # equal rewards, zero advantages: only beta KL's gradient, (exp(d) - 1) dlogp for log-prob gaps
-            # d ~ 1e-3 to the reference, whose fp32 rounding is eps / d ~ 1e-4 relative (draws: 5.6e-5, 9.5e-6)
-            assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= 1e-4 * float(ref["grad_norm"]), (
-                step, out, ref)
+        # beta KL's gradient, (exp(d) - 1) dlogp for log-prob gaps d ~ 1e-3 to the reference, has an fp32 rounding
+        # of eps / d ~ 1e-4 relative; it dominates where the advantages are zero (equal rewards: draws 5.6e-5,
+        # 9.5e-6) or small (reward_std > 0: 2.64e-5 at LEANTUNE_TEST_SEED=1279630658, step 0)
+        assert abs(float(out["grad_norm"]) - float(ref["grad_norm"])) <= 1e-4 * float(ref["grad_norm"]), (
+            step, out, ref)
     for step, (ref, out) in enumerate(zip(ref_logs, logs)):  # differences that cancel in fp32 (GRPO's test)
         assert abs(float(out["loss"]) - float(ref["loss"])) <= 1e-6, (step, out["loss"], ref["loss"])
         assert abs(float(out["kl"]) - float(ref["kl"])) <= 5e-7, (step, out["kl"], ref["kl"])

@@ -1,6 +1,10 @@
 """``leantune.quantize(model, "nf4" | "fp8" | "nf4-fp8")``: the frozen linear weights of a causal LM's decoder blocks
 stored in NF4 (4-bit) or FP8 (e4m3 with per-output-channel scales, :mod:`leantune.ops.fp8`; experimental), or in NF4
-with FP8 compute (experimental: docs/design.md "NF4 storage, FP8 compute").
+with FP8 compute (experimental: docs/design.md "NF4 storage, FP8 compute"); ``leantune.dequantize(model)`` undoes it.
+
+This module is longer than 500 lines because the quantised layer classes, the NF4 expert stacks, the whole-model
+function and its inverse share one storage layout and one set of answers to PEFT's and transformers' probes: split,
+each part would need the others' private fields.
 
 QLoRA (Dettmers et al. 2023) keeps the frozen base weights in 4-bit NF4 with double-quantised absmax and the
 embeddings, norms and ``lm_head`` in the compute dtype. Each targeted ``nn.Linear`` becomes an :class:`NF4Linear`
