@@ -164,6 +164,29 @@ def test_patched_model_training_step_compiles_fullgraph_like_eager(targets, rope
     leantune.unpatch(model)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
+def test_patched_step_compiles_fullgraph_over_lengths_and_a_tensor_count(dynamic, monkeypatch):
+    """A new sequence length (dynamo then makes it symbolic, or dynamic=True from the start, where Python floats are
+    symbolic inputs too) and num_items_in_batch as a tensor (what HF's Trainer passes): still one graph each time,
+    the eager loss. RoPE's layout is read from symbolic strides without sorted(key=...); the options' value checks
+    do not run on symbolic numbers; the loss's dtype follows torch's promotion without torch.result_type."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = leantune.patch(tiny_peft_model("llama")).train()
+
+    def step(input_ids, labels, num_items):
+        return model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items, use_cache=False).loss
+
+    gc.collect()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for seq in (9, 13):
+        input_ids, labels = batch(seq=seq)
+        count = (labels[:, 1:] != -100).sum()
+        loss = compiled(input_ids, labels, count)
+        loss.backward()
+        assert rel_err(loss.detach(), step(input_ids, labels, count).detach()) <= 1e-5, seq
+    leantune.unpatch(model)
+
+
 def test_eager_label_checks_break_the_graph_deferred_ones_do_not(monkeypatch):
     """``checks="eager"`` reads the labels on the host (documented): without fullgraph it costs one graph break and
     still gives the eager loss; ``checks="deferred"`` (what the patch passes) traces as one graph."""

@@ -519,3 +519,18 @@ def test_old_trl_reading_training_logits_gets_the_fix_named(monkeypatch):
     monkeypatch.setattr(missing_logits, "_lacks", [False])  # TRL >= 1.15: its calls never read them here
     with pytest.raises(TypeError, match="NoneType"):
         namespace["compute_loss"](model, {"input_ids": input_ids, "labels": labels})
+
+
+def test_forward_with_labels_under_inference_mode():
+    """An eval loop under torch.inference_mode: inference tensors carry no version counter, so the positions the
+    causal-LM forward makes are not remembered (transformers' own check runs); the loss is HF's."""
+    model = tiny_peft_model("llama").eval()
+    input_ids, labels = batch()
+    with torch.inference_mode():
+        ref = model(input_ids=input_ids, labels=labels).loss
+    leantune.patch(model)
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        with torch.inference_mode():
+            loss = model(input_ids=input_ids, labels=labels).loss
+        assert rel_err(loss, ref) <= 1e-5, mode

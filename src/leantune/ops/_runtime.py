@@ -241,10 +241,13 @@ def check_real(name: str, value, *, low: float | None = None, high: float | None
                high_open: bool = False, expected: str | None = None) -> float:
     """``value`` as a float; ValueError naming ``name`` unless it is a finite real number (bools, strings and tensors
     are not) within [low, high] (``low_open`` / ``high_open`` exclude the bound). ``expected`` replaces the
-    message's description of a valid value, for every failure."""
+    message's description of a valid value, for every failure. Under torch.compile's tracing it is returned
+    unchecked (with ``dynamic=True`` a Python float is a symbolic input there, whose value tracing cannot read)."""
     def fail(what: str):
         raise ValueError(f"{name} must be {expected or what}, got {value!r}")
 
+    if torch.compiler.is_compiling():
+        return value  # maybe a symbolic number (dynamic=True makes Python floats inputs): no value while tracing
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail("a real number")
     try:

@@ -207,12 +207,26 @@ def _rope_torch(q, k, q_out, k_out, cos, sin, backward):
 
 def _layout(x: torch.Tensor) -> tuple[int, ...]:
     """Order of x's first three dims from outermost to innermost stride; the head dim stays innermost."""
+    if torch.compiler.is_compiling():  # symbolic strides (dynamic shapes): no cache, no sorted(key=...)
+        return _order(x.stride()[:3])
     return _layout_of(x.stride()[:3])
 
 
 @functools.lru_cache(maxsize=256)
 def _layout_of(strides: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(sorted(range(3), key=lambda d: -strides[d])) + (3,)
+    return _order(strides)
+
+
+def _order(strides) -> tuple[int, ...]:
+    """The dims by descending stride, ties in dim order (a stable insertion sort: plain comparisons, which
+    torch.compile traces on symbolic strides), then the head dim."""
+    order = [0, 1, 2]
+    for i in (1, 2):
+        j = i
+        while j > 0 and strides[order[j - 1]] < strides[order[j]]:
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
+    return (*order, 3)
 
 
 @functools.lru_cache(maxsize=64)

@@ -63,6 +63,8 @@ def remember_documents(position_ids: torch.Tensor, host_position_ids: torch.Tens
     if tuple(host_position_ids.shape) != tuple(position_ids.shape) or position_ids.dim() != 2:
         raise ValueError(f"host_position_ids must have position_ids' shape (2-D [B, S]) {tuple(position_ids.shape)}, "
                          f"got {tuple(host_position_ids.shape)}")
+    if position_ids.is_inference():  # no version counter to key the cache on: nothing remembered
+        return
     positions = host_position_ids.detach().numpy()
     length = positions.shape[1]
     spans = []
@@ -83,7 +85,7 @@ def remember_single_sequences(position_ids: torch.Tensor) -> None:
     no host sync, and under CUDA-graph capture (where that check skips its sync and always builds a dense mask) the
     attention keeps its mask-free causal path. Under torch.compile nothing: transformers' check already avoids the
     sync while tracing, and installing the dispatchers from inside a compiled frame would recompile the next call."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or position_ids.is_inference():  # inference tensors have no version counter
         return
     length = position_ids.shape[-1]
     _spans_cache[:] = [position_ids, position_ids._version, [[(0, length)]] * position_ids.shape[0]]
@@ -171,6 +173,8 @@ def _install_packing_dispatch() -> None:
 
 
 def _cached_spans(position_ids: torch.Tensor):
+    if position_ids.is_inference():  # no version counter: read each time (inference mode, no graph to keep short)
+        return document_spans(position_ids)
     cached, version, spans = _spans_cache
     if cached is not position_ids or version != position_ids._version:
         spans = document_spans(position_ids)

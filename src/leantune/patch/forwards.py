@@ -157,10 +157,21 @@ def _causal_lm_loss(lm_head, hidden, labels, num_items, ignore_index, softcap, h
     if hf_divides:
         return loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     if torch.is_tensor(num_items):  # HF's dtype and shape, as a tensor of its own (FSDP2 warns on a returned view)
-        loss = loss.to(torch.result_type(loss, num_items))
+        loss = loss.to(_quotient_dtype(loss, num_items))
         shape = torch.broadcast_shapes((), num_items.shape)
         return loss if loss.shape == shape else loss.reshape(shape).clone()
     return loss
+
+
+def _quotient_dtype(loss, num_items) -> torch.dtype:
+    """The dtype of HF's ``loss / num_items`` for a 0-dim float ``loss`` (torch's promotion), without
+    ``torch.result_type`` (a graph break under torch.compile): an integer count keeps loss's dtype; a float one with
+    dimensions wins its category; two 0-dim floats promote."""
+    if not (num_items.is_floating_point() or num_items.is_complex()):
+        return loss.dtype
+    if num_items.dim() > 0:
+        return num_items.dtype if num_items.is_floating_point() else torch.promote_types(loss.dtype, num_items.dtype)
+    return torch.promote_types(loss.dtype, num_items.dtype)
 
 
 def _divisor_count(num_items, device):
