@@ -159,6 +159,9 @@ CASES = {
     "offload checkpoints": {"offload": True},
     "tile_mlp": {"patch": {"tile_mlp": 4}},
     "lm_head LoRA (cross_entropy)": {"lora": {"target_modules": ["q_proj", "down_proj", "lm_head"]}},
+    "lora dropout, checkpointed": {"lora": {"lora_dropout": 0.1}, "offload": True},
+    "fp8": {"fp8": True},
+    "dora": {"lora": {"use_dora": True}},
 }
 
 
@@ -166,8 +169,8 @@ CASES = {
 def test_patched_step_reads_nothing_back(case, watch, monkeypatch):
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     model = tiny_peft_model(case.get("family", "llama"), **case.get("lora", {}))
-    if case.get("nf4"):
-        leantune.quantize(model, "nf4")
+    if case.get("nf4") or case.get("fp8"):
+        leantune.quantize(model, "nf4" if case.get("nf4") else "fp8")
     if case.get("offload"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     leantune.patch(model, offload_checkpoints=case.get("offload", False), **case.get("patch", {}))

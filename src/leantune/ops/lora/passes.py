@@ -19,22 +19,30 @@ from ..fp8 import FP8Weight, fp8_grad_input, fp8_linear, quantize_rows
 from ..fp8_group import fp8_grad_input_group, grouped_grad_input_ok
 from .kernels import dropout_triton, lowrank_add_triton, skinny_matmul, skinny_tn
 
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (splitmix64's increment)
+_MIX = (-4658895280553007687, -7723592293110705685)  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB as int64
+
+
+def _shr(x, bits: int):
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
 
 def _torch_mask(seed, shape, p, device):
-    if torch.compiler.is_compiling():  # dynamo cannot create a Generator: the same draw as one opaque op
-        return _torch_mask_op(seed, list(shape), p)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int(seed))
-    keep = torch.rand(shape, generator=generator, device=device) >= p
+    """The torch path's scaled mask: uniforms from splitmix64 (Steele et al. 2014) of seed * golden + element index,
+    in int64 arithmetic on the device (wrapping), 24 bits each. A pure function of the seed tensor: nothing is read
+    back to the host (a torch.Generator would need the seed as a Python int), and torch.compile traces it."""
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=device).reshape(())
+    count = 1
+    for n in shape:
+        count *= n
+    z = torch.arange(count, dtype=torch.int64, device=device) * _GOLDEN + (seed + 1) * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX[0]
+    z = (z ^ _shr(z, 27)) * _MIX[1]
+    z = z ^ _shr(z, 31)
+    uniform = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+    keep = (uniform >= p).reshape(shape)
     return keep.to(torch.float32) * (1.0 / (1.0 - p))
-
-
-@torch.library.custom_op("leantune::lora_dropout_mask", mutates_args=())
-def _torch_mask_op(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
-    return _torch_mask(seed, shape, p, seed.device)
-
-
-_torch_mask_op.register_fake(lambda seed, shape, p: seed.new_empty(shape, dtype=torch.float32))
 
 
 def _dropout(x, seeds, index, p, impl, dtype):
@@ -85,7 +93,7 @@ def dropout_mask(seed, shape, p: float, device) -> torch.Tensor:
         seeds = torch.as_tensor(seed, dtype=torch.int64, device=device).reshape(1)
         ones = torch.ones((rows, cols), dtype=torch.float32, device=device)
         return dropout_triton(ones, seeds, 0, float(p), torch.float32)
-    return _torch_mask(int(seed), (rows, cols), float(p), device)
+    return _torch_mask(seed, (rows, cols), float(p), device)
 
 
 # ------------------------------------------------------------------------------------------- shared group passes
