@@ -195,7 +195,8 @@ def test_help_and_version_do_not_import_transformers_or_peft(argv):
 
 def test_dora_and_rslora_flags_reach_peft_and_are_kept_for_resume(tiny, tmp_path, capsys):
     """--dora / --rslora: PEFT's use_dora / use_rslora in the saved adapter config; fixed for --resume (a run.json
-    without them, from before they existed, resumes as plain LoRA); --dora with --quantize is refused."""
+    without them, from before they existed, resumes as plain LoRA); --dora with --quantize trains (PEFT's DoRA
+    over the dequantised weight) and exports."""
     out = tmp_path / "out"
     code, err = run_cli(capsys, *train_args(tiny, out, "--dora", "--rslora"))
     assert code == 0, err
@@ -212,5 +213,7 @@ def test_dora_and_rslora_flags_reach_peft_and_are_kept_for_resume(tiny, tmp_path
     (plain / "run.json").write_text(json.dumps(info))
     code, err = run_cli(capsys, *train_args(tiny, plain, "--resume", "--max-steps", "2"))
     assert code == 0 and "resuming from" in err, err
-    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "q", "--dora", "--quantize", "nf4"))
-    assert_error(code, err, "--dora with --quantize nf4 is not supported")
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "q", "--dora", "--quantize", "nf4", "--patch", "on"))
+    assert code == 0, err
+    code, err = run_cli(capsys, "export", "--adapter", tmp_path / "q", "--out", tmp_path / "q-merged")
+    assert code == 0 and (tmp_path / "q-merged" / "config.json").is_file(), err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy
 import pytest
 import torch
 from conftest import ON_GPU
@@ -127,6 +128,38 @@ def test_bad_input_is_named():
         step.step([(ids, labels)])
     with pytest.raises(ValueError, match="at least one"):
         step.step([])
+    sgd = torch.optim.SGD(params, lr=0.1)
+    for kwargs, name in (({"max_grad_norm": "1"}, "max_grad_norm"), ({"max_grad_norm": True}, "max_grad_norm"),
+                         ({"max_grad_norm": float("inf")}, "max_grad_norm"), ({"warmup": True}, "warmup"),
+                         ({"loss_scale": float("nan")}, "loss_scale")):
+        with pytest.raises(ValueError, match=name):
+            CapturedStep(model, sgd, **kwargs)
+    with pytest.raises(ValueError, match="model must be a callable"):
+        CapturedStep(None, sgd)
+    with pytest.raises(ValueError, match="needs labels"):
+        CapturedStep(model, sgd, warmup=1, capture=recorder).step({"input_ids": ids})
+    with pytest.raises(ValueError, match="no parameters"):
+        graphable_optimizer([], lr=0.1)
+    with pytest.warns(RuntimeWarning, match="no CUDA graphs on cpu; the steps run eagerly"):
+        CapturedStep(model, sgd)
+
+
+def test_array_valued_batch_argument_is_compared_as_an_object():
+    """A non-tensor value that is an array: the same object is the same argument; an equal copy counts as changed
+    (its == has no single truth value), named instead of an ambiguous-truth error."""
+    model = tiny_peft_model("llama")
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen = []
+    forward = model.forward
+    model.forward = lambda *a, extra=None, **k: seen.append(extra) or forward(*a, **k)
+    step = CapturedStep(model, torch.optim.SGD(params, lr=0.0), warmup=1, capture=recorder)
+    ids, labels = batch()
+    flags = numpy.array([1, 2])
+    for _ in range(2):
+        step.step({"input_ids": ids, "labels": labels, "extra": flags})
+    assert len(seen) == 2 and all(s is flags for s in seen)
+    with pytest.raises(ValueError, match=r"batch\['extra'\] changed"):
+        step.step({"input_ids": ids, "labels": labels, "extra": flags.copy()})
 
 
 @pytest.mark.gpu

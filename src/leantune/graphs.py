@@ -29,12 +29,14 @@ eagerly from then on (same results, host-paced).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from numbers import Real
 
 import torch
 
-__all__ = ["CapturedStep"]
+__all__ = ["CapturedStep", "graphable_optimizer"]
 
 
 def _cuda_graph_capture(fn: Callable[[], None], stream) -> Callable[[], None]:
@@ -42,6 +44,16 @@ def _cuda_graph_capture(fn: Callable[[], None], stream) -> Callable[[], None]:
     with torch.cuda.graph(graph, stream=stream):
         fn()
     return graph.replay
+
+
+def _same(a, b) -> bool:
+    """Whether two non-tensor batch values are the same (an array's elementwise == has no single truth value)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 class CapturedStep:
@@ -62,17 +74,31 @@ class CapturedStep:
     Call ``step(batches)`` with one batch (a mapping of model keyword arguments) or a sequence of micro-batches;
     returns ``(loss_sum, grad_norm)`` as device tensors (grad_norm None without clipping), never synchronising.
 
+    On a device without CUDA graphs the steps run eagerly, with one ``RuntimeWarning`` at construction
+    (``eager_reason`` says why), as after a failed capture.
+
     Raises:
-        ValueError: an optimizer that cannot be captured, a batch whose keys, shapes or dtypes differ from the first
-            one's, a non-tensor argument that changes between calls.
+        ValueError: a model that is not callable, an optimizer that cannot be captured, ``warmup`` not an int >= 1,
+            ``max_grad_norm`` not None or a finite number > 0, ``loss_scale`` not a finite number, a batch whose
+            keys, shapes or dtypes differ from the first one's, a non-tensor argument that changes between calls
+            (non-tensor values are compared by ``==``; an array is the same only as the same object), a model output
+            without ``.loss`` (a batch without labels).
     """
 
     def __init__(self, model, optimizer, *, max_grad_norm: float | None = None, loss_scale: float = 1.0,
                  warmup: int = 3, capture: Callable | None = None, prepare: Callable | None = None):
-        if not isinstance(warmup, int) or warmup < 1:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an int >= 1 (eager steps before the capture), got {warmup!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be None or > 0, got {max_grad_norm!r}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, Real)
+                                          or not math.isfinite(max_grad_norm) or not max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, Real) or not math.isfinite(loss_scale):
+            raise ValueError(f"loss_scale must be a finite number, got {loss_scale!r}")
+        if not callable(model):
+            raise ValueError(f"model must be a callable causal LM (its forward returns .loss), got "
+                             f"{type(model).__name__}")
+        if not hasattr(optimizer, "param_groups"):
+            raise ValueError(f"optimizer must be a torch optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer = model, optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         if not self.params:
@@ -87,6 +113,9 @@ class CapturedStep:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.steps = 0
         self.eager_reason: str | None = None if self._capture else f"no CUDA graphs on {self.device.type}"
+        if self.eager_reason is not None:
+            warnings.warn(f"leantune CapturedStep: {self.eager_reason}; the steps run eagerly", RuntimeWarning,
+                          stacklevel=2)
         self._signature = None
         self._static: dict[str, torch.Tensor] = {}
         self._constants: dict = {}
@@ -121,10 +150,12 @@ class CapturedStep:
             raise ValueError(f"batch[{k!r}] is {shown(signature.get(k))}, but the captured step was built for "
                              f"{shown(self._signature.get(k))}: every batch of a captured step needs the same keys, "
                              "shapes and dtypes (pad or pack rows to one length)")
-        elif constants != self._constants:
-            k = next(k for k in set(constants) | set(self._constants) if constants.get(k) != self._constants.get(k))
+        elif changed := [k for k in set(constants) | set(self._constants)
+                         if not _same(constants.get(k), self._constants.get(k))]:
+            k = changed[0]
             raise ValueError(f"batch[{k!r}] changed from {self._constants.get(k)!r} to {constants.get(k)!r}: "
-                             "non-tensor arguments are fixed at capture")
+                             "non-tensor arguments are fixed at capture (also where the steps run eagerly: the "
+                             "same code then captures on a GPU)")
         return tensors
 
     # ------------------------------------------------------------------------------------------------ passes
@@ -132,6 +163,8 @@ class CapturedStep:
         if self._prepare is not None:
             self._prepare(inputs)
         loss = self.model(**inputs, **self._constants).loss
+        if loss is None:
+            raise ValueError("the model returned no loss: every batch of a CapturedStep needs labels")
         (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
         return loss.detach()
 
@@ -224,6 +257,8 @@ def graphable_optimizer(params: Sequence, lr: float, **kwargs):
     """``torch.optim.AdamW`` that a :class:`CapturedStep` can capture: fused on CUDA, ``capturable=True``, the
     learning rate a device tensor (a scheduler's ``fill_`` then reaches the graph)."""
     params = list(params)
+    if not params:
+        raise ValueError("graphable_optimizer got no parameters")
     device = params[0].device
     if device.type != "cuda":
         return torch.optim.AdamW(params, lr=lr, **kwargs)

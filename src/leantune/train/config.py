@@ -57,7 +57,9 @@ class TrainConfig:
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling = alpha / r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout probability"})
     dora: bool = field(default=False, metadata={"help": "DoRA (PEFT use_dora: weight-decomposed LoRA, a learned "
-                                                        "magnitude per output channel), fused by leantune's ops"})
+                                                        "magnitude per output channel), fused by leantune's ops; "
+                                                        "with --quantize PEFT's DoRA forward runs over the "
+                                                        "dequantised weight (not fused)"})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA: scaling alpha / sqrt(r) instead of "
                                                           "alpha / r (PEFT use_rslora)"})
     target_modules: str = field(default="all-linear", metadata={"help": "all-linear, or comma-separated module "
@@ -157,9 +159,6 @@ class TrainConfig:
             raise LeantuneError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if not self.lora_alpha > 0:
             raise LeantuneError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
-        if self.dora and self.quantize is not None:  # DoRA's weight norm reads the dense frozen weight
-            raise LeantuneError(f"--dora with --quantize {self.quantize} is not supported: DoRA's magnitude "
-                                "normalisation reads the dense frozen weight; drop one of them")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise LeantuneError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
