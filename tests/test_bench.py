@@ -973,7 +973,9 @@ def test_check_names_a_device_or_backend_it_cannot_use(capsys, monkeypatch):
     monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
     assert cli_main(["check"]) == 0
     out = capsys.readouterr().out
-    assert all(f"\n{name} " in out for name in ("lora_linear", "lora_qkv", "lora_mlp")), out  # all nine ops
+    names = ("rms_norm", "rope", "swiglu", "geglu", "cross_entropy", "linear_cross_entropy", "lora_linear",
+             "lora_qkv", "lora_mlp", "dora_linear", "linear_log_probs", "linear_distillation_loss", "moe_experts")
+    assert all(f"\n{name} " in out for name in names) and out.count("  ok") == len(names), out
 
 
 # ------------------------------------------------------------------------------- several processes (gloo dry run)

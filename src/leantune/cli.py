@@ -2,7 +2,7 @@
 
 Subcommands: ``train`` (LoRA fine-tuning), ``demo`` (``train`` with the embedded defaults, a short CPU-sized run
 into runs/demo), ``export`` (merge an adapter into a standalone HF folder or a GGUF file), ``chat`` (talk to a run
-or a model), ``check`` (every op against a float64 reference), ``bench ops|e2e|max-context|report`` (GPU
+or a model), ``check`` (13 ops against float64 references), ``bench ops|e2e|max-context|report`` (GPU
 benchmarks; ``report`` rebuilds tables anywhere).
 User errors print one line, ``leantune: error: ...``, to stderr without a traceback and exit 1 (2 for a
 command-line syntax error). A training run stopped by Ctrl-C or SIGTERM saves a checkpoint and exits 128 + the

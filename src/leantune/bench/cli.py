@@ -207,7 +207,9 @@ def _common(p: argparse.ArgumentParser, budget: bool = True, writes: str = "JSON
 def add_commands(sub) -> None:
     """Register ``check`` and ``bench ops|e2e|max-context|cpu|report`` on ``sub`` (the ``leantune`` parser's
     subparsers); each sets ``func`` to its handler, which returns the exit status."""
-    check = sub.add_parser("check", help="run every op once against a float64 reference and print the errors")
+    check = sub.add_parser("check", help="run 13 ops (norm, RoPE, GLUs, losses, LoRA, DoRA, log-probs, "
+                                         "distillation, MoE experts) once against float64 references and print the "
+                                         "errors")
     check.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     check.set_defaults(func=_check)
 
