@@ -187,6 +187,33 @@ def test_patched_step_compiles_fullgraph_over_lengths_and_a_tensor_count(dynamic
     leantune.unpatch(model)
 
 
+def test_nf4_model_compiles_as_one_graph(monkeypatch):
+    """QLoRA through leantune.quantize: the NF4 values are a constant of the graph while tracing (the cached tables'
+    build reads Python lists), so the step is one frame, as the eager one in loss and gradients."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_peft_model("llama")
+    leantune.quantize(model, "nf4")
+    leantune.patch(model).train()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def step(input_ids, labels):
+        return model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+    input_ids, labels = batch()
+    results = []
+    gc.collect()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    for fn in (step, torch.compile(step, fullgraph=True, backend=counter)):
+        model.zero_grad(set_to_none=True)
+        loss = fn(input_ids, labels)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in params.items()}))
+    (ref, ref_grads), (loss, grads) = results
+    assert counter.frame_count == 1 and rel_err(loss, ref) <= 1e-6
+    assert all(rel_err(grads[n], ref_grads[n]) <= 1e-5 for n in grads)
+    leantune.unpatch(model)
+
+
 def test_eager_label_checks_break_the_graph_deferred_ones_do_not(monkeypatch):
     """``checks="eager"`` reads the labels on the host (documented): without fullgraph it costs one graph break and
     still gives the eager loss; ``checks="deferred"`` (what the patch passes) traces as one graph."""

@@ -98,6 +98,14 @@ def dynamic_map() -> torch.Tensor:
     return torch.tensor(sorted(values), dtype=torch.float32)
 
 
+def _nf4_values(device) -> torch.Tensor:
+    """The 16 NF4 values, fp32, on ``device``: cached, or while torch.compile traces a constant of the graph (the
+    cached path builds the quantiser's tables too, whose Python lists would break the graph)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
+    return _tables(str(device))[0]
+
+
 @functools.lru_cache(maxsize=8)
 def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(NF4 values fp32 [16], dynamic map fp32 [256], CPU-quantiser bin -> 8-bit code table int64 [65536])."""
@@ -402,7 +410,7 @@ def _dequantize_nf4_kernel(
 # ---------------------------------------------------------------------------------------------------- dequantise
 def _block_values(w: NF4Weight, start: int, stop: int) -> torch.Tensor:
     """The fp32 values of 64-blocks [start, stop) as ``[stop - start, 64]``: the kernel's formula in torch ops."""
-    nf4 = _tables(str(w.device))[0]
+    nf4 = _nf4_values(w.device)
     offset = torch.tensor(w.offset, dtype=torch.float32, device=w.device)
     group = torch.arange(start, stop, device=w.device) // NESTED_BLOCKSIZE
     absmax = w.nested_code[w.absmax_codes[start:stop].long()] * w.nested_absmax[group]
@@ -460,7 +468,7 @@ def dequantize_nf4(w: NF4Weight, *, out: torch.Tensor | None = None, dtype: torc
 
 
 def _launch_dequantize(w: NF4Weight, out: torch.Tensor, fp8_scale: torch.Tensor | None) -> None:
-    nf4 = _tables(str(w.device))[0]
+    nf4 = _nf4_values(w.device)
     fp8 = fp8_scale is not None
     _dequantize_nf4_kernel[(_runtime.cdiv(w.n_blocks, _KERNEL_BLOCKS),)](
         w.codes, w.absmax_codes, w.nested_absmax, w.nested_code, nf4, out.view(torch.uint8) if fp8 else out,
