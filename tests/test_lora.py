@@ -259,6 +259,25 @@ def test_dropout_mask_statistics(backend):
     assert not torch.equal(m, lora.dropout_mask(12346, (64, 130), p, DEVICE))
 
 
+def test_device_mask_of_the_torch_path_reads_no_seed_back():
+    """Off the CPU the torch path's mask is the counter hash of the device seed (a Generator would read it back):
+    it runs on the meta device (no values at all), and on the CPU its statistics are dropout's, row and column
+    neighbours uncorrelated, a pure function of the seed."""
+    from leantune.ops.lora.passes import _hash_mask, _torch_mask
+
+    assert _torch_mask(torch.tensor(5, device="meta"), (3, 4), 0.5, "meta").device.type == "meta"
+    p, shape = 0.3, (256, 257)
+    m = _hash_mask(torch.tensor(12345), shape, p, "cpu")
+    assert torch.all((m == 0) | torch.isclose(m, torch.tensor(1 / (1 - p))))
+    keep = (m > 0).double()
+    sigma = math.sqrt(p * (1 - p) / m.numel())
+    assert abs(keep.mean().item() - (1 - p)) < 4 * sigma
+    for a, b in ((keep[:, 1:], keep[:, :-1]), (keep[1:], keep[:-1])):  # covariance of neighbours ~ 0
+        assert abs((a * b).mean().item() - a.mean().item() * b.mean().item()) < 4 * p * (1 - p) / math.sqrt(a.numel())
+    assert torch.equal(m, _hash_mask(12345, shape, p, "cpu"))
+    assert (m != _hash_mask(12346, shape, p, "cpu")).double().mean().item() > 0.3
+
+
 def test_checkpoint_recomputes_the_same_masks(backend):
     x = torch.randn(9, IN, device=DEVICE, requires_grad=True)
     gate, up = _proj(IN, 48, 4, torch.float32, torch.float32), _proj(IN, 48, 4, torch.float32, torch.float32)

@@ -29,9 +29,40 @@ def _shr(x, bits: int):
 
 
 def _torch_mask(seed, shape, p, device):
-    """The torch path's scaled mask: uniforms from splitmix64 (Steele et al. 2014) of seed * golden + element index,
-    in int64 arithmetic on the device (wrapping), 24 bits each. A pure function of the seed tensor: nothing is read
-    back to the host (a torch.Generator would need the seed as a Python int), and torch.compile traces it."""
+    """The torch path's scaled mask for ``seed`` (a Python int or an int64 tensor on ``device``). On the CPU: a
+    torch.Generator seeded with the seed (read through numpy, which refuses device tensors: never a sync; under
+    torch.compile one opaque custom op, as dynamo cannot create a Generator). On any other device: the counter-based
+    :func:`_hash_mask`, a pure function of the seed tensor, since seeding a Generator would read it back."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return _hash_mask(seed, shape, p, device)
+    if torch.compiler.is_compiling():
+        return _torch_mask_op(torch.as_tensor(seed, dtype=torch.int64), list(shape), p)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if isinstance(seed, int) else int(seed.detach().numpy()))
+    keep = torch.rand(shape, generator=generator, device=device) >= p
+    return keep.to(torch.float32) * (1.0 / (1.0 - p))
+
+
+@torch.library.custom_op("leantune::lora_dropout_mask", mutates_args=())
+def _torch_mask_op(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
+    return _torch_mask(seed, shape, p, seed.device)
+
+
+_torch_mask_op.register_fake(lambda seed, shape, p: seed.new_empty(shape, dtype=torch.float32))
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (splitmix64's increment)
+_MIX = (-4658895280553007687, -7723592293110705685)  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB as int64
+
+
+def _shr(x, bits: int):
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _hash_mask(seed, shape, p, device):
+    """A scaled mask from splitmix64 (Steele et al. 2014) of seed * golden + element index, in wrapping int64 torch
+    ops on the device, 24-bit uniforms: nothing is read back to the host, and torch.compile traces it."""
     seed = torch.as_tensor(seed, dtype=torch.int64, device=device).reshape(())
     count = 1
     for n in shape:
