@@ -299,3 +299,30 @@ def test_fp8_checkpoint_trains_with_lora_and_exports(fp8_checkpoint, tmp_path):
     assert lora_b and all(p.abs().max() > 0 for p in lora_b)  # the adapters stepped (lora_B starts at zero)
     assert all(p.isfinite().all() for p in lora_b)
     check_export(tmp_path / "run", tmp_path / "merged", result.model, torch.bfloat16)  # the checkpoint's dtype
+
+
+def test_train_quantize_nf4_on_a_moe_checkpoints_resumes_and_exports(tmp_path, capsys, monkeypatch):
+    """A Qwen3-MoE config with --quantize nf4: the expert stacks are NF4 with frozen one-element placeholders that
+    have no state-dict entry; the checkpoint's state-dict gathering (which pops every frozen parameter's key) must
+    not trip on them: the run checkpoints, resumes after Ctrl-C and exports."""
+    from cli_support import run_cli, stopped_run
+    from test_train import write_chat_jsonl, write_tiny_model
+    from transformers import Qwen3MoeConfig
+
+    folder = tmp_path / "moe"
+    write_tiny_model(folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_experts=4,
+                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, max_position_embeddings=128).save_pretrained(folder)
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=40)
+    out = tmp_path / "run"
+    argv = ["train", "--model", folder / "config.json", "--data", data, "--output", out, "--seq-len", "48",
+            "--batch-size", "2", "--max-steps", "3", "--eval-size", "2", "--save-every", "1", "--quantize", "nf4",
+            "--device", "cpu"]
+    stopped_run(capsys, monkeypatch, argv, step=2)
+    assert (out / "checkpoints" / "step-000002").is_dir()
+    code, err = run_cli(capsys, "train", "--output", out, "--resume")
+    assert code == 0 and "resuming from" in err, err
+    code, err = run_cli(capsys, "export", "--adapter", out, "--out", tmp_path / "merged")
+    assert code == 0 and (tmp_path / "merged" / "config.json").is_file(), err

@@ -62,6 +62,7 @@ to ``ops.moe_experts``, which dequantises inside its node.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -608,6 +609,20 @@ def dequantize(model: nn.Module) -> dict[str, int]:
                 experts += 1
     allow_save_pretrained(model)
     return {"layers": layers, "experts": experts}
+
+
+@contextlib.contextmanager
+def placeholders_hidden(model: nn.Module):
+    """The NF4 expert stacks' placeholder parameters taken out of their modules while the block runs: tools that
+    expect a state-dict entry for every frozen parameter (torch.distributed.checkpoint's ``ignore_frozen_params``
+    pops each one's key) then see none of them; the stacks are their NF4 buffers, which stay."""
+    held = [(module, n, module._parameters.pop(n)) for module in model.modules() if isinstance(module, NF4Experts)
+            for n in module._leantune_nf4 if n in module._parameters]
+    try:
+        yield
+    finally:
+        for module, n, placeholder in held:
+            module._parameters[n] = placeholder
 
 
 def allow_save_pretrained(model: nn.Module) -> None:

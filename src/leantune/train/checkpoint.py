@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..distributed import World, barrier, gather_objects
 from ..errors import LeantuneError
+from ..quantize import placeholders_hidden
 from .metrics import finite_or_none, one_line
 
 CHECKPOINTS = "checkpoints"
@@ -66,7 +67,8 @@ _LOAD = StateDictOptions(full_state_dict=True, strict=False)
 def adapter_state(model) -> dict:
     """The adapter's whole tensors under PEFT's keys (``model``: the PeftModel, sharded or not; every rank must call
     it; non-main ranks get an empty dict)."""
-    state = get_model_state_dict(model, options=_FULL)
+    with placeholders_hidden(model):  # NF4 expert stacks: frozen placeholders without a state-dict entry
+        state = get_model_state_dict(model, options=_FULL)
     if not state:
         return {}
     return {k: v.detach().contiguous() for k, v in
@@ -76,7 +78,8 @@ def adapter_state(model) -> dict:
 def save_adapter(model, folder: Path, world: World = World()) -> None:
     """The adapter as PEFT's folder (``save_pretrained``), written from whole tensors: every rank calls it (the
     tensors are gathered), rank 0 writes."""
-    state = get_model_state_dict(model, options=_FULL)
+    with placeholders_hidden(model):  # NF4 expert stacks: frozen placeholders without a state-dict entry
+        state = get_model_state_dict(model, options=_FULL)
     if world.main:
         model.save_pretrained(folder, state_dict=state, save_embedding_layers=False)
     barrier(world)
