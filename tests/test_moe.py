@@ -118,6 +118,19 @@ def test_routing_edge_cases(backend, routing):
     _run(_case(n, 12, 6, n_experts, k, 3, index=index))
 
 
+@pytest.mark.parametrize("n, k", [(0, 2), (5, 0), (0, 0)])
+def test_no_pairs_give_zero_output_and_zero_gradients(backend, n, k):
+    """No token, or k = 0 (no expert chosen): y = 0 of x's shape, and every differentiable input, the adapters
+    included, gets a zero gradient (not None), as an empty routing inside a real step would."""
+    x, _, w, w1, w2, (a1, b1, a2, b2), _ = _case(n, 12, 6, 4, max(k, 1), 3)
+    index = torch.zeros(n, k, dtype=torch.long, device=DEVICE)
+    w = torch.rand(n, k, device=DEVICE).requires_grad_()
+    y = ops.moe_experts(x, index, w, ops.ExpertWeights(w1, a1, b1, 0.5), ops.ExpertWeights(w2, a2, b2, 1.5))
+    assert y.shape == x.shape and not y.any()
+    grads = torch.autograd.grad(y.sum(), [x, w, a1, b1, a2, b2])
+    assert all(g is not None and not g.any() for g in grads)
+
+
 def test_router_ties_from_topk(backend):
     """A router whose probabilities tie (uniform logits): the op takes whatever top-k torch picked."""
     probs = torch.full((8, 4), 0.25, device=DEVICE)

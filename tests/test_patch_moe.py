@@ -472,3 +472,24 @@ def test_gpt_oss_config_output_attentions_keeps_hf_attention(monkeypatch):
     out = model(input_ids=input_ids, labels=input_ids)
     assert len(out.attentions) == 2 and all(a.shape == (2, 4, 7, 7) for a in out.attentions)
     assert rel_err(out.loss, ref.loss) <= 1e-5
+
+
+def test_return_dict_false_keeps_hf_positions():
+    """A MoE causal LM's tuple (loss, aux_loss, logits, cache, router logits): the logits slot stays (None in
+    training, where leantune forms no logits) so every later field keeps HF's index."""
+    model = tiny_moe_model("qwen3_moe").train()
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    with torch.no_grad():
+        ref = model(input_ids=input_ids, labels=input_ids, return_dict=False, use_cache=True)
+        leantune.patch(model)
+        out = model(input_ids=input_ids, labels=input_ids, return_dict=False, use_cache=True)
+    assert len(out) == len(ref) == 5 and out[2] is None and ref[2] is not None
+    assert [type(v) for i, v in enumerate(out) if i != 2] == [type(v) for i, v in enumerate(ref) if i != 2]
+    assert rel_err(out[0], ref[0]) <= 1e-5 and rel_err(out[1], ref[1]) <= 1e-5
+
+
+def test_tile_mlp_says_experts_blocks_are_not_tiled():
+    model = tiny_moe_model("mixtral")
+    with pytest.warns(UserWarning, match="does not tile mixtral's MoE experts blocks"):
+        leantune.patch(model, tile_mlp=4)
+    assert "not tiled" in model.leantune_summary["unpatched"]["<experts blocks>"]

@@ -66,6 +66,7 @@ Facts relied on (transformers 5.17, ``models/<family>/modeling_<family>.py``; PE
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -383,7 +384,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                          f"out={down.dims()[2]}")
     if n_experts == 0:
         raise ValueError("gate_up.weight must hold at least one expert")
-    index = top_k_index.reshape(-1, top_k_index.shape[-1]).long()
+    index = top_k_index.reshape(math.prod(hidden_states.shape[:-1]), top_k_index.shape[-1]).long()  # k may be 0
     poison = None
     ok = (index >= 0) & (index < n_experts)
     if checks == "deferred":
@@ -403,8 +404,13 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
         weight = p.weight if isinstance(p.weight, NF4Weight) else p.weight.to(dtype)
         args += [weight, p.lora_A, p.lora_B, None if p.bias is None else p.bias.to(dtype)]
     weights = top_k_weights.reshape(index.shape)
-    if x.shape[0] == 0 or index.shape[1] == 0:  # no pair: y = 0 (still connected to the graph's inputs)
-        y = x * 0 + (weights.sum() * 0).to(dtype)
+    if x.shape[0] == 0 or index.shape[1] == 0:  # no pair: y = 0, still connected to every differentiable input
+        zero = weights.sum() * 0  # (so the adapters get zero gradients, not None)
+        for p in (gate_up, down):
+            for t in (p.lora_A, p.lora_B, p.bias):
+                if t is not None:
+                    zero = zero + t.sum() * 0
+        y = x * 0 + zero.to(dtype)
         return y.reshape(hidden_states.shape)
     y = MoEExpertsFunction.apply(x, index, weights, poison, cfg, *args)
     return y.reshape(hidden_states.shape)

@@ -276,6 +276,12 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     hf.__dict__[_MODEL_ATTR] = (family.name, use_rope and counts["rope"] > 0)
     if tile_mlp is not None:  # after the MLP forwards are bound: it tiles whichever forward the module has
         enable_tiled_mlp(model, tile_tokens=tile_mlp)
+        if family.experts is not None:  # the experts blocks keep their memory: say so, the summary and a warning
+            left["<experts blocks>"] = ("not tiled: tile_mlp tiles dense MLP blocks only (a shared expert is one); "
+                                        "the routed experts run over all tokens at once")
+            warnings.warn(f"leantune.patch: tile_mlp={tile_mlp} does not tile {family.name}'s MoE experts blocks "
+                          "(dense MLP blocks only): their activation memory is not reduced", UserWarning,
+                          stacklevel=2)
     if offload_checkpoints:
         enable_offloaded_checkpoints(model)
     # as of this call: the sinks' kernel follows the implementation at each forward (set_attn_implementation later

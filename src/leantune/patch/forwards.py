@@ -331,7 +331,11 @@ def _moe_output(self, family, fields, outputs, attention_mask, router_logits, re
                                                      self.num_experts_per_tok, attention_mask)
         fields["loss"] = fields["loss"] + self.router_aux_loss_coef * aux_loss.to(fields["loss"].device)
     output = MoeCausalLMOutputWithPast(**fields, aux_loss=aux_loss, router_logits=outputs.router_logits)
-    return output if return_dict else output.to_tuple()
+    if return_dict:
+        return output
+    # HF's to_tuple drops None fields; the logits slot stays (as the dense ending's) so out[2] is never another field
+    return tuple(value for name in output.__dataclass_fields__
+                 if (value := getattr(output, name)) is not None or name == "logits")
 
 
 def _plain_linear(module) -> bool:
