@@ -217,3 +217,18 @@ def test_dora_and_rslora_flags_reach_peft_and_are_kept_for_resume(tiny, tmp_path
     assert code == 0, err
     code, err = run_cli(capsys, "export", "--adapter", tmp_path / "q", "--out", tmp_path / "q-merged")
     assert code == 0 and (tmp_path / "q-merged" / "config.json").is_file(), err
+
+
+def test_dora_on_moe_experts_names_the_way_out(tmp_path, capsys):
+    """PEFT's LoRA on MoE expert stacks (target_parameters) takes no DoRA: the error says which flags to drop or
+    how to leave the experts out, and that way trains."""
+    from test_train import write_chat_jsonl, write_tiny_moe_model
+
+    model = write_tiny_moe_model(tmp_path / "moe")
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=30)
+    args = ["train", "--model", model, "--data", data, "--seq-len", "48", "--batch-size", "2", "--max-steps", "1",
+            "--eval-size", "2", "--device", "cpu", "--dora"]
+    code, err = run_cli(capsys, *args, "--output", tmp_path / "a")
+    assert_error(code, err, "cannot apply LoRA", "takes no DoRA and no lora_dropout", "--target-modules")
+    code, err = run_cli(capsys, *args, "--output", tmp_path / "b", "--target-modules", "q_proj,k_proj,v_proj,o_proj")
+    assert code == 0, err

@@ -306,15 +306,10 @@ def test_train_quantize_nf4_on_a_moe_checkpoints_resumes_and_exports(tmp_path, c
     have no state-dict entry; the checkpoint's state-dict gathering (which pops every frozen parameter's key) must
     not trip on them: the run checkpoints, resumes after Ctrl-C and exports."""
     from cli_support import run_cli, stopped_run
-    from test_train import write_chat_jsonl, write_tiny_model
-    from transformers import Qwen3MoeConfig
+    from test_train import write_tiny_moe_model
 
     folder = tmp_path / "moe"
-    write_tiny_model(folder)
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_experts=4,
-                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=8, max_position_embeddings=128).save_pretrained(folder)
+    write_tiny_moe_model(folder)
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=40)
     out = tmp_path / "run"
     argv = ["train", "--model", folder / "config.json", "--data", data, "--output", out, "--seq-len", "48",

@@ -33,6 +33,18 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "big"
          "door"]
 
 
+def write_tiny_moe_model(folder):
+    """:func:`write_tiny_model`'s tokenizer beside a 2-layer Qwen3-MoE config.json (4 experts, top-2)."""
+    from transformers import Qwen3MoeConfig
+
+    write_tiny_model(folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_experts=4,
+                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, max_position_embeddings=128).save_pretrained(folder)
+    return folder / "config.json"
+
+
 def write_tiny_model(folder, *, model_type=None):
     """A byte-level BPE tokenizer (259 tokens, ChatML template) and a 2-layer Llama config.json in ``folder``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

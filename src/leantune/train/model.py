@@ -387,7 +387,12 @@ def wrap_lora(model, config: TrainConfig):
     try:
         model = get_peft_model(model, lora)
     except ValueError as exc:
-        raise LeantuneError(f"cannot apply LoRA: {str(exc).splitlines()[0]}") from None
+        message = str(exc).splitlines()[0]
+        if "ParamWrapper" in message:  # PEFT's LoRA on 3-D MoE expert stacks (target_parameters)
+            message += (" (PEFT puts LoRA on a MoE model's expert stacks through target_parameters, which takes no "
+                         "DoRA and no lora_dropout: drop --dora / --lora-dropout, or name the projections to adapt "
+                         "with --target-modules, e.g. q_proj,k_proj,v_proj,o_proj, which leaves the experts out)")
+        raise LeantuneError(f"cannot apply LoRA: {message}") from None
     if config.quantize is not None:  # after PEFT: the LoRA layers' bases become NF4/FP8, the adapters stay
         from ..quantize import quantize
 
