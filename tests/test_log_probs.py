@@ -115,6 +115,7 @@ def test_empty_and_all_ignored(backend):
     tokens[:] = -100
     log_probs, entropy = ops.linear_log_probs(h, w, tokens, b, entropy=True)
     assert (log_probs == 0).all() and (entropy == 0).all()
+    assert not torch.signbit(log_probs).any()  # 0.0, not -0.0 (the row loss negated)
     for g in torch.autograd.grad(log_probs.sum(), [h, w, b]):
         assert (g == 0).all()
     h, w, b, tokens = _inputs(torch.float32, shape=(0,), vocab=50, ignored=0)

@@ -132,7 +132,7 @@ def _forward(impl, hidden, weight, bias, tokens, opts, alpha, chunk_bytes, with_
             out = {name: t[: end - start] for name, t in scratch.items()}
             out["entropy"] = entropy[start:end]
             row_statistics(impl, z, tokens[start:end], lse[start:end], opts.softcap, out)
-    log_probs.neg_()
+    log_probs.neg_().add_(0.0)  # + 0.0: an ignored row's -0.0 becomes 0.0 (IEEE -0 + 0 = +0)
     if with_entropy:
         entropy.masked_fill_(tokens == opts.ignore_index, 0.0)
     return log_probs, lse, entropy
