@@ -4,24 +4,16 @@ probe, merges refused until leantune.dequantize, save_pretrained and float state
 import copy
 
 import pytest
+import test_fp8
 import torch
 from reference import rel_err
 
 import leantune
 from leantune.quantize import FP8Linear, NF4Linear
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-VOCAB = 96
 QUANT_TYPES = ("fp8", "nf4")
-
-
-@pytest.fixture(scope="module")
-def base():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.AutoModelForCausalLM.from_config(config)
+tiny_llama = test_fp8.tiny_llama  # the fixture: a random 2-layer Llama, hidden 64
+VOCAB, peft, transformers = test_fp8.VOCAB, test_fp8.peft, test_fp8.transformers
 
 
 def _lora(model, dora=False):
@@ -38,20 +30,20 @@ def _quantized(base, quant_type):
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 @pytest.mark.parametrize("order", ["peft first", "quantize first"])
-def test_dora_over_quantized_layers_reads_their_dense_weight(base, quant_type, order):
+def test_dora_over_quantized_layers_reads_their_dense_weight(tiny_llama, quant_type, order):
     """PEFT's DoRA norm reads the layer's dequantised weight (its W_q / dequantize() probe), not the codes: the
     same outputs as DoRA over an nn.Linear holding that weight (NF4: exactly; FP8: the base GEMM also quantises
     its input per token, the e4m3 error of plain LoRA over it)."""
     if order == "peft first":
-        model = _lora(copy.deepcopy(base), dora=True)
+        model = _lora(copy.deepcopy(tiny_llama), dora=True)
         leantune.quantize(model, quant_type)
     else:
-        model = _lora(_quantized(base, quant_type), dora=True)
+        model = _lora(_quantized(tiny_llama, quant_type), dora=True)
     with torch.no_grad():  # away from DoRA's start, where magnitude = ||W + BA|| hides the norm
         for name, p in model.named_parameters():
             if "lora_magnitude" in name:
                 p.mul_(1 + 0.3 * torch.rand_like(p))
-    dense = _quantized(base, quant_type)
+    dense = _quantized(tiny_llama, quant_type)
     assert leantune.dequantize(dense) == {"layers": 14, "experts": 0}
     reference = _lora(dense, dora=True)
     reference.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
@@ -69,10 +61,10 @@ def test_dora_over_quantized_layers_reads_their_dense_weight(base, quant_type, o
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 @pytest.mark.parametrize("dora", [False, True])
-def test_merges_are_refused_until_dequantize(base, quant_type, dora):
+def test_merges_are_refused_until_dequantize(tiny_llama, quant_type, dora):
     """PEFT's merge writes a float matrix into the base weight: over codes it raises and changes nothing (safe or
     not); after leantune.dequantize the merge gives the adapter's outputs, and save_pretrained works."""
-    model = _lora(_quantized(base, quant_type), dora=dora)
+    model = _lora(_quantized(tiny_llama, quant_type), dora=dora)
     ids = torch.randint(0, VOCAB, (2, 12))
     before = model(input_ids=ids).logits
     codes = {n: b.clone() for n, b in model.named_buffers()}
@@ -92,16 +84,16 @@ def test_merges_are_refused_until_dequantize(base, quant_type, dora):
         assert torch.equal(unmerged, before)
 
 
-def test_nf4_merge_cannot_replace_the_codes(base):
-    layer = _quantized(base, "nf4").model.layers[0].self_attn.q_proj
+def test_nf4_merge_cannot_replace_the_codes(tiny_llama):
+    layer = _quantized(tiny_llama, "nf4").model.layers[0].self_attn.q_proj
     with pytest.raises(ValueError, match="leantune.dequantize"):
         layer.weight.data = torch.zeros(64, 64, dtype=torch.uint8)
     assert layer.codes.shape == (64 * 64 // 2,)
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
-def test_save_pretrained_and_float_state_dicts_are_refused(base, quant_type, tmp_path):
-    model = _quantized(base, quant_type)
+def test_save_pretrained_and_float_state_dicts_are_refused(tiny_llama, quant_type, tmp_path):
+    model = _quantized(tiny_llama, quant_type)
     with pytest.raises(ValueError, match="leantune.dequantize"):
         model.save_pretrained(tmp_path / "q")
     assert not (tmp_path / "q").exists()
@@ -113,7 +105,7 @@ def test_save_pretrained_and_float_state_dicts_are_refused(base, quant_type, tmp
     state = {k: v.clone() for k, v in model.state_dict().items()}
     for strict in (True, False):  # a float weight: refused by name, this layer's codes untouched
         with pytest.raises(RuntimeError, match="cannot be loaded into leantune's"):
-            model.load_state_dict(base.state_dict(), strict=strict)
+            model.load_state_dict(tiny_llama.state_dict(), strict=strict)
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if "layers" in k and "proj" in k)
     assert torch.equal(model(input_ids=ids, labels=ids).loss, loss)
     model.load_state_dict(state)  # its own state dict still loads
@@ -123,8 +115,8 @@ def test_save_pretrained_and_float_state_dicts_are_refused(base, quant_type, tmp
     assert torch.equal(reloaded(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss)
 
 
-def test_quantize_argument_errors(base):
-    model = copy.deepcopy(base)
+def test_quantize_argument_errors(tiny_llama):
+    model = copy.deepcopy(tiny_llama)
     with pytest.raises(ValueError, match="dtype must be None or one of"):
         leantune.quantize(model, "fp8", dtype=torch.int8)
     with pytest.raises(ValueError, match=r"\(lower case\)"):
@@ -141,12 +133,12 @@ def test_quantize_argument_errors(base):
 
 
 @pytest.mark.parametrize("quant_type", ["fp8", "nf4", "nf4-fp8"])
-def test_summary_names_the_quantized_layers(base, quant_type):
-    model = leantune.patch(_lora(_quantized(base, quant_type)))
+def test_summary_names_the_quantized_layers(tiny_llama, quant_type):
+    model = leantune.patch(_lora(_quantized(tiny_llama, quant_type)))
     summary = model.base_model.model.leantune_summary
     assert summary["quantized"] == {quant_type: 14}
     assert any(part.startswith("frozen weights of leantune.quantize") and f"{quant_type} 14" in part
                for part in summary["fused"])
     leantune.unpatch(model)
     assert model.base_model.model.leantune_summary["quantized"] == {quant_type: 14}
-    assert leantune.patch(_lora(copy.deepcopy(base))).base_model.model.leantune_summary["quantized"] == {}
+    assert leantune.patch(_lora(copy.deepcopy(tiny_llama))).base_model.model.leantune_summary["quantized"] == {}

@@ -29,12 +29,12 @@ eagerly from then on (same results, host-paced).
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from numbers import Real
 
 import torch
+
+from .ops._runtime import check_real
 
 __all__ = ["CapturedStep", "graphable_optimizer"]
 
@@ -89,11 +89,10 @@ class CapturedStep:
                  warmup: int = 3, capture: Callable | None = None, prepare: Callable | None = None):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an int >= 1 (eager steps before the capture), got {warmup!r}")
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, Real)
-                                          or not math.isfinite(max_grad_norm) or not max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
-        if isinstance(loss_scale, bool) or not isinstance(loss_scale, Real) or not math.isfinite(loss_scale):
-            raise ValueError(f"loss_scale must be a finite number, got {loss_scale!r}")
+        if max_grad_norm is not None:
+            max_grad_norm = check_real("max_grad_norm", max_grad_norm, low=0.0, low_open=True,
+                                       expected="None or a finite number > 0")
+        loss_scale = check_real("loss_scale", loss_scale)
         if not callable(model):
             raise ValueError(f"model must be a callable causal LM (its forward returns .loss), got "
                              f"{type(model).__name__}")
@@ -104,7 +103,7 @@ class CapturedStep:
         if not self.params:
             raise ValueError("optimizer has no parameter that requires grad")
         self.device = self.params[0].device
-        self.max_grad_norm, self.loss_scale, self.warmup = max_grad_norm, float(loss_scale), warmup
+        self.max_grad_norm, self.loss_scale, self.warmup = max_grad_norm, loss_scale, warmup
         self._prepare = prepare
         self._capture = capture if capture is not None else (
             _cuda_graph_capture if self.device.type == "cuda" else None)

@@ -115,9 +115,9 @@ class _Dequantizable:
         instead of reading ``weight`` (codes) as a float matrix (DoRA's weight norm)."""
         return self.weight
 
-    def dequantize(self) -> torch.Tensor:
-        """The dense weight ``[out_features, in_features]`` the layer computes with, in its compute dtype (a new
-        tensor, no gradient)."""
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense weight ``[out_features, in_features]`` the layer computes with, formed in fp32 and rounded once
+        to ``dtype`` (default: its compute dtype; what PEFT's probe gets); a new tensor, no gradient."""
         raise NotImplementedError
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -199,13 +199,12 @@ class NF4Linear(_Dequantizable, nn.Linear):
         return NF4Weight(**{f: getattr(self, f) for f in _TENSOR_FIELDS}, offset=offset, shape=shape, dtype=dtype,
                          fp8_scale=self.fp8_scale, name=name)
 
-    def dequantize(self) -> torch.Tensor:
-        """The dense weight in the compute dtype: the NF4 values, or with FP8 compute the e4m3 values its GEMMs
-        read (dequantised in fp32, rounded once)."""
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The NF4 values, or with FP8 compute the e4m3 values its GEMMs read (:meth:`_Dequantizable.dequantize`)."""
         with torch.no_grad():
             if self.fp8_scale is not None:
-                return dequantize_fp8(dequantize_nf4_fp8(self.weight_nf4), self.compute_dtype)
-            return dequantize_nf4(self.weight_nf4, dtype=self.compute_dtype)
+                return dequantize_fp8(dequantize_nf4_fp8(self.weight_nf4), dtype or self.compute_dtype)
+            return dequantize_nf4(self.weight_nf4, dtype=dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_scale is not None:  # FP8 compute: e4m3 GEMMs on codes dequantised to e4m3, as the fused ops run
@@ -253,10 +252,10 @@ class FP8Linear(_Dequantizable, nn.Linear):
     def weight_fp8(self) -> FP8Weight:
         return FP8Weight(self.weight, self.weight_scale, self._meta[0], self._meta[1])
 
-    def dequantize(self) -> torch.Tensor:
-        """diag(weight_scale) weight in the compute dtype (formed in fp32, rounded once)."""
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """diag(weight_scale) weight (:meth:`_Dequantizable.dequantize`)."""
         with torch.no_grad():
-            return dequantize_fp8(self.weight_fp8, self.compute_dtype)
+            return dequantize_fp8(self.weight_fp8, dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):  # the e4m3 GEMMs take these
@@ -581,10 +580,12 @@ def _refuse_save_pretrained(model: nn.Module, quant_type: str) -> None:
         hf.__dict__["save_pretrained"] = _QuantizedSave(quant_type)
 
 
-def dequantize(model: nn.Module) -> dict[str, int]:
-    """Undo :func:`quantize`, in place: every :class:`NF4Linear` / :class:`FP8Linear` becomes an ``nn.Linear`` of
-    its dequantised weight (:meth:`NF4Linear.dequantize`: the values the layer computed with, in its compute dtype;
-    frozen; the bias kept) and every NF4 experts module its float class again, its stacks dequantised. Afterwards
+def dequantize(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Undo :func:`quantize`, in place: every :class:`NF4Linear` / :class:`FP8Linear` (leantune's or an FP8
+    checkpoint's as :func:`quantize` loaded it) becomes a frozen ``nn.Linear`` of its dequantised weight
+    (:meth:`NF4Linear.dequantize`: the values the layer computed with, in ``dtype``, default its compute dtype; the
+    bias kept, cast to ``dtype`` when given) and every NF4 experts module its float class again, its stacks
+    dequantised. Afterwards
     PEFT's ``merge_and_unload`` and transformers' ``save_pretrained`` work as on a float model (the weights carry
     the quantisation error: they are not the weights before :func:`quantize`). The adapters are untouched.
 
@@ -597,10 +598,10 @@ def dequantize(model: nn.Module) -> dict[str, int]:
             for name, child in list(parent.named_children()):
                 if not isinstance(child, (NF4Linear, FP8Linear)):
                     continue
-                weight = child.dequantize()
                 linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                linear.weight = nn.Parameter(weight, requires_grad=False)
-                linear.bias = child.bias
+                linear.weight = nn.Parameter(child.dequantize(dtype), requires_grad=False)
+                linear.bias = child.bias if child.bias is None or dtype is None else nn.Parameter(
+                    child.bias.detach().to(dtype), requires_grad=False)
                 setattr(parent, name, linear)
                 layers += 1
         for module in list(model.modules()):

@@ -107,7 +107,7 @@ def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4"
     codes its GEMMs read, dequantised. MoE expert stacks are NF4 in an NF4 or NF4-FP8 run (FP8 keeps them in the
     compute dtype)."""
     from ..ops import dequantize_fp8, dequantize_nf4, dequantize_nf4_fp8, quantize_fp8, quantize_nf4, with_fp8_compute
-    from ..quantize import EXPERT_STACKS, FP8Linear, allow_save_pretrained, expert_stacks, quantized_linears
+    from ..quantize import EXPERT_STACKS, dequantize, expert_stacks, quantized_linears
 
     with torch.no_grad():
         for name, linear in quantized_linears(model):
@@ -126,16 +126,7 @@ def _dequantised_base(model, trained_dtype: torch.dtype, quant_type: str = "nf4"
                     weight = getattr(module, stack)
                     nf4 = quantize_nf4(weight.to(trained_dtype), name=f"{name}.{stack}")
                     weight.copy_(dequantize_nf4(nf4, dtype=torch.float32))
-        for parent in list(model.modules()):
-            for child_name, child in list(parent.named_children()):
-                if isinstance(child, FP8Linear):
-                    linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                    linear.weight = torch.nn.Parameter(dequantize_fp8(child.weight_fp8, torch.float32),
-                                                       requires_grad=False)
-                    if child.bias is not None:
-                        linear.bias = torch.nn.Parameter(child.bias.detach().float(), requires_grad=False)
-                    setattr(parent, child_name, linear)
-    allow_save_pretrained(model)  # no quantised layer is left
+    dequantize(model, dtype=torch.float32)  # an FP8 checkpoint's layers: the codes training used, in fp32
 
 
 def export(adapter: str, out: str, *, overwrite: bool = False, format: str = "hf", dtype: str | None = None) -> Path:

@@ -19,14 +19,6 @@ from ..fp8 import FP8Weight, fp8_grad_input, fp8_linear, quantize_rows
 from ..fp8_group import fp8_grad_input_group, grouped_grad_input_ok
 from .kernels import dropout_triton, lowrank_add_triton, skinny_matmul, skinny_tn
 
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (splitmix64's increment)
-_MIX = (-4658895280553007687, -7723592293110705685)  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB as int64
-
-
-def _shr(x, bits: int):
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
 
 def _torch_mask(seed, shape, p, device):
     """The torch path's scaled mask for ``seed`` (a Python int or an int64 tensor on ``device``). On the CPU: a
