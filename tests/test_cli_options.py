@@ -7,6 +7,7 @@ import json
 
 import cli_support
 import pytest
+import torch
 from cli_support import assert_error, files_of, run_cli, train_args
 
 from leantune.cli import DEMO_DEFAULTS, main
@@ -232,3 +233,44 @@ def test_dora_on_moe_experts_names_the_way_out(tmp_path, capsys):
     assert_error(code, err, "cannot apply LoRA", "takes no DoRA and no lora_dropout", "--target-modules")
     code, err = run_cli(capsys, *args, "--output", tmp_path / "b", "--target-modules", "q_proj,k_proj,v_proj,o_proj")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen2_moe"])
+def test_all_linear_and_named_targets_reach_the_expert_stacks(tmp_path, capsys, model_type):
+    """``--target-modules all-linear`` puts LoRA on a MoE model's expert stacks too (PEFT's own all-linear leaves
+    gpt-oss's and Qwen2-MoE's out), ``gate_up_proj`` names them, the patched run trains them, and the export's merged
+    model gives the adapter model's logits."""
+    from peft import PeftModel
+    from test_train import write_chat_jsonl, write_tiny_moe_model
+    from transformers import AutoModelForCausalLM
+
+    from leantune.train.model import load_model
+
+    model = write_tiny_moe_model(tmp_path / "moe", model_type)
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=30)
+    args = ["train", "--model", model, "--data", data, "--seq-len", "48", "--batch-size", "2", "--max-steps", "2",
+            "--eval-size", "2", "--device", "cpu", "--lr", "5e-2"]
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *args, "--output", run)
+    assert code == 0, err
+    adapter = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"], adapter
+    code, err = run_cli(capsys, *args, "--output", tmp_path / "named", "--target-modules", "q_proj,gate_up_proj")
+    assert code == 0, err
+    adapter = json.loads((tmp_path / "named" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["target_parameters"] == ["experts.gate_up_proj"] and adapter["target_modules"] == ["q_proj"]
+    code, err = run_cli(capsys, *args, "--output", tmp_path / "typo", "--target-modules", "q_proj,gate_up")
+    assert_error(code, err, "'gate_up' not found", "expert stacks are down_proj, gate_up_proj")
+
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", tmp_path / "merged")
+    assert code == 0, err
+    seed = json.loads((run / "run.json").read_text())["config"]["seed"]
+    base = load_model("config", model, torch.float32, "cpu", seed)
+    adapted = PeftModel.from_pretrained(base, run / "adapter").eval()
+    factors = [p for n, p in adapted.named_parameters() if "experts" in n and "lora_" in n]
+    assert len(factors) == 8 and all(p.abs().max() > 0 for p in factors)  # A, B of 2 layers x 2 stacks; B trained off 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.randint(0, base.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        diff = (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
+    assert diff < 1e-4, diff

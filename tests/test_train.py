@@ -33,15 +33,22 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "big"
          "door"]
 
 
-def write_tiny_moe_model(folder):
-    """:func:`write_tiny_model`'s tokenizer beside a 2-layer Qwen3-MoE config.json (4 experts, top-2)."""
-    from transformers import Qwen3MoeConfig
+def write_tiny_moe_model(folder, model_type="qwen3_moe"):
+    """:func:`write_tiny_model`'s tokenizer beside a 2-layer mixture-of-experts config.json (4 experts, top-2):
+    Qwen3-MoE, or ``model_type`` "gpt_oss" / "qwen2_moe"."""
+    from transformers import GptOssConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     write_tiny_model(folder)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_experts=4,
-                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=8, max_position_embeddings=128).save_pretrained(folder)
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=32, num_experts_per_tok=2, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    if model_type == "gpt_oss":
+        config = GptOssConfig(num_local_experts=4, **shape)
+    elif model_type == "qwen2_moe":
+        config = Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **shape)
+    else:
+        config = Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, **shape)
+    config.save_pretrained(folder)
     return folder / "config.json"
 
 

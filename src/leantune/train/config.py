@@ -62,8 +62,9 @@ class TrainConfig:
                                                         "dequantised weight (not fused)"})
     rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA: scaling alpha / sqrt(r) instead of "
                                                           "alpha / r (PEFT use_rslora)"})
-    target_modules: str = field(default="all-linear", metadata={"help": "all-linear, or comma-separated module "
-                                "names (e.g. q_proj,v_proj)"})
+    target_modules: str = field(default="all-linear", metadata={"help": "all-linear (every linear layer and a MoE "
+                                "model's expert stacks), or comma-separated names of linear layers or expert "
+                                "stacks (e.g. q_proj,v_proj or gate_up_proj,down_proj)"})
     gradient_checkpointing: str = field(default="off", metadata={"help": "on|off: recompute activations in "
                                         "backward"})
     eval_every: int = field(default=50, metadata={"help": "eval every N steps (0: only at start and end)"})

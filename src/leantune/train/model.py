@@ -344,35 +344,55 @@ def _check_loading_info(path: Path, info: dict) -> None:
             f"{some(info['unexpected_keys'])}")
 
 
+def expert_stacks(model) -> list[str]:
+    """The 3-D expert weights of a mixture-of-experts ``model`` as PEFT's ``target_parameters`` names them,
+    ``experts.<parameter>`` (e.g. ``experts.gate_up_proj``, ``experts.down_proj``), sorted; [] for a dense model.
+
+    transformers 5 keeps a MoE block's experts as ``[E, ., .]`` parameters of one ``...experts`` module, not as
+    linear layers, so ``target_modules`` cannot reach them; PEFT wraps them by parameter name instead."""
+    return sorted({f"experts.{p}" for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "experts"
+                   for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
+
+
 def lora_config(model, config: TrainConfig):
     """PEFT's ``LoraConfig`` of a run, its ``--target-modules`` checked against ``model``'s module names and its
-    ``--lora-r`` against the widest linear layer (both before PEFT allocates anything)."""
+    ``--lora-r`` against the widest linear layer (both before PEFT allocates anything).
+
+    A MoE model's expert stacks (:func:`expert_stacks`) go to PEFT's ``target_parameters``: all of them under
+    ``all-linear`` (PEFT's own ``all-linear`` reaches them in some families only, e.g. Qwen3-MoE but not gpt-oss),
+    and a listed name that is an expert stack's parameter (``gate_up_proj``, ``down_proj``) selects those stacks
+    beside any linear layers of that name."""
     from peft import LoraConfig
 
-    targets = config.target_modules
+    stacks = expert_stacks(model)
+    targets, parameters = config.target_modules, stacks
     if targets != "all-linear":
         targets = [name.strip() for name in targets.split(",") if name.strip()]
         modules = dict(model.named_modules())
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
+        parameters = [s for s in stacks if s.rsplit(".", 1)[-1] in targets]
         # PEFT's rule for a list: a module matches a key when its name is the key or ends with "." + key; PEFT
         # itself only complains when no key matches, so a typo next to a valid name would be silently dropped.
         matches = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in targets}
-        unmatched = [t for t in targets if not matches[t]]
+        unmatched = [t for t in targets if not matches[t] and f"experts.{t}" not in parameters]
         if unmatched or not targets:
+            stacks_named = f"; its expert stacks are {', '.join(s.split('.')[-1] for s in stacks)}" if stacks else ""
             raise LeantuneError(f"--target-modules: {', '.join(repr(t) for t in unmatched) or '(none)'} not found "
-                                f"in the model; its linear layers are {', '.join(linear)}")
+                                f"in the model; its linear layers are {', '.join(linear)}{stacks_named}")
         for t in targets:  # a block (e.g. self_attn) matches by name, but LoRA goes on layers, not on blocks
-            if all(next(m.children(), None) is not None for m in matches[t]):
+            if matches[t] and all(next(m.children(), None) is not None for m in matches[t]):
                 raise LeantuneError(f"--target-modules: {t!r} names {type(matches[t][0]).__name__} blocks, not layers "
                                     f"LoRA can wrap; its linear layers are {', '.join(linear)}")
+        # PEFT takes a name that matches only an expert stack as a module name it cannot find: leave it out there
+        targets = [t for t in targets if matches[t]] or None
     widest = max((min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)),
                  default=0)
     if config.lora_r > widest:  # [r, in] and [out, r] per layer
         raise LeantuneError(f"--lora-r {config.lora_r} is larger than every linear layer of the model allows: the "
                             f"widest has min(in, out) = {widest}, and a rank above it is not low-rank")
     return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=targets, bias="none", task_type="CAUSAL_LM", use_dora=config.dora,
-                      use_rslora=config.rslora)
+                      target_modules=targets, target_parameters=parameters or None, bias="none",
+                      task_type="CAUSAL_LM", use_dora=config.dora, use_rslora=config.rslora)
 
 
 def wrap_lora(model, config: TrainConfig):
