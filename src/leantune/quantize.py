@@ -125,40 +125,87 @@ class _Dequantizable:
         weight = state_dict.get(prefix + "weight")
         if weight is not None and not _holds_codes(self, weight):
             # a float weight would be cast into the codes under the old scales (or ignored): refuse this layer
-            error_msgs.append(f"{prefix}weight: a {weight.dtype} weight of shape {tuple(weight.shape)} cannot be "
-                              f"loaded into leantune's {type(self).__name__} (quantised codes): load the float "
-                              "weights into the model before leantune.quantize, or leantune.dequantize it first")
+            error_msgs.append(_float_weight_refused(prefix, self, weight))
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
 
+def _refuse_float_weights(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict``'s pre-hook on a model :func:`quantize` changed: the quantised layers' refusal of a float
+    ``weight`` (:meth:`_Dequantizable._load_from_state_dict`), raised before anything is copied (each layer's own
+    check runs in module order, after the layers before it have loaded)."""
+    for name, layer in module.named_modules():
+        weight = state_dict.get(f"{prefix}{name}.weight") if isinstance(layer, _Dequantizable) else None
+        if weight is not None and not _holds_codes(layer, weight):
+            raise RuntimeError(_float_weight_refused(f"{prefix}{name}.", layer, weight) + " (nothing was loaded)")
+
+
+def _float_weight_refused(prefix: str, layer, weight: torch.Tensor) -> str:
+    return (f"{prefix}weight: a {weight.dtype} weight of shape {tuple(weight.shape)} cannot be loaded into "
+            f"leantune's {type(layer).__name__} (quantised codes): load the float weights into the model before "
+            "leantune.quantize, or leantune.dequantize it first")
+
+
+def _check_input(layer, x: torch.Tensor, name: str) -> None:
+    """A quantised layer's input: float32/float16/bfloat16 with ``in_features`` last (ValueError naming the layer)."""
+    if x.dtype not in _COMPUTE_DTYPES:
+        hint = f" (a {x.dtype} model cannot run them: leantune.dequantize it first)" if x.is_floating_point() else ""
+        raise ValueError(f"{name}: a {type(layer).__name__} takes float32, float16 or bfloat16 inputs, got "
+                         f"{x.dtype}{hint}")
+    if x.dim() == 0 or x.shape[-1] != layer.in_features:
+        raise ValueError(f"{name}: the input's last dimension must be in_features = {layer.in_features}, got shape "
+                         f"{tuple(x.shape)}")
+
+
+# what writing into the codes or merging a float matrix into them calls first (PEFT's merge: ``weight.data += delta``;
+# its safe merge: ``orig = weight.data.clone(); orig += delta``; DoRA's: ``weight + s * delta`` for the norm)
+_MERGE_STEPS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__setitem__", "clone", "add", "sub",
+                          "mul", "div", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                          "__truediv__"})
+
+
 class _Codes(torch.Tensor):
-    """An NF4Linear's codes as its ``weight`` shows them: assigning ``.data`` (PEFT's merge into the base weight)
-    raises instead of replacing the codes with a merged float matrix cast to uint8."""
+    """A quantised layer's codes as its ``weight`` shows them (NF4Linear's packed uint8, FP8Linear's e4m3): reading
+    them (device, dtype, shape, ``.to``) works; arithmetic on them, ``clone`` or writing into them (the steps of
+    PEFT's merges of an adapter into the base weight) raise a ValueError saying what to do instead, before anything
+    changes."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _MERGE_STEPS or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_"):
+            raise ValueError(_MERGE_REFUSED)
+        with torch._C.DisableTorchFunctionSubclass():  # what derives from the codes is a plain tensor (e.g.
+            return func(*args, **(kwargs or {}))       # ``weight.to(torch.float32) * scale`` to inspect them)
 
     @property
-    def data(self):
-        return torch.Tensor.data.__get__(self)
+    def data(self):  # stays a _Codes: the merge's next step (``+=``, ``clone``) is refused
+        return torch.Tensor.data.__get__(self).as_subclass(_Codes)
 
     @data.setter
     def data(self, value):
-        raise ValueError("merging an adapter into leantune's NF4Linear codes is not possible: "
-                         "leantune.dequantize(model) first (then merge_and_unload), or leantune export for a leantune "
-                         "train run")
+        raise ValueError(_MERGE_REFUSED)
+
+
+_MERGE_REFUSED = ("merging an adapter into leantune's quantised weight codes (or any arithmetic, clone or write on "
+                  "them) is not possible: "
+                  "leantune.dequantize(model) first (then merge_and_unload), or leantune export for a leantune train "
+                  "run")
 
 
 def _holds_codes(layer, weight: torch.Tensor) -> bool:
     """Whether a state dict's ``weight`` entry is this quantised layer's own kind (FP8Linear: e4m3 codes; an
-    NF4Linear saves no weight entry at all)."""
+    NF4Linear saves its codes under ``codes``, no weight entry at all)."""
     return isinstance(layer, FP8Linear) and weight.dtype == layer.weight.dtype
 
 
 class NF4Linear(_Dequantizable, nn.Linear):
     """``y = x W^T + b`` with W [out_features, in_features] stored as NF4 and dequantised at each call.
 
-    The NF4 tensors are buffers (they follow ``.to(device)``; a float cast of the model, ``.to(torch.bfloat16)``,
-    keeps their dtypes and makes it the layer's compute dtype); ``bias`` stays a parameter in its dtype. An
+    The NF4 tensors are buffers saved in the state dict, with the nested offset and, for FP8 compute, the scales
+    (they follow ``.to(device)``; a float cast of the model, ``.to(torch.bfloat16)``, keeps their dtypes and makes it
+    the layer's compute dtype); ``bias`` stays a parameter in its dtype. An
     ``nn.Linear`` subclass without a float weight (see the module docstring: what PEFT reads of it).
     """
 
@@ -168,24 +215,33 @@ class NF4Linear(_Dequantizable, nn.Linear):
             raise ValueError(f"{weight.name}: an NF4Linear weight must be 2-D, got shape {weight.shape}")
         self.out_features, self.in_features = weight.shape
         for field in _TENSOR_FIELDS:
-            self.register_buffer(field, getattr(weight, field), persistent=False)
-        # FP8 compute ("nf4-fp8"): the per-output-channel e4m3 scales (derived from the codes: not saved)
-        self.register_buffer("fp8_scale", weight.fp8_scale, persistent=False)
+            self.register_buffer(field, getattr(weight, field))
+        # the double quantisation's offset: a Python float in use (a kernel argument), a buffer for the state dict
+        self.register_buffer("offset", torch.tensor(weight.offset, dtype=torch.float32, device=weight.device))
+        # FP8 compute ("nf4-fp8"): the per-output-channel e4m3 scales
+        self.register_buffer("fp8_scale", weight.fp8_scale)
         self._meta = (weight.offset, weight.shape, weight.dtype, weight.name)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
     def _apply(self, fn, recurse=True):
         dtype = _apply_keeping_storage(self, fn, lambda: super(NF4Linear, self)._apply(fn, recurse),
-                                       (*_TENSOR_FIELDS, "fp8_scale"), self._meta[2])
+                                       (*_TENSOR_FIELDS, "offset", "fp8_scale"), self._meta[2])
         if dtype is not None:  # the model cast to another float dtype computes in it
             self._meta = (self._meta[0], self._meta[1], dtype, self._meta[3])
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + "offset" in state_dict:  # read once at load, as NF4Experts does
+            self._meta = (float(self.offset), *self._meta[1:])
 
     @property
     def weight(self) -> torch.Tensor:
         """The packed NF4 codes (uint8, two weights a byte), as bitsandbytes' ``Linear4bit.weight`` holds them: what
         PEFT and other code probing a linear layer's ``weight`` for its device find. Not a float matrix; a view
-        whose ``.data`` cannot be replaced (PEFT's merges write a float matrix there: :class:`_Codes`)."""
+        that refuses arithmetic and writes (PEFT's merges would write a float matrix there: :class:`_Codes`)."""
         return self.codes.as_subclass(_Codes)
 
     @property
@@ -207,11 +263,11 @@ class NF4Linear(_Dequantizable, nn.Linear):
             return dequantize_nf4(self.weight_nf4, dtype=dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input(self, x, self._meta[3])  # dequantize_nf4 writes the three float dtypes
         if self.fp8_scale is not None:  # FP8 compute: e4m3 GEMMs on codes dequantised to e4m3, as the fused ops run
             return lora_linear(x, self.weight_nf4, None, None, 0.0, self.bias)
-        dtype = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else self._meta[2]
-        weight = dequantize_nf4(self.weight_nf4, dtype=dtype)
-        return F.linear(x, weight, None if self.bias is None else self.bias.to(dtype))
+        weight = dequantize_nf4(self.weight_nf4, dtype=x.dtype)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         compute = ", fp8 compute" if self.fp8_scale is not None else ""
@@ -230,7 +286,7 @@ class FP8Linear(_Dequantizable, nn.Linear):
     def __init__(self, weight: FP8Weight, bias: torch.Tensor | None = None):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate the float weight this layer replaces
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.qweight)
+        self._buffers["weight"] = weight.qweight  # a buffer behind the ``weight`` property (register_buffer refuses)
         self.register_buffer("weight_scale", weight.scale)
         self._meta = (weight.dtype, weight.name)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
@@ -243,6 +299,12 @@ class FP8Linear(_Dequantizable, nn.Linear):
         return self
 
     @property
+    def weight(self) -> torch.Tensor:
+        """The e4m3 codes ``[out_features, in_features]`` (the state dict's ``weight``), as a view that refuses
+        arithmetic and writes (PEFT's merges: :class:`_Codes`)."""
+        return self._buffers["weight"].as_subclass(_Codes)
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the weight was quantised from, or the model was cast to since (the attribute PEFT reads for the
         adapters' dtype)."""
@@ -250,7 +312,7 @@ class FP8Linear(_Dequantizable, nn.Linear):
 
     @property
     def weight_fp8(self) -> FP8Weight:
-        return FP8Weight(self.weight, self.weight_scale, self._meta[0], self._meta[1])
+        return FP8Weight(self._buffers["weight"], self.weight_scale, self._meta[0], self._meta[1])
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """diag(weight_scale) weight (:meth:`_Dequantizable.dequantize`)."""
@@ -258,9 +320,7 @@ class FP8Linear(_Dequantizable, nn.Linear):
             return dequantize_fp8(self.weight_fp8, dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):  # the e4m3 GEMMs take these
-            raise ValueError(f"{self._meta[1]}: an FP8Linear takes float32, float16 or bfloat16 inputs, got "
-                             f"{x.dtype} (a float64 model cannot run FP8 layers: leantune.dequantize it first)")
+        _check_input(self, x, self._meta[1])  # the e4m3 GEMMs take the three float dtypes
         return lora_linear(x, self.weight_fp8, None, None, 0.0, self.bias)
 
     def extra_repr(self) -> str:
@@ -551,6 +611,9 @@ def quantize(model: nn.Module, quant_type: str = "nf4", *, dtype: torch.dtype | 
         b, a = quantize_experts(module, name)
         before, after = before + b, after + a
     _refuse_save_pretrained(model, quant_type)
+    if not getattr(model, "_leantune_load_checked", False):
+        model.register_load_state_dict_pre_hook(_refuse_float_weights)
+        model._leantune_load_checked = True
     return {"layers": len(replacements), "experts": len(experts), "bytes_before": before, "bytes_after": after}
 
 
@@ -591,7 +654,12 @@ def dequantize(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[st
 
     Returns:
         ``{"layers": linear layers dequantised, "experts": experts modules dequantised}``.
+
+    Raises:
+        ValueError: ``dtype`` not None, float32, float16 or bfloat16 (the model is unchanged then).
     """
+    if dtype is not None and dtype not in _COMPUTE_DTYPES:  # checked before any layer changes
+        raise ValueError(f"dtype must be None or one of torch.float32, torch.float16, torch.bfloat16, got {dtype!r}")
     layers = experts = 0
     with torch.no_grad():
         for parent in list(model.modules()):
@@ -613,15 +681,23 @@ def dequantize(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[st
 
 
 @contextlib.contextmanager
-def placeholders_hidden(model: nn.Module):
-    """The NF4 expert stacks' placeholder parameters taken out of their modules while the block runs: tools that
-    expect a state-dict entry for every frozen parameter (torch.distributed.checkpoint's ``ignore_frozen_params``
-    pops each one's key) then see none of them; the stacks are their NF4 buffers, which stay."""
+def quantized_storage_hidden(model: nn.Module):
+    """The quantised layers' frozen storage out of ``model``'s state dict while the block runs: the NF4 expert
+    stacks' placeholder parameters taken out of their modules (torch.distributed.checkpoint's
+    ``ignore_frozen_params`` pops each frozen parameter's key, and they have none) and the codes, scales and tables
+    of every quantised layer made non-persistent (``ignore_frozen_params`` keeps buffers: a run's checkpoint would
+    copy the whole frozen base to the host at every save)."""
     held = [(module, n, module._parameters.pop(n)) for module in model.modules() if isinstance(module, NF4Experts)
             for n in module._leantune_nf4 if n in module._parameters]
+    hidden = [(module, n) for module in model.modules() if isinstance(module, (NF4Linear, FP8Linear, NF4Experts))
+              for n in module._buffers if n not in module._non_persistent_buffers_set]
+    for module, n in hidden:
+        module._non_persistent_buffers_set.add(n)
     try:
         yield
     finally:
+        for module, n in hidden:
+            module._non_persistent_buffers_set.discard(n)
         for module, n, placeholder in held:
             module._parameters[n] = placeholder
 

@@ -342,8 +342,9 @@ def quantize_nf4(weight: torch.Tensor, *, name: str = "weight") -> NF4Weight:
     in torch ops on the weight's device; temporaries of 4 bytes per weight.
 
     Raises:
-        ValueError: not a float tensor, numel not a positive multiple of 64, or non-finite values; the message
-            names ``name`` (e.g. the layer).
+        ValueError: not a float tensor, numel not a positive multiple of 64, non-finite values, or block maxima
+            whose float32 mean overflows (weights near the float32 limit); the message names ``name`` (e.g. the
+            layer).
     """
     if not isinstance(weight, torch.Tensor) or weight.dtype not in _runtime.FLOAT_DTYPES:
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
@@ -363,6 +364,9 @@ def quantize_nf4(weight: torch.Tensor, *, name: str = "weight") -> NF4Weight:
     codes = (nibbles[0::2] << 4) | nibbles[1::2]
 
     offset = absmax.mean()
+    if not math.isfinite(offset):  # the fp32 sum of block maxima overflows (bitsandbytes' fp32 mean, kept exact)
+        raise ValueError(f"{name}: its 64-blocks' absolute maxima (up to {absmax.max().item():.3g}) are too large "
+                         "for NF4's double quantisation: their float32 mean overflows")
     centred = absmax - offset
     n_nested = _runtime.cdiv(centred.numel(), NESTED_BLOCKSIZE)
     groups = torch.nn.functional.pad(centred, (0, n_nested * NESTED_BLOCKSIZE - centred.numel()))

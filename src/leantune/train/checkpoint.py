@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..distributed import World, barrier, gather_objects
 from ..errors import LeantuneError
-from ..quantize import placeholders_hidden
+from ..quantize import quantized_storage_hidden
 from .metrics import finite_or_none, one_line
 
 CHECKPOINTS = "checkpoints"
@@ -67,7 +67,7 @@ _LOAD = StateDictOptions(full_state_dict=True, strict=False)
 def adapter_state(model) -> dict:
     """The adapter's whole tensors under PEFT's keys (``model``: the PeftModel, sharded or not; every rank must call
     it; non-main ranks get an empty dict)."""
-    with placeholders_hidden(model):  # NF4 expert stacks: frozen placeholders without a state-dict entry
+    with quantized_storage_hidden(model):  # the frozen quantised base: not copied, not saved
         state = get_model_state_dict(model, options=_FULL)
     if not state:
         return {}
@@ -78,7 +78,7 @@ def adapter_state(model) -> dict:
 def save_adapter(model, folder: Path, world: World = World()) -> None:
     """The adapter as PEFT's folder (``save_pretrained``), written from whole tensors: every rank calls it (the
     tensors are gathered), rank 0 writes."""
-    with placeholders_hidden(model):  # NF4 expert stacks: frozen placeholders without a state-dict entry
+    with quantized_storage_hidden(model):  # the frozen quantised base: not copied, not saved
         state = get_model_state_dict(model, options=_FULL)
     if world.main:
         model.save_pretrained(folder, state_dict=state, save_embedding_layers=False)
