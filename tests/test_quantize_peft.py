@@ -68,8 +68,8 @@ def test_merges_are_refused_until_dequantize(tiny_llama, quant_type, dora):
     ids = torch.randint(0, VOCAB, (2, 12))
     before = model(input_ids=ids).logits
     codes = {n: b.clone() for n, b in model.named_buffers()}
-    for safe in (False, True):
-        with pytest.raises((RuntimeError, NotImplementedError, ValueError)):
+    for safe in (False, True):  # one clear error, whatever PEFT's merge path (its first step on the codes)
+        with pytest.raises(ValueError, match=r"quantised weight codes .* leantune.dequantize\(model\) first"):
             model.merge_adapter(safe_merge=safe)
         assert all(torch.equal(b, codes[n]) for n, b in model.named_buffers())
     for module in model.modules():  # a failed merge leaves no layer marked merged
@@ -103,12 +103,20 @@ def test_save_pretrained_and_float_state_dicts_are_refused(tiny_llama, quant_typ
     ids = torch.randint(0, VOCAB, (2, 12))
     loss = model(input_ids=ids, labels=ids).loss
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    for strict in (True, False):  # a float weight: refused by name, this layer's codes untouched
-        with pytest.raises(RuntimeError, match="cannot be loaded into leantune's"):
-            model.load_state_dict(tiny_llama.state_dict(), strict=strict)
-        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if "layers" in k and "proj" in k)
+    other = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    for strict in (True, False):  # a float weight: refused by name before anything is copied (embeddings too)
+        with pytest.raises(RuntimeError, match=r"q_proj.weight: .* cannot be loaded into leantune's.*nothing was"):
+            model.load_state_dict(other.state_dict(), strict=strict)
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert torch.equal(model(input_ids=ids, labels=ids).loss, loss)
     model.load_state_dict(state)  # its own state dict still loads
+    # another quantised model's state dict carries its codes (and NF4's offsets): they load, with its outputs
+    moved = _quantized(other, quant_type)
+    moved.load_state_dict(state)
+    assert torch.equal(moved(input_ids=ids, labels=ids).loss, loss)
     leantune.dequantize(model)
     model.save_pretrained(tmp_path / "dense")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
@@ -141,4 +149,61 @@ def test_summary_names_the_quantized_layers(tiny_llama, quant_type):
                for part in summary["fused"])
     leantune.unpatch(model)
     assert model.base_model.model.leantune_summary["quantized"] == {quant_type: 14}
-    assert leantune.patch(_lora(copy.deepcopy(tiny_llama))).base_model.model.leantune_summary["quantized"] == {}
+    patched_first = leantune.patch(_lora(copy.deepcopy(tiny_llama)))
+    summary = patched_first.base_model.model.leantune_summary
+    assert summary["quantized"] == {} and not any("leantune.quantize" in part for part in summary["fused"])
+    leantune.quantize(patched_first, quant_type)  # after patch: the summary reads it
+    assert summary["quantized"] == {quant_type: 14} and f"{quant_type} 14" in summary["fused"][-1]
+    leantune.dequantize(patched_first)
+    assert summary["quantized"] == {} and dict(summary.items())["quantized"] == {}
+
+
+@pytest.mark.parametrize("quant_type", ["fp8", "nf4", "nf4-fp8"])
+def test_quantized_layer_and_dequantize_argument_errors(tiny_llama, quant_type):
+    """A quantised layer names itself for a wrong input dtype or width; dequantize refuses a non-float dtype before
+    any layer changes (an int8 cast of the FP8 values zeroed every weight)."""
+    model = _quantized(tiny_llama, quant_type)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    for x, message in ((torch.randn(2, 63), r"last dimension must be in_features = 64, got shape \(2, 63\)"),
+                       (torch.ones(2, 64, dtype=torch.int64), "takes float32, float16 or bfloat16 inputs, got torch.int64"),
+                       (torch.randn(2, 64, dtype=torch.float64), "float64 model cannot run them")):
+        with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj: .*" + message):
+            q_proj(x)
+    for dtype in (torch.int8, torch.float64, torch.bool, "bf16"):
+        with pytest.raises(ValueError, match="dtype must be None or one of"):
+            leantune.dequantize(model, dtype=dtype)
+        assert sum(isinstance(m, (FP8Linear, NF4Linear)) for m in model.modules()) == 14
+    with pytest.raises(ValueError, match="quantised weight codes"):  # arithmetic on the view, not on a copy
+        q_proj.weight + 1
+    assert q_proj.weight.to(torch.float32).sum().isfinite()
+
+
+def test_nf4_refuses_block_maxima_whose_mean_overflows():
+    from leantune.ops import quantize_nf4
+
+    with pytest.raises(ValueError, match=r"down: its 64-blocks' absolute maxima \(up to 1e\+37\) are too large"):
+        quantize_nf4(torch.full((128, 64), 1e37), name="down")
+    weight = torch.randn(128, 64)
+    weight[0] = 1e38  # one huge block: the mean stays finite, NF4 holds it
+    assert quantize_nf4(weight).codes.numel() == 128 * 32
+
+
+@pytest.mark.parametrize("quant_type", ["fp8", "nf4"])
+def test_run_checkpoints_leave_the_frozen_quantised_base_out(tiny_llama, quant_type):
+    """The adapter state a run's checkpoint gathers holds the trainable tensors only: the quantised codes are
+    buffers, which torch.distributed.checkpoint's ignore_frozen_params keeps, so they are hidden while it runs."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from leantune.quantize import quantized_storage_hidden
+    from leantune.train.checkpoint import _FULL, adapter_state
+
+    model = _lora(_quantized(tiny_llama, quant_type))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    gathered = set(get_model_state_dict(model, options=_FULL))
+    assert gathered > trainable and any("layers.0.self_attn.q_proj.base_layer" in k for k in gathered)  # the codes
+    with quantized_storage_hidden(model):
+        gathered = set(get_model_state_dict(model, options=_FULL))
+    assert not [k for k in gathered - trainable if "layers" in k]  # no frozen quantised storage gathered
+    state = adapter_state(model)
+    assert len(state) == len(trainable) == 2 * 7 * 2
+    assert any(k.endswith("weight_scale" if quant_type == "fp8" else "codes") for k in model.state_dict())

@@ -525,3 +525,22 @@ def test_qlora_run_trains_on_nf4_and_exports_the_dequantised_base_plus_adapter(t
     assert (plain.logits - trained).abs().max() > 1e-4
     with pytest.raises(LeantuneError, match="--quantize must be nf4"):
         tiny_config(tiny, tmp_path / "x", quantize="fp4")
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp8"])
+def test_dora_with_quantize_starts_at_the_quantized_base(tiny, quant_type):
+    """``--dora --quantize``: the base is quantised before PEFT builds the adapters, so each DoRA magnitude is the
+    row norm of the weight the layer computes with and the run starts at the quantised model's outputs (quantised
+    after PEFT, the magnitudes kept the float rows' norms: a per-channel rescale of every projection)."""
+    from leantune.quantize import quantize
+
+    config = tiny_config(tiny, "unused", patch="off", dora=True, quantize=quant_type)
+    model = wrap_lora(load_model("config", tiny["model"], torch.float32, "cpu", 0), config)
+    reference = load_model("config", tiny["model"], torch.float32, "cpu", 0)
+    quantize(reference, quant_type)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    dense = q_proj.base_layer.dequantize(torch.float32)
+    torch.testing.assert_close(q_proj.lora_magnitude_vector["default"].weight, dense.norm(dim=1), rtol=1e-6, atol=0)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

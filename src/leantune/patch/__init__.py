@@ -77,7 +77,8 @@ class PatchSummary(dict):
     """``leantune_summary``: a dict whose ``loss_runs`` is re-read at each access from what is installed now and
     what ran (leantune's loss-call counters), not only from what :func:`patch` configured: a wrapper forward put on
     after ``patch`` (TRL's fused LM head, built after a bare ``leantune.patch``) serves its own calls with its own
-    head, and the summary then says so with the count of leantune's losses. Copies (``copy.deepcopy``, pickle,
+    head, and the summary then says so with the count of leantune's losses. ``quantized`` (and the note on it in
+    ``fused``) is re-read too: ``leantune.quantize`` after ``patch`` shows. Copies (``copy.deepcopy``, pickle,
     ``dict(summary)`` of ``items()``) are plain dicts holding the values as of the copy."""
 
     def __init__(self, hf: nn.Module, data: dict):
@@ -86,7 +87,15 @@ class PatchSummary(dict):
 
     def _live(self, key, value):
         hf = self._hf()
-        return _loss_runs_now(hf, value) if key == "loss_runs" and hf is not None else value
+        if hf is None:
+            return value
+        if key == "loss_runs":
+            return _loss_runs_now(hf, value)
+        if key == "quantized":  # leantune.quantize may run after patch (either order works)
+            return _quantized_counts(hf)
+        if key == "fused":
+            return _with_quantized_note(value, _quantized_counts(hf))
+        return value
 
     def __getitem__(self, key):
         return self._live(key, super().__getitem__(key))
@@ -298,10 +307,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         "tile_mlp": tile_mlp,
         "loss_runs": loss_runs,
         "unpatched": left,
-        "quantized": _quantized_counts(model),
+        "quantized": _quantized_counts(model),  # these two re-read at each access (PatchSummary)
     }
-    if summary["quantized"]:
-        summary["fused"].append(_QUANTIZED_NOTE + ", ".join(f"{kind} {n}" for kind, n in summary["quantized"].items()))
     hf.__dict__[SUMMARY_ATTR] = PatchSummary(hf, summary)
     logger.info("leantune.patch(%s): %s", type(hf).__name__, _describe(summary))
     return model
@@ -363,6 +370,13 @@ def _decoder_layer_parts(hf: nn.Module) -> str:
 
 _QUANTIZED_NOTE = ("frozen weights of leantune.quantize (fp8: e4m3 codes, the frozen GEMMs in FP8; nf4: dequantised "
                    "per GEMM; nf4-fp8: NF4 codes dequantised to e4m3, the GEMMs in FP8), layers: ")
+
+
+def _with_quantized_note(fused: list[str], quantized: dict[str, int]) -> list[str]:
+    """``fused`` with a note on the quantised layers ``quantized`` counts (none: ``fused`` as it is)."""
+    if not quantized:
+        return fused
+    return [*fused, _QUANTIZED_NOTE + ", ".join(f"{kind} {n}" for kind, n in quantized.items())]
 
 
 def _quantized_counts(model: nn.Module) -> dict[str, int]:

@@ -396,13 +396,16 @@ def lora_config(model, config: TrainConfig):
 
 
 def wrap_lora(model, config: TrainConfig):
-    """PEFT LoRA on ``config.target_modules`` (adapters in fp32, PEFT's default), then ``leantune.patch``."""
+    """``--quantize`` (when given), PEFT LoRA on ``config.target_modules`` (adapters in fp32, PEFT's default), then
+    ``leantune.patch``."""
     from peft import get_peft_model
 
     lora = lora_config(model, config)
     model.config.use_cache = False
     if config.gradient_checkpointing == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.quantize is not None:  # before PEFT, as QLoRA loads: DoRA's magnitudes start from the quantised W
+        _quantize(model, config.quantize)
     torch.manual_seed(config.seed)
     try:
         model = get_peft_model(model, lora)
@@ -413,21 +416,6 @@ def wrap_lora(model, config: TrainConfig):
                          "DoRA and no lora_dropout: drop --dora / --lora-dropout, or name the projections to adapt "
                          "with --target-modules, e.g. q_proj,k_proj,v_proj,o_proj, which leaves the experts out)")
         raise LeantuneError(f"cannot apply LoRA: {message}") from None
-    if config.quantize is not None:  # after PEFT: the LoRA layers' bases become NF4/FP8, the adapters stay
-        from ..quantize import quantize
-
-        try:
-            done = quantize(model, config.quantize)
-        except ValueError as exc:
-            raise LeantuneError(f"--quantize {config.quantize}: {str(exc).splitlines()[0]}") from None
-        if torch.device(next(model.parameters()).device).type == "cuda":
-            torch.cuda.empty_cache()  # the 16-bit weights just replaced
-        what = {"nf4": "NF4", "fp8": "FP8 (e4m3, one scale per output channel; experimental)",
-                "nf4-fp8": "NF4 with FP8 compute (experimental)"}[config.quantize]
-        experts = f" and {done['experts']} MoE experts modules" if done.get("experts") else ""
-        if done["layers"]:  # none: an FP8 checkpoint's layers, converted (and said) at load
-            say(f"leantune: {done['layers']} linear layers{experts} in {what}: {done['bytes_before'] / 2**30:.2f} GiB "
-                f"of frozen weights -> {done['bytes_after'] / 2**30:.2f} GiB")
     if config.patch == "on":
         try:
             model = patch(model, offload_checkpoints=config.offload_checkpoints, tile_mlp=config.tile_mlp,
@@ -436,3 +424,23 @@ def wrap_lora(model, config: TrainConfig):
             say(f"leantune: warning: not patched ({str(exc).splitlines()[0]}); training with HF's modules")
     return model
 
+
+def _quantize(model, quant_type: str) -> None:
+    """``leantune.quantize`` of the run's model, said in one line (errors as LeantuneError)."""
+    from ..quantize import quantize
+
+    try:
+        done = quantize(model, quant_type)
+    except ValueError as exc:
+        raise LeantuneError(f"--quantize {quant_type}: {str(exc).splitlines()[0]}") from None
+    if torch.device(next(model.parameters()).device).type == "cuda":
+        torch.cuda.empty_cache()  # the 16-bit weights just replaced
+    what = {"nf4": "NF4", "fp8": "FP8 (e4m3, one scale per output channel; experimental)",
+            "nf4-fp8": "NF4 with FP8 compute (experimental)"}[quant_type]
+    experts = f" and {done['experts']} MoE experts modules" if done.get("experts") else ""
+    # fp8 has no expert path (the grouped expert GEMMs take 16-bit or NF4 stacks): most of a MoE's weights stay
+    kept = (f"; the MoE expert stacks stay in {next(model.parameters()).dtype} (--quantize nf4 quantises them)"
+            if quant_type == "fp8" and expert_stacks(model) else "")
+    if done["layers"]:  # none: an FP8 checkpoint's layers, converted (and said) at load
+        say(f"leantune: {done['layers']} linear layers{experts} in {what}: {done['bytes_before'] / 2**30:.2f} GiB "
+            f"of frozen weights -> {done['bytes_after'] / 2**30:.2f} GiB{kept}")
