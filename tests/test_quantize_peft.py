@@ -165,7 +165,8 @@ def test_quantized_layer_and_dequantize_argument_errors(tiny_llama, quant_type):
     model = _quantized(tiny_llama, quant_type)
     q_proj = model.model.layers[0].self_attn.q_proj
     for x, message in ((torch.randn(2, 63), r"last dimension must be in_features = 64, got shape \(2, 63\)"),
-                       (torch.ones(2, 64, dtype=torch.int64), "takes float32, float16 or bfloat16 inputs, got torch.int64"),
+                       (torch.ones(2, 64, dtype=torch.int64), "takes float32, float16 or bfloat16 inputs, got "
+                                                               "torch.int64"),
                        (torch.randn(2, 64, dtype=torch.float64), "float64 model cannot run them")):
         with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj: .*" + message):
             q_proj(x)
