@@ -127,7 +127,7 @@ def test_error_cases():
         ops.linear_distillation_loss(h, w, th, tw, num_items=torch.tensor(0, device=h.device))
     with pytest.raises(ValueError, match="labels must have shape"):
         ops.linear_distillation_loss(h, w, th, tw, labels[:-1])
-    with pytest.raises(ValueError, match="num_items is only valid"):
+    with pytest.raises(ValueError, match="num_items is only valid with reduction='batchmean', got reduction='sum'"):
         ops.linear_distillation_loss(h, w, th, tw, labels, reduction="sum", num_items=3)
     with pytest.raises(ValueError, match="share one dtype"):
         ops.linear_distillation_loss(h, w.half(), th, tw)

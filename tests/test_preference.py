@@ -343,3 +343,40 @@ def test_option_errors():
     h, w, tokens = torch.randn(2, 3, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE), torch.zeros(2, 3).long()
     with pytest.raises(ValueError, match="no entropy option"):
         preference.sequence_log_probs(h, w, tokens.to(DEVICE), entropy=True)
+    with pytest.raises(ValueError, match=r"hidden must be \[B, T, H\] .*got shape \(3, 8\)"):
+        preference.sequence_log_probs(h[0], w, tokens[0].to(DEVICE))
+
+
+def test_shape_device_and_delta_errors_name_the_argument():
+    """Per-sequence losses take ``[B]`` log-probs only; every tensor on the first one's device (meta stands in for
+    another device on a CPU-only machine); GRPO's delta caps the ratio, so it must be > 0."""
+    lp, mask, adv = _log_probs(2, 3), torch.ones(2, 3, device=DEVICE), torch.ones(2, device=DEVICE)
+    for delta in (-1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="delta must be"):
+            preference.grpo_loss(lp, mask, adv, delta=delta)
+    assert torch.isfinite(preference.grpo_loss(lp, mask, adv, delta=0.5)[0])
+    meta = torch.ones(2, 3, device="meta")
+    for name, kwargs in (("mask", {"mask": meta}), ("advantages", {"advantages": meta[:, 0]}),
+                         ("old_log_probs", {"old_log_probs": meta}),
+                         ("ref_log_probs", {"ref_log_probs": meta, "beta": 0.1}),
+                         ("importance_sampling_ratio", {"importance_sampling_ratio": meta}),
+                         ("num_items", {"num_items": torch.tensor(3, device="meta")})):
+        args = {"mask": mask, "advantages": adv, **kwargs}
+        with pytest.raises(ValueError, match=f"{name} is on meta, .* all tensors must be on one device"):
+            preference.grpo_loss(lp, **args)
+    c, grid = _log_probs(2), torch.randn(2, 3, device=DEVICE)
+    for loss in (lambda x: preference.simpo_loss(x, x), lambda x: preference.orpo_loss(x, x),
+                 lambda x: preference.dpo_loss(x, x, x, x), lambda x: preference.kto_loss(x, c, x, c)):
+        with pytest.raises(ValueError, match=r"chosen_log_probs must be \[B\] .*got shape \(2, 3\)"):
+            loss(grid)
+    with pytest.raises(ValueError, match=r"rejected_log_probs must be \[B\] .*got shape \(2, 3\)"):
+        preference.kto_loss(c, grid, c, grid)
+    off = torch.ones(2, device="meta")
+    for name, call in (("rejected_log_probs", lambda: preference.simpo_loss(c, off)),
+                       ("rejected_log_probs", lambda: preference.orpo_loss(c, off)),
+                       ("ref_chosen_log_probs", lambda: preference.dpo_loss(c, c, off, c)),
+                       ("rejected_log_probs", lambda: preference.kto_loss(c, off, c, off)),
+                       ("kl_log_probs", lambda: preference.kto_loss(c, c, c, c, off, off))):
+        with pytest.raises(ValueError, match=f"{name} is on meta, .* all tensors must be on one device"):
+            call()
+

@@ -281,6 +281,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, lab
         raise ValueError(f"temperature must be a finite number > 0 whose inverse is finite, got {temperature!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if num_items is not None and reduction != "batchmean":  # before check_options, which names its own "mean"
+        raise ValueError(f"num_items is only valid with reduction='batchmean', got reduction={reduction!r}")
     if chunk_bytes is None:
         chunk_bytes = DEFAULT_CHUNK_BYTES["fast"]
     elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes <= 0:

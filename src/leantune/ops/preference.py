@@ -14,6 +14,8 @@ GRPO (Shao et al. 2024, DeepSeekMath; loss types, clipping and k3 KL as TRL 1.16
     s_t: the sampler's importance weights (vLLM correction), 1 without
     grpo:    mean_b [sum_t m l / max(1, sum_t m)]       bnpo: sum m l / max(1, sum m)
     dr_grpo: sum m l / (B L_max) (Liu et al. 2025)      dapo: sum m l / max(1, num_items) (Yu et al. 2025)
+    (four of TRL 1.16's eight: its cispo, sapo, luspo and vespo are not here; under TRL its own loss runs them on
+    leantune's log-probs, :mod:`leantune.integrations.trl`)
 DPO (Rafailov et al. 2023): sigmoid -log sigma(beta d) (1 - eps) - log sigma(-beta d) eps (eps: cDPO smoothing);
     hinge relu(1 - beta d) (SLiC); ipo (d - 1 / (2 beta))^2 (Azar et al. 2023), each log-ratio divided by its
     sequence's token count when lengths are given (TRL 1.16's normalisation).
@@ -53,12 +55,15 @@ def sequence_log_probs(hidden, weight, tokens, bias=None, *, average=False, **op
         ``[B]`` float32, differentiable w.r.t. hidden, weight and bias. A sequence without valid token gives 0.
 
     Raises:
-        ValueError: ``entropy`` given (per-token entropies: :func:`linear_log_probs` with ``entropy=True``), and as
-            :func:`linear_log_probs`.
+        ValueError: ``entropy`` given (per-token entropies: :func:`linear_log_probs` with ``entropy=True``), hidden
+            not 3-D, and as :func:`linear_log_probs`.
     """
     if "entropy" in options:
         raise ValueError("sequence_log_probs takes no entropy option: linear_log_probs(..., entropy=True) gives the "
                          "per-token entropies")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        got = f"shape {tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"hidden must be [B, T, H] (one sequence a row), got {got}")
     log_probs = linear_log_probs(hidden, weight, tokens, bias, **options)
     total = log_probs.sum(-1)
     if not average:
@@ -67,17 +72,29 @@ def sequence_log_probs(hidden, weight, tokens, bias=None, *, average=False, **op
     return total / count
 
 
-def _as_float(name, t, shape=None):
+def _as_float(name, t, shape=None, device=None):
+    """``t`` in fp32, checked: a tensor, of ``shape`` and on ``device`` when given (the first argument's)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004 (contract)
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the first log-probs on {device}: all tensors must be on one "
+                         "device")
     return t.float()
 
 
-def _per_row(name, t, shape):
-    """``t`` as fp32 ``[B, T]`` or ``[B, 1]`` (a ``[B]`` tensor gets the column): per-token or per-sequence values."""
+def _sequences(name, t):
+    """A ``[B]`` tensor of per-sequence values (of the first argument: the device the others must share)."""
     t = _as_float(name, t)
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be [B] (one value per sequence), got shape {tuple(t.shape)}")
+    return t
+
+
+def _per_row(name, t, shape, device=None):
+    """``t`` as fp32 ``[B, T]`` or ``[B, 1]`` (a ``[B]`` tensor gets the column): per-token or per-sequence values."""
+    t = _as_float(name, t, device=device)
     if t.shape == shape[:1]:
         return t[:, None]
     if t.dim() == 2 and t.shape[0] == shape[0] and t.shape[1] in (1, shape[1]):
@@ -98,7 +115,7 @@ def _masked_mean(x, mask):
 def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=None, *, loss_type="dapo", beta=0.0,
               epsilon_low=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
               max_completion_length=None, num_items=None, bias_correction_kl=False, importance_sampling_ratio=None):
-    """GRPO's clipped surrogate with TRL's loss types (module docstring), from policy log-probs ``[B, T]``.
+    """GRPO's clipped surrogate with four of TRL's loss types (module docstring), from policy log-probs ``[B, T]``.
 
     Args:
         log_probs: ``[B, T]`` policy log-probs of the completion tokens (differentiable; e.g. from
@@ -128,9 +145,12 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
         Gradient accumulation is the caller's (TRL divides grpo/bnpo/dr_grpo by the accumulation steps).
 
     Raises:
-        ValueError: an unknown loss_type or importance_sampling_level, shapes that differ from log_probs',
-            ``ref_log_probs`` missing with beta != 0, negative epsilons, a non-finite option, ``num_items`` or
-            ``max_completion_length`` not a positive int (a tensor ``num_items`` not 0-dim).
+        ValueError: an unknown loss_type or importance_sampling_level, shapes or devices that differ from
+            log_probs', ``ref_log_probs`` missing with beta != 0, negative epsilons, delta not > 0, a non-finite
+            option, ``num_items`` or ``max_completion_length`` not a positive int (a tensor ``num_items`` not
+            0-dim). ``num_items`` and ``max_completion_length`` are batch facts TRL hands every loss type (only
+            dapo and dr_grpo read them), ``ref_log_probs`` and ``bias_correction_kl`` are read with beta != 0 only,
+            as in TRL: accepted for every type and beta, so one call site serves all.
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
@@ -139,18 +159,25 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
     lp = _as_float("log_probs", log_probs)
     if lp.dim() != 2:
         raise ValueError(f"log_probs must be [B, T], got shape {tuple(lp.shape)}")
-    m = _as_float("mask", mask, lp.shape)
-    adv = _per_row("advantages", advantages, lp.shape)
+    device = lp.device
+    m = _as_float("mask", mask, lp.shape, device)
+    adv = _per_row("advantages", advantages, lp.shape, device)
     beta = _runtime.check_real("beta", beta)
     epsilon_low = _runtime.check_real("epsilon_low", epsilon_low, low=0.0)
     epsilon_high = epsilon_low if epsilon_high is None else _runtime.check_real("epsilon_high", epsilon_high, low=0.0)
-    old = lp.detach() if old_log_probs is None else _as_float("old_log_probs", old_log_probs, lp.shape).detach()
+    old = lp.detach() if old_log_probs is None else _as_float("old_log_probs", old_log_probs, lp.shape,
+                                                               device).detach()
+    if delta is not None:
+        delta = _runtime.check_real("delta", delta, low=0.0, low_open=True)
     if max_completion_length is not None:
         max_completion_length = _positive_int("max_completion_length", max_completion_length)
     if num_items is not None and not isinstance(num_items, torch.Tensor):
         num_items = _positive_int("num_items", num_items)
     elif isinstance(num_items, torch.Tensor) and num_items.dim() != 0:
         raise ValueError(f"num_items must be a positive int or a 0-dim tensor, got shape {tuple(num_items.shape)}")
+    elif isinstance(num_items, torch.Tensor) and num_items.device != device:
+        raise ValueError(f"num_items is on {num_items.device}, log_probs on {device}: all tensors must be on one "
+                         "device")
     log_ratio = lp - old
     if importance_sampling_level == "token":
         log_weight = log_ratio
@@ -158,15 +185,16 @@ def grpo_loss(log_probs, mask, advantages, old_log_probs=None, ref_log_probs=Non
         log_weight = ((log_ratio * m).sum(-1) / m.sum(-1).clamp_min(1.0))[:, None]
     ratio = torch.exp(log_weight)
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=_runtime.check_real("delta", delta))
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     per_token = -torch.min(unclipped * adv, clipped * adv)
     if importance_sampling_ratio is not None:
-        per_token = per_token * _per_row("importance_sampling_ratio", importance_sampling_ratio, lp.shape).detach()
+        per_token = per_token * _per_row("importance_sampling_ratio", importance_sampling_ratio, lp.shape,
+                                         device).detach()
     metrics = {}
     if beta != 0.0:
         if ref_log_probs is None:
             raise ValueError("ref_log_probs is required when beta != 0 (the KL term to the reference)")
-        diff = _as_float("ref_log_probs", ref_log_probs, lp.shape).detach() - lp
+        diff = _as_float("ref_log_probs", ref_log_probs, lp.shape, device).detach() - lp
         kl = torch.exp(diff) - diff - 1.0
         if bias_correction_kl:
             kl = kl * ratio
@@ -228,12 +256,11 @@ def dpo_loss(chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
     if loss_type != "ipo" and (chosen_lengths is not None or rejected_lengths is not None):
         raise ValueError(f"chosen_lengths / rejected_lengths normalise the ipo loss; loss_type {loss_type!r} takes "
                          "none")
-    chosen = _as_float("chosen_log_probs", chosen_log_probs)
-    if chosen.dim() != 1:
-        raise ValueError(f"chosen_log_probs must be [B], got shape {tuple(chosen.shape)}")
-    rejected = _as_float("rejected_log_probs", rejected_log_probs, chosen.shape)
-    chosen_ratio = chosen - _as_float("ref_chosen_log_probs", ref_chosen_log_probs, chosen.shape)
-    rejected_ratio = rejected - _as_float("ref_rejected_log_probs", ref_rejected_log_probs, chosen.shape)
+    chosen = _sequences("chosen_log_probs", chosen_log_probs)
+    rows, device = chosen.shape, chosen.device
+    rejected = _as_float("rejected_log_probs", rejected_log_probs, rows, device)
+    chosen_ratio = chosen - _as_float("ref_chosen_log_probs", ref_chosen_log_probs, rows, device)
+    rejected_ratio = rejected - _as_float("ref_rejected_log_probs", ref_rejected_log_probs, rows, device)
     if loss_type == "sigmoid":
         losses = _smoothed_logsigmoid_loss(beta * (chosen_ratio - rejected_ratio), label_smoothing)
     elif loss_type == "hinge":
@@ -241,9 +268,9 @@ def dpo_loss(chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
     else:
         c, r = chosen_ratio, rejected_ratio
         if chosen_lengths is not None:
-            c = c / _as_float("chosen_lengths", chosen_lengths, chosen.shape).clamp_min(1.0)
+            c = c / _as_float("chosen_lengths", chosen_lengths, rows, device).clamp_min(1.0)
         if rejected_lengths is not None:
-            r = r / _as_float("rejected_lengths", rejected_lengths, chosen.shape).clamp_min(1.0)
+            r = r / _as_float("rejected_lengths", rejected_lengths, rows, device).clamp_min(1.0)
         losses = (c - r - 1.0 / (2.0 * beta)) ** 2
     return _mean(losses), beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
@@ -272,12 +299,10 @@ def orpo_loss(chosen_log_probs, rejected_log_probs, *, beta=0.1, nll=None):
         ValueError: beta negative or not finite, log-probs not ``[B]`` of one shape, ``nll`` not 0-dim.
     """
     beta = _runtime.check_real("beta", beta, low=0.0)
-    c = _as_float("chosen_log_probs", chosen_log_probs)
-    if c.dim() != 1:
-        raise ValueError(f"chosen_log_probs must be [B], got shape {tuple(c.shape)}")
-    r = _as_float("rejected_log_probs", rejected_log_probs, c.shape)
+    c = _sequences("chosen_log_probs", chosen_log_probs)
+    r = _as_float("rejected_log_probs", rejected_log_probs, c.shape, c.device)
     if nll is not None:
-        nll = _as_float("nll", nll, ())
+        nll = _as_float("nll", nll, (), c.device)
     log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
     loss = -beta * _mean(F.logsigmoid(log_odds))
     if nll is not None:
@@ -287,11 +312,15 @@ def orpo_loss(chosen_log_probs, rejected_log_probs, *, beta=0.1, nll=None):
 
 def simpo_loss(chosen_log_probs, rejected_log_probs, *, beta=2.0, gamma=0.5, label_smoothing=0.0):
     """SimPO (module docstring) on mean token log-probs ``[B]``; ``gamma`` is the target reward margin (TRL's
-    ``simpo_gamma``). Returns ``(loss, chosen_rewards, rejected_rewards)`` with rewards ``beta * logp`` detached."""
+    ``simpo_gamma``). Returns ``(loss, chosen_rewards, rejected_rewards)`` with rewards ``beta * logp`` detached.
+
+    Raises:
+        ValueError: beta not > 0, gamma or label_smoothing out of range, log-probs not ``[B]`` of one shape and
+            device."""
     beta = _runtime.check_real("beta", beta, low=0.0, low_open=True)
     gamma = _runtime.check_real("gamma", gamma)
-    c = _as_float("chosen_log_probs", chosen_log_probs)
-    r = _as_float("rejected_log_probs", rejected_log_probs, c.shape)
+    c = _sequences("chosen_log_probs", chosen_log_probs)
+    r = _as_float("rejected_log_probs", rejected_log_probs, c.shape, c.device)
     losses = _smoothed_logsigmoid_loss(beta * (c - r) - gamma, label_smoothing)
     return _mean(losses), beta * c.detach(), beta * r.detach()
 
@@ -306,21 +335,25 @@ def kto_loss(chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
         baseline z (detached; 0 for an empty KL batch).
 
     Raises:
-        ValueError: beta not > 0, a weight negative or not finite, mismatched shapes, one of the KL pair missing.
+        ValueError: beta not > 0, a weight negative or not finite, log-probs not 1-D, mismatched shapes or
+            devices, one of the KL pair missing.
     """
     beta = _runtime.check_real("beta", beta, low=0.0, low_open=True)
     desirable_weight = _runtime.check_real("desirable_weight", desirable_weight, low=0.0)
     undesirable_weight = _runtime.check_real("undesirable_weight", undesirable_weight, low=0.0)
-    c = _as_float("chosen_log_probs", chosen_log_probs)
-    r = _as_float("rejected_log_probs", rejected_log_probs)
-    c_ratio = c - _as_float("ref_chosen_log_probs", ref_chosen_log_probs, c.shape)
-    r_ratio = r - _as_float("ref_rejected_log_probs", ref_rejected_log_probs, r.shape)
+    c = _sequences("chosen_log_probs", chosen_log_probs)
+    r = _sequences("rejected_log_probs", rejected_log_probs)
+    device = c.device
+    _as_float("rejected_log_probs", r, device=device)
+    c_ratio = c - _as_float("ref_chosen_log_probs", ref_chosen_log_probs, c.shape, device)
+    r_ratio = r - _as_float("ref_rejected_log_probs", ref_rejected_log_probs, r.shape, device)
     if (kl_log_probs is None) != (ref_kl_log_probs is None):
         raise ValueError("kl_log_probs and ref_kl_log_probs must be given together")
     kl = torch.zeros((), dtype=torch.float32, device=c.device)
     if kl_log_probs is not None:  # an empty KL batch keeps the baseline 0 (the mean of nothing is NaN)
-        kl_policy = _as_float("kl_log_probs", kl_log_probs)
-        kl_ref = _as_float("ref_kl_log_probs", ref_kl_log_probs, kl_policy.shape)
+        kl_policy = _sequences("kl_log_probs", kl_log_probs)
+        _as_float("kl_log_probs", kl_policy, device=device)
+        kl_ref = _as_float("ref_kl_log_probs", ref_kl_log_probs, kl_policy.shape, device)
         if kl_policy.numel():
             kl = (kl_policy - kl_ref).mean().detach().clamp_min(0.0)
     losses = torch.cat([desirable_weight * (1.0 - torch.sigmoid(beta * (c_ratio - kl))),
