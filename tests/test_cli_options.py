@@ -274,3 +274,17 @@ def test_all_linear_and_named_targets_reach_the_expert_stacks(tmp_path, capsys, 
     with torch.no_grad():
         diff = (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
     assert diff < 1e-4, diff
+
+
+def test_the_context_warning_needs_a_document_past_the_context(tiny, tmp_path, capsys):
+    """--seq-len past max_position_embeddings (256 here) warns only when a document reaches a position past it:
+    positions restart at each packed document, so short documents never do."""
+    short = ["--seq-len", "512", "--batch-size", "1", "--max-steps", "1", "--eval-size", "1"]
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "short"), *short)
+    assert code == 0 and "longer than the model's context" not in err, err
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"text": "word " * 400 + str(i)}) + "\n" for i in range(6)))
+    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "long", data=long), *short)
+    assert code == 0, err
+    assert "--seq-len 512 is longer than the model's context (max_position_embeddings = 256) and a document " \
+           "reaches position 511" in err, err

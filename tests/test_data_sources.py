@@ -223,6 +223,13 @@ def test_mixing_by_weight(tmp_path, tokenizer):
         sources.parse_spec(f"{a}:0,{b}:1")
     with pytest.raises(LeantuneError, match=r"the weight of .*a.jsonl must be > 0, got -1.0"):
         sources.parse_spec(f"{a}:-1,{b}:2")  # a negative weight is a weight, not part of the path
+    with pytest.raises(LeantuneError, match=r"the weight of .*a.jsonl must be a number > 0, got 'nan'"):
+        sources.parse_spec(f"{a}:nan,{b}:1")  # not "give a weight to every source": one was given, not a number
+    spelled = tmp_path / "sub" / ".." / "a.jsonl"
+    (tmp_path / "sub").mkdir()
+    for twice in (f"{a},{a}", f"{a},{spelled}", f"{a}:1,{b}:1,{spelled}:2"):  # held-out rows through the copy
+        with pytest.raises(LeantuneError, match=r"a.jsonl is listed more than once .* list each source once"):
+            sources.parse_spec(twice)
     odd = tmp_path / "x,y:0.5.jsonl"  # an existing path is one source whatever it holds
     assert sources.parse_spec(str(odd)) == [(odd, None)] or not odd.exists()
     toml = tmp_path / "run.toml"

@@ -7,6 +7,7 @@ import json
 
 import cli_support
 import pytest
+import torch
 from cli_support import assert_error, files_of, run_cli, stopped_run, strict_json, train_args
 from test_train import write_chat_jsonl
 
@@ -468,3 +469,44 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_earlier_one(ti
         assert_error(code, err, f"checkpoint file {target} is truncated or corrupt", "SHA-256 differs")
     code, err = run_cli(capsys, "export", "--adapter", target.parent, "--out", tmp_path / "merged")
     assert_error(code, err, f"checkpoint file {target} is truncated or corrupt", "SHA-256 differs")
+
+
+def test_resume_and_export_refuse_a_base_model_changed_under_the_same_path(tiny, tmp_path, capsys, monkeypatch):
+    """run.json keeps a digest of the base model's config, tokenizer and weight files: other weights of the same
+    shapes, or an edited config, at the same path are refused by --resume (before anything is written) and by
+    export (the adapter merged into another base would be another model); the original files resume and export."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from leantune.train.model import load_model
+
+    base = tmp_path / "base"
+    load_model("config", tiny["model"], torch.float32, "cpu", 0).save_pretrained(base)
+    AutoTokenizer.from_pretrained(tiny["model"].parent).save_pretrained(base)
+    out = tmp_path / "out"
+    stopped_run(capsys, monkeypatch, train_args(tiny, out, "--max-steps", "4", "--save-every", "1", model=base))
+    weights = base / "model.safetensors"
+    original = weights.read_bytes()
+    shutil.copy(weights, tmp_path / "kept.safetensors")
+    load_model("config", tiny["model"], torch.float32, "cpu", 1).save_pretrained(tmp_path / "other")
+    other = (tmp_path / "other" / "model.safetensors").read_bytes()
+    assert len(other) == len(original) and other != original  # another draw, the same shapes and header
+    weights.write_bytes(other)
+    before = files_of(out)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "4", model=base))
+    assert_error(code, err, f"--resume: the base model at {base.resolve()} changed", "(model.safetensors differ)")
+    assert files_of(out) == before
+    code, err = run_cli(capsys, "export", "--adapter", out, "--out", tmp_path / "merged")
+    assert_error(code, err, "the base model of this run changed since it trained", "model.safetensors")
+    assert not (tmp_path / "merged").exists()
+    weights.write_bytes(original)
+    config = (base / "config.json").read_text()
+    (base / "config.json").write_text(json.dumps({**json.loads(config), "num_hidden_layers": 3}))
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "4", model=base))
+    assert_error(code, err, "(config.json differ)")
+    (base / "config.json").write_text(config)
+    code, err = run_cli(capsys, *train_args(tiny, out, "--resume", "--max-steps", "4", model=base))
+    assert code == 0, err
+    code, err = run_cli(capsys, "export", "--adapter", out, "--out", tmp_path / "merged")
+    assert code == 0, err

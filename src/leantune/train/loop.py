@@ -337,8 +337,13 @@ def _prepare(config: TrainConfig) -> _Run:
                             f"{model.get_input_embeddings().num_embeddings}")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if isinstance(context, int) and config.seq_len > context:
-        say(f"leantune: warning: --seq-len {config.seq_len} is longer than the model's context "
-            f"(max_position_embeddings = {context}); positions beyond it were never trained")
+        # positions restart at each packed document: only a document longer than the context goes beyond it
+        longest = max((int(d.position_ids.max()) + 1 for d in (run.train_data, run.eval_data)
+                       if d is not None and len(d)), default=0)
+        if longest > context:
+            say(f"leantune: warning: --seq-len {config.seq_len} is longer than the model's context "
+                f"(max_position_embeddings = {context}) and a document reaches position {longest - 1}; positions "
+                "beyond the context were never trained")
     _attend_per_document(model, config)
     run.model = wrap_lora(model, config)
     run.model.train()
@@ -407,7 +412,8 @@ def _claim(run: _Run, replaced: list) -> None:
                     "model_path": str(run.model_path.resolve()), "data_path": str(run.data_path.resolve()),
                     "data": info, "device": run.device, "dtype": str(run.dtype), "total_steps": run.total_steps,
                     "warmup_steps": run.warmup, "world_size": world.size, "engine": world.engine,
-                    "seq_len_default": run.seq_len_default, "data_fingerprint": run.data_fingerprint}
+                    "seq_len_default": run.seq_len_default, "data_fingerprint": run.data_fingerprint,
+                    "model_fingerprint": run_folder.model_fingerprint(run.model_path)}
         (output / "run.json").write_text(to_json(run_info, indent=2))
         run.metrics = MetricsLog(output / "metrics.jsonl")
     distributed.barrier(world)  # the folder is claimed before any rank goes on

@@ -30,7 +30,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .metrics import one_line, say
 from .model import load_model, load_tokenizer, lora_config
-from .run_folder import kept_run_hint, nearest_existing, read_run_info, remove
+from .run_folder import kept_run_hint, model_changes, model_fingerprint, nearest_existing, read_run_info, remove
 from .signals import SignalsDeferred, TerminateAborts
 
 EXPORT_MARKER = "leantune_export.json"
@@ -234,6 +234,10 @@ def _merged_model(run_dir: Path, adapter_dir: Path, saved: Path | None, run: dic
     kind, model_path = run["model_kind"], Path(run["model_path"])
     if not model_path.exists():
         raise LeantuneError(f"the base model of this run is gone: {model_path}")
+    changed = model_changes(run.get("model_fingerprint"), model_fingerprint(model_path))
+    if changed:  # the adapter merged into another base would be another model, silently
+        raise LeantuneError(f"the base model of this run changed since it trained: {model_path} "
+                            f"({', '.join(changed)} differ); restore the weights it trained on to export it")
     tokenizer_dir = run_dir / "tokenizer"
     tokenizer = (load_tokenizer("hf", tokenizer_dir) if tokenizer_dir.is_dir()
                  else load_tokenizer(kind, model_path))

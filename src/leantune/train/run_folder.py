@@ -223,6 +223,18 @@ def check_resume(config: TrainConfig, output: Path, model_path: Path, data_path:
     return info
 
 
+def _sample(digest, file: Path) -> None:
+    """Feed ``digest`` a file's size and its first and last MiB (at most 2 MiB read, whatever its size)."""
+    size = file.stat().st_size if file.exists() else -1
+    digest.update(f"{size};".encode())
+    if size > 0:
+        with open(file, "rb") as f:
+            digest.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), os.SEEK_END)
+                digest.update(f.read())
+
+
 def data_fingerprint(paths) -> str:
     """A short digest of the data files' sizes and contents (their first and last MiB; a saved dataset folder: every
     file's name and size), recorded in run.json so that ``--resume`` notices data replaced under the same path.
@@ -231,25 +243,59 @@ def data_fingerprint(paths) -> str:
     for path in map(Path, paths):
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for file in files:
-            size = file.stat().st_size if file.exists() else -1
-            digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}:{size};".encode())
-            if size > 0 and not path.is_dir():
-                with open(file, "rb") as f:
-                    digest.update(f.read(1 << 20))
-                    if size > 2 << 20:
-                        f.seek(-(1 << 20), os.SEEK_END)
-                        digest.update(f.read())
+            if path.is_dir():
+                size = file.stat().st_size if file.exists() else -1
+                digest.update(f"{file.relative_to(path)}:{size};".encode())
+            else:
+                digest.update(f"{file.name}:".encode())
+                _sample(digest, file)
     return digest.hexdigest()[:16]
+
+
+# what defines the weights and the tokens of a model folder (generation_config.json, READMEs: not)
+_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def model_fingerprint(path: Path) -> dict[str, str]:
+    """``{file name: short digest of its size, first and last MiB}`` of the base model's files (a folder: its
+    config, tokenizer and weight files; a .gguf or config.json: that file), recorded in run.json so that
+    ``--resume`` and ``leantune export`` notice a base replaced or edited under the same path. A re-initialised or
+    fine-tuned weight file differs in its first MiB of tensor data; at most 2 MiB read a file."""
+    path = Path(path)
+    files = ([p for p in path.iterdir() if p.is_file() and (p.name in _MODEL_FILES or p.suffix in _WEIGHT_SUFFIXES)]
+             if path.is_dir() else [path])
+    prints = {}
+    for file in sorted(files):
+        digest = hashlib.sha256()
+        _sample(digest, file)
+        prints[file.name] = digest.hexdigest()[:16]
+    return prints
+
+
+def model_changes(saved: dict | None, current: dict[str, str]) -> list[str]:
+    """The files whose digest differs between run.json's ``saved`` fingerprint and ``current`` (added and removed
+    ones too), sorted; [] when they agree or a run of an older leantune recorded none."""
+    if not saved:
+        return []
+    return sorted(name for name in saved.keys() | current.keys() if saved.get(name) != current.get(name))
 
 
 def check_resume_data(info: dict, fingerprint: str) -> None:
     """Raise LeantuneError when the data files at the resumed run's paths are not the ones it started on (by
-    :func:`data_fingerprint`); runs of an older leantune, which recorded none, are not checked."""
+    :func:`data_fingerprint`) or its base model's files changed (by :func:`model_fingerprint`); runs of an older
+    leantune, which recorded none, are not checked."""
     saved = info.get("data_fingerprint")
     if saved is not None and saved != fingerprint:
         raise LeantuneError(f"--resume: the data at {info.get('data_path')} changed since the run started (its size "
                             "or contents differ); resuming would continue the schedule on other examples and compare "
                             "eval losses of another held-out set: restore the file or start a new --output")
+    if info.get("model_fingerprint") and info.get("model_path"):
+        changed = model_changes(info["model_fingerprint"], model_fingerprint(Path(info["model_path"])))
+        if changed:
+            raise LeantuneError(f"--resume: the base model at {info['model_path']} changed since the run started "
+                                f"({', '.join(changed)} differ); its adapter was trained on the old one: restore it "
+                                "or start a new --output")
 
 
 def check_resume_steps(info: dict, resume_from: Path, total_steps: int) -> int:

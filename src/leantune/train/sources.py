@@ -7,7 +7,8 @@ records, and the order in which several are mixed.
 - ``a.jsonl:0.7,b.parquet:0.3``: a weighted mix. Each example of the mix comes from source i with probability
   ``w_i / sum(w)`` (a seeded draw per example, each source in its own seeded order) until one source runs out, as
   ``datasets.interleave_datasets(probabilities=..., stopping_strategy="first_exhausted")`` does: no example is
-  repeated and the shares follow the weights. Weights are given to every source or to none.
+  repeated and the shares follow the weights. Weights are given to every source or to none, and a file is listed
+  once (twice, its held-out examples would be trained on through the other copy).
 - A path that exists is always one source, even if it holds a comma or a colon. In TOML: the same string, or a list
   of those strings, or a table ``{ "a.jsonl" = 0.7, "b.parquet" = 0.3 }``.
 
@@ -72,7 +73,15 @@ def parse_spec(spec: str) -> list[tuple[Path, float | None]]:
                 raise LeantuneError(f"--data {spec!r}: the weight of {match.group(1)} must be > 0, got {weight}")
             sources.append((Path(match.group(1)), weight))
         else:
+            head, colon, tail = part.rpartition(":")
+            if colon and not Path(part).exists() and Path(head).exists():  # PATH:WEIGHT with a weight not a number
+                raise LeantuneError(f"--data {spec!r}: the weight of {head} must be a number > 0, got {tail!r}")
             sources.append((Path(part), None))
+    resolved = [p.resolve() for p, _ in sources]
+    twice = sorted({str(p) for p in resolved if resolved.count(p) > 1})
+    if twice:  # its rows would be both in the training split and in the held-out one
+        raise LeantuneError(f"--data {spec!r}: {', '.join(twice)} is listed more than once (held-out examples "
+                            "would be trained on through the other copy); list each source once")
     weighted = [w is not None for _, w in sources]
     if len(sources) > 1 and any(weighted) and not all(weighted):
         raise LeantuneError(f"--data {spec!r}: give a weight to every source (PATH:WEIGHT) or to none")
