@@ -93,12 +93,6 @@ def test_weights_missing_from_or_extra_to_config_json(tiny, tmp_path, capsys):
     assert code == 0 and "has no place for, ignored: model.layers.1." in err
 
 
-def test_seq_len_beyond_the_models_context_warns(tiny, tmp_path, capsys):
-    code, err = run_cli(capsys, *train_args(tiny, tmp_path / "out", "--seq-len", "300"))
-    assert code == 0, err
-    assert "--seq-len 300 is longer than the model's context (max_position_embeddings = 256)" in err
-
-
 @pytest.mark.parametrize("architectures", [["BertForMaskedLM"], ["T5ForConditionalGeneration"]])
 def test_a_model_that_is_not_a_causal_lm_is_named_so(tiny, tmp_path, capsys, architectures):
     """A BERT folder (or any config whose architectures are not causal LMs) is "not a causal LM", named by its type

@@ -36,17 +36,14 @@ import collections
 import importlib
 import logging
 import warnings
-import weakref
 
 from torch import nn
 
 from ._model import hf_model as _hf_model
-from ._model import instance_forward
 from .document_attention import install_dispatchers as install_mask_dispatchers
 from .experts import experts_activation, experts_base, experts_status, float_class
 from .families import ACTIVATIONS, FAMILIES, NOT_COVERED, SINK_IMPLEMENTATIONS, Family, family_for
 from .forwards import (
-    LOSS_CALLS_ATTR,
     LOSS_HEAD_ATTR,
     STATE_ATTR,
     ModuleState,
@@ -56,8 +53,9 @@ from .forwards import (
     lora_status,
     unbind,
 )
-from .lora_status import is_dora, quantized_kind
+from .lora_status import is_dora
 from .offload import disable_offloaded_checkpoints, enable_offloaded_checkpoints
+from .summary import LEANTUNE_FORWARD_LOSS, PatchSummary, forward_name, quantized_counts
 from .tiled_mlp import check_tile_tokens, disable_tiled_mlp, enable_tiled_mlp
 
 logger = logging.getLogger(__name__)
@@ -68,85 +66,6 @@ SUMMARY_ATTR = "leantune_summary"
 # the summary's counts; "dora": DoRA projections served by ops.dora_linear (also counted in "lora")
 # "experts": MoE experts modules through ops.moe_experts; "experts_lora": those of them with LoRA on the experts
 _COUNTS = ("rms_norm", "rope", "mlp", "loss", "lora", "lora_qkv", "lora_mlp", "dora", "experts", "experts_lora")
-
-
-LEANTUNE_FORWARD_LOSS = "ops.linear_cross_entropy (leantune's causal-LM forward)"
-
-
-class PatchSummary(dict):
-    """``leantune_summary``: a dict whose ``loss_runs`` is re-read at each access from what is installed now and
-    what ran (leantune's loss-call counters), not only from what :func:`patch` configured: a wrapper forward put on
-    after ``patch`` (TRL's fused LM head, built after a bare ``leantune.patch``) serves its own calls with its own
-    head, and the summary then says so with the count of leantune's losses. ``quantized`` (and the note on it in
-    ``fused``) is re-read too: ``leantune.quantize`` after ``patch`` shows. Copies (``copy.deepcopy``, pickle,
-    ``dict(summary)`` of ``items()``) are plain dicts holding the values as of the copy."""
-
-    def __init__(self, hf: nn.Module, data: dict):
-        super().__init__(data)
-        self._hf = weakref.ref(hf)
-
-    def _live(self, key, value):
-        hf = self._hf()
-        if hf is None:
-            return value
-        if key == "loss_runs":
-            return _loss_runs_now(hf, value)
-        if key == "quantized":  # leantune.quantize may run after patch (either order works)
-            return _quantized_counts(hf)
-        if key == "fused":
-            return _with_quantized_note(value, _quantized_counts(hf))
-        return value
-
-    def __getitem__(self, key):
-        return self._live(key, super().__getitem__(key))
-
-    def get(self, key, default=None):
-        return self[key] if key in self else default
-
-    def items(self):
-        return [(k, self._live(k, v)) for k, v in super().items()]
-
-    def values(self):
-        return [v for _, v in self.items()]
-
-    def __repr__(self):
-        return repr(dict(self.items()))
-
-    def __eq__(self, other):  # as read, loss_runs included
-        if isinstance(other, PatchSummary):
-            other = dict(other.items())
-        return dict(self.items()) == other if isinstance(other, dict) else NotImplemented
-
-    def __ne__(self, other):
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = None
-
-    def __reduce__(self):
-        return dict, (dict(self.items()),)
-
-
-def _loss_runs_now(hf: nn.Module, configured: str) -> str:
-    """``loss_runs`` from what ran: a loss head that reports its own runs (``leantune_runs``: leantune's TRL head),
-    or a foreign wrapper put on after :func:`patch` in front of leantune's forward, with leantune's loss count."""
-    # leantune's TRL head may sit under accelerate's mixed-precision wrappers (Trainer.train with bf16=True)
-    describe = getattr(instance_forward(hf, lambda f: callable(getattr(f, "leantune_runs", None))), "leantune_runs",
-                       None)
-    if callable(describe):
-        return describe(configured)
-    forward = hf.__dict__.get("forward")
-    calls = hf.__dict__.get(LOSS_CALLS_ATTR, 0)
-    if configured.startswith(LEANTUNE_FORWARD_LOSS) and (forward is None or is_leantune_forward(forward)):
-        # only calls with labels run it: a loss a caller forms from the returned logits (or hidden states) is its own
-        return (f"{configured}; ran so far: {calls} losses (calls with labels; a loss the caller computes from the "
-                "returned logits or hidden states is the caller's)")
-    if configured != LEANTUNE_FORWARD_LOSS or forward is None or is_leantune_forward(forward):
-        return configured
-    return (f"the instance forward {_name(forward)}'s own head for its own calls (put on after leantune.patch; for "
-            f"TRL's fused_lm_head=True calls that is TRL's chunked head: leantune.integrations.trl.patch_trainer"
-            f"(trainer) makes them leantune's); ops.linear_cross_entropy only where it calls leantune's causal-LM "
-            f"forward: {calls} losses so far")
 
 
 def _bind(module: nn.Module, state: ModuleState) -> None:
@@ -255,7 +174,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
     wrapper = hf.__dict__.get("forward") if _foreign_forward(hf) else None
     loss_runs = "HF's loss_function on full logits (loss kind off)"
     if wrapper is not None and not loss:
-        loss_runs = f"the instance forward {_name(wrapper)}'s own loss (loss kind off)"
+        loss_runs = f"the instance forward {forward_name(wrapper)}'s own loss (loss kind off)"
     if loss:
         head = getattr(hf, "lm_head", None)
         if head is None or not hasattr(hf, hf.base_model_prefix):
@@ -267,7 +186,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             loss_runs = "HF's loss_function on full logits (biased lm_head under a logits scale)"
         elif wrapper is not None and not holds_leantune(wrapper, hf):
             left["<causal lm>"] = "has an instance-level forward: HF's loss kept"
-            loss_runs = f"the instance forward {_name(wrapper)}'s own loss"
+            loss_runs = f"the instance forward {forward_name(wrapper)}'s own loss"
         else:
             state = ModuleState("causal_lm", family, loss=True)
             if wrapper is None:
@@ -276,7 +195,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
             else:  # e.g. TRL's fused LM head around a forward patched earlier: the state revives the one inside
                 bind(hf, state)
                 loss_runs = getattr(wrapper, LOSS_HEAD_ATTR, None) or (
-                    f"the instance forward {_name(wrapper)}, around leantune's causal-LM forward: "
+                    f"the instance forward {forward_name(wrapper)}, around leantune's causal-LM forward: "
                     "ops.linear_cross_entropy only where it calls that forward")
             counts["loss"] = 1
             install_mask_dispatchers()
@@ -307,7 +226,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, 
         "tile_mlp": tile_mlp,
         "loss_runs": loss_runs,
         "unpatched": left,
-        "quantized": _quantized_counts(model),  # these two re-read at each access (PatchSummary)
+        "quantized": quantized_counts(model),  # these two re-read at each access (PatchSummary)
     }
     hf.__dict__[SUMMARY_ATTR] = PatchSummary(hf, summary)
     logger.info("leantune.patch(%s): %s", type(hf).__name__, _describe(summary))
@@ -354,7 +273,7 @@ def _not_covered(hf: nn.Module, model_type) -> None:
         "family": None, "counts": dict.fromkeys(_COUNTS, 0),
         "off": list(KINDS), "fused": [], "kept": {"<model>": reason}, "offload_checkpoints": False,
         "tile_mlp": None, "loss_runs": "HF's forward (model type not covered)", "unpatched": {"<model>": reason},
-        "quantized": _quantized_counts(hf),
+        "quantized": quantized_counts(hf),
     }
 
 
@@ -366,23 +285,6 @@ def _decoder_layer_parts(hf: nn.Module) -> str:
         if isinstance(module, nn.ModuleList) and len(module) and len(module) == layers:
             return f"{type(module[0]).__name__}: " + ", ".join(sorted({type(c).__name__ for c in module[0].children()}))
     return ""
-
-
-_QUANTIZED_NOTE = ("frozen weights of leantune.quantize (fp8: e4m3 codes, the frozen GEMMs in FP8; nf4: dequantised "
-                   "per GEMM; nf4-fp8: NF4 codes dequantised to e4m3, the GEMMs in FP8), layers: ")
-
-
-def _with_quantized_note(fused: list[str], quantized: dict[str, int]) -> list[str]:
-    """``fused`` with a note on the quantised layers ``quantized`` counts (none: ``fused`` as it is)."""
-    if not quantized:
-        return fused
-    return [*fused, _QUANTIZED_NOTE + ", ".join(f"{kind} {n}" for kind, n in quantized.items())]
-
-
-def _quantized_counts(model: nn.Module) -> dict[str, int]:
-    """How many of the model's linear layers hold leantune.quantize's codes, by kind ("fp8", "nf4", "nf4-fp8")."""
-    counts = collections.Counter(kind for m in model.modules() if (kind := quantized_kind(m)) is not None)
-    return dict(sorted(counts.items()))
 
 
 _DORA_NOTE = ("DoRA fused: q/k/v through ops.lora_qkv, the gated MLP through ops.lora_mlp (their DoRA nodes; a "
@@ -426,16 +328,6 @@ def _fused_parts(family: Family, activation: str | None, attn_implementation: st
         parts.append("loss: ops.linear_cross_entropy" + (" on the hidden states scaled as the logits" if scaled else "")
                      + (" with the final-logit softcap" if family.final_softcap_attr else ""))
     return parts
-
-
-def _name(fn) -> str:
-    """Where a wrapper forward was written (``functools.wraps`` copies the wrapped forward's name; the code keeps its
-    own), e.g. ``trl.trainer.utils._fused_forward``."""
-    func = getattr(fn, "__func__", fn)
-    code = getattr(func, "__code__", None)
-    if code is not None:
-        return f"{getattr(func, '__globals__', {}).get('__name__', '?')}.{code.co_name}"
-    return type(fn).__qualname__
 
 
 def _count_lora(name: str, module: nn.Module, family: Family, counts, left, *, mlp_fused: bool) -> None:
@@ -499,7 +391,7 @@ def unpatch(model):
             "family": None, "counts": dict.fromkeys(_COUNTS, 0),
             "off": list(KINDS), "offload_checkpoints": False, "tile_mlp": None,
             "loss_runs": "not leantune's: the model is unpatched (leantune.unpatch)",
-            "unpatched": {"model": "leantune.unpatch"}, "quantized": _quantized_counts(hf),
+            "unpatched": {"model": "leantune.unpatch"}, "quantized": quantized_counts(hf),
         }
     return model
 
