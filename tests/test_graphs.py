@@ -193,3 +193,59 @@ def test_capture_keeps_the_mask_free_causal_path(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # what transformers reads
     model(input_ids=ids, labels=labels)
     assert masks == [None, None]
+
+
+def test_a_failed_step_leaves_no_gradient_and_fixes_no_layout(monkeypatch):
+    """A first step without labels raises and leaves the batch layout open (the corrected batch then runs); a step
+    that raises after a micro-batch's backward leaves no gradient for the next step to add to (it doubled the next
+    step's gradient norm)."""
+    monkeypatch.setenv("LEANTUNE_BACKEND", "torch")
+    model = tiny_peft_model("llama")
+    params = [p for p in model.parameters() if p.requires_grad]
+    step = CapturedStep(model, torch.optim.SGD(params, lr=0.0), max_grad_norm=100.0, warmup=1, capture=recorder)
+    ids, labels = batch()
+    with pytest.raises(ValueError, match="needs labels"):
+        step.step({"input_ids": ids})
+    _, norm = step.step({"input_ids": ids, "labels": labels})  # not refused as "built for missing"
+    bad = ids.clone()
+    bad[0, 0] = 10**6  # past the vocabulary: the embedding raises in the second micro-batch's forward
+    with pytest.raises(IndexError):
+        step.step([{"input_ids": ids, "labels": labels}, {"input_ids": bad, "labels": labels}])
+    assert all(not p.grad.any() for p in params)
+    _, again = step.step({"input_ids": ids, "labels": labels})
+    assert abs(float(again) - float(norm)) <= 1e-6 * float(norm), (float(again), float(norm))
+
+
+def test_eval_mode_warns_and_non_tensor_numbers_compare_by_value():
+    """A model left in eval mode (from_pretrained's) warns at the first step; 30 and 30.0, NaN and NaN are the same
+    argument; capture / prepare that are not callable are refused at construction."""
+    model = tiny_peft_model("llama")
+    params = [p for p in model.parameters() if p.requires_grad]
+    sgd = torch.optim.SGD(params, lr=0.0)
+    for name in ("capture", "prepare"):
+        with pytest.raises(ValueError, match=f"{name} must be None or a callable, got int"):
+            CapturedStep(model, sgd, **{name: 5})
+    model.get_base_model().eval()
+    step = CapturedStep(model, sgd, warmup=1, capture=recorder)
+    ids, labels = batch()
+    with pytest.warns(RuntimeWarning, match="modules of the model are in eval mode .* call model.train"):
+        step.step({"input_ids": ids, "labels": labels, "num_items_in_batch": 30, "scale": float("nan")})
+    model.train()
+    step.step({"input_ids": ids, "labels": labels, "num_items_in_batch": 30.0, "scale": float("nan")})
+    with pytest.raises(ValueError, match=r"batch\['num_items_in_batch'\] changed from 30 to 31"):
+        step.step({"input_ids": ids, "labels": labels, "num_items_in_batch": 31, "scale": float("nan")})
+
+
+def test_graphable_optimizer_takes_param_groups():
+    model = tiny_peft_model("llama")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = graphable_optimizer([{"params": params[:4]}, {"params": params[4:], "lr": 1e-4}], lr=1e-3)
+    assert [float(g["lr"]) for g in optimizer.param_groups] == [1e-3, 1e-4]
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(params)
+    with pytest.raises(ValueError, match="all tensors or all param groups"):
+        graphable_optimizer([{"params": params[:4]}, *params[4:]], lr=1e-3)
+    for lr, name in (("1e-3", "lr"), (float("nan"), "lr"), (-1.0, "lr")):
+        with pytest.raises(ValueError, match=name):
+            graphable_optimizer(params, lr=lr)
+    with pytest.raises(ValueError, match="param group 0's lr"):
+        graphable_optimizer([{"params": params, "lr": "x"}], lr=1e-3)

@@ -228,6 +228,8 @@ def test_patch_keywords_enable_offload_and_tiling_and_unpatch_removes_them():
     offloader_of(model).min_bytes = 0  # these layer inputs are 6 KiB, below the default threshold
     assert_bit_identical(step(model, input_ids), reference)
     assert offloader_of(model).packed == LAYERS
+    disable_offloaded_checkpoints(model)  # the summary reads it at each access
+    assert summary["offload_checkpoints"] is False
 
     leantune.unpatch(model)
     assert offloader_of(model) is None

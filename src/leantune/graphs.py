@@ -29,6 +29,8 @@ eagerly from then on (same results, host-paced).
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
@@ -47,9 +49,13 @@ def _cuda_graph_capture(fn: Callable[[], None], stream) -> Callable[[], None]:
 
 
 def _same(a, b) -> bool:
-    """Whether two non-tensor batch values are the same (an array's elementwise == has no single truth value)."""
+    """Whether two non-tensor batch values are the same: ``==`` (numbers of any type, NaN equal to NaN; an array's
+    elementwise == has no single truth value: the same type and all equal)."""
     if a is b:
         return True
+    if isinstance(a, numbers.Number) and isinstance(b, numbers.Number):
+        return bool(a == b) or (isinstance(a, numbers.Real) and isinstance(b, numbers.Real)
+                                and math.isnan(a) and math.isnan(b))
     try:
         return type(a) is type(b) and bool(a == b)
     except (TypeError, ValueError, RuntimeError):
@@ -75,10 +81,14 @@ class CapturedStep:
     returns ``(loss_sum, grad_norm)`` as device tensors (grad_norm None without clipping), never synchronising.
 
     On a device without CUDA graphs the steps run eagerly, with one ``RuntimeWarning`` at construction
-    (``eager_reason`` says why), as after a failed capture.
+    (``eager_reason`` says why), as after a failed capture. A model with modules in eval mode (transformers'
+    ``from_pretrained`` leaves it there, and ``get_peft_model`` does not change it) warns once at the first step:
+    its forwards form the logits and turn dropout off; call ``model.train()`` first. A step that raises leaves no
+    gradient behind, and the batch layout is fixed by the first step that succeeds.
 
     Raises:
         ValueError: a model that is not callable, an optimizer that cannot be captured, ``warmup`` not an int >= 1,
+            ``capture`` or ``prepare`` given and not callable,
             ``max_grad_norm`` not None or a finite number > 0, ``loss_scale`` not a finite number, a batch whose
             keys, shapes or dtypes differ from the first one's, a non-tensor argument that changes between calls
             (non-tensor values are compared by ``==``; an array is the same only as the same object), a model output
@@ -93,6 +103,9 @@ class CapturedStep:
             max_grad_norm = check_real("max_grad_norm", max_grad_norm, low=0.0, low_open=True,
                                        expected="None or a finite number > 0")
         loss_scale = check_real("loss_scale", loss_scale)
+        for name, fn in (("capture", capture), ("prepare", prepare)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be None or a callable, got {type(fn).__name__}")
         if not callable(model):
             raise ValueError(f"model must be a callable causal LM (its forward returns .loss), got "
                              f"{type(model).__name__}")
@@ -115,7 +128,7 @@ class CapturedStep:
         if self.eager_reason is not None:
             warnings.warn(f"leantune CapturedStep: {self.eager_reason}; the steps run eagerly", RuntimeWarning,
                           stacklevel=2)
-        self._signature = None
+        self._layout: tuple | None = None  # (signature, constants) of the first step that succeeded
         self._static: dict[str, torch.Tensor] = {}
         self._constants: dict = {}
         self._micro = self._update = None
@@ -130,32 +143,44 @@ class CapturedStep:
             if not isinstance(group["lr"], torch.Tensor):  # a float would be baked into the graph
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
 
-    def _split(self, batch: Mapping):
+    def _split(self, batch: Mapping, layout: tuple | None):
+        """(tensor inputs, (signature, constants)) of one batch, checked against ``layout``: the step's fixed one,
+        or this call's first micro-batch's while no step has succeeded (committed by :meth:`step`)."""
         if not isinstance(batch, Mapping):
             raise ValueError(f"each batch must be a mapping of model keyword arguments, got {type(batch).__name__}")
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
         constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
         signature = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
-        if self._signature is None:
-            self._signature, self._constants = signature, constants
-        elif signature != self._signature:
-            diff = sorted(set(signature) ^ set(self._signature)) or [
-                k for k in signature if signature[k] != self._signature[k]]
+        if layout is None:
+            return tensors, (signature, constants)
+        fixed, fixed_constants = layout
+        if signature != fixed:
+            diff = sorted(set(signature) ^ set(fixed)) or [k for k in signature if signature[k] != fixed[k]]
             k = diff[0]
 
             def shown(sig):
                 return "missing" if sig is None else f"{sig[0]} {str(sig[1]).replace('torch.', '')}"
 
             raise ValueError(f"batch[{k!r}] is {shown(signature.get(k))}, but the captured step was built for "
-                             f"{shown(self._signature.get(k))}: every batch of a captured step needs the same keys, "
+                             f"{shown(fixed.get(k))}: every batch of a captured step needs the same keys, "
                              "shapes and dtypes (pad or pack rows to one length)")
-        elif changed := [k for k in set(constants) | set(self._constants)
-                         if not _same(constants.get(k), self._constants.get(k))]:
+        elif changed := [k for k in set(constants) | set(fixed_constants)
+                         if not _same(constants.get(k), fixed_constants.get(k))]:
             k = changed[0]
-            raise ValueError(f"batch[{k!r}] changed from {self._constants.get(k)!r} to {constants.get(k)!r}: "
+            raise ValueError(f"batch[{k!r}] changed from {fixed_constants.get(k)!r} to {constants.get(k)!r}: "
                              "non-tensor arguments are fixed at capture (also where the steps run eagerly: the "
                              "same code then captures on a GPU)")
-        return tensors
+        return tensors, layout
+
+    def _warn_eval_mode(self) -> None:
+        inside = getattr(self.model, "modules", None)
+        names = [n for n, m in self.model.named_modules() if not m.training] if callable(inside) else []
+        if names:
+            warnings.warn(f"leantune CapturedStep: {len(names)} modules of the model are in eval mode (e.g. "
+                          f"{names[0] or 'the model itself'}; transformers' from_pretrained leaves a model in eval "
+                          "mode and get_peft_model does not change it): eval-mode forwards form the [tokens, vocab] "
+                          "logits and turn dropout off; call model.train() before training", RuntimeWarning,
+                          stacklevel=3)
 
     # ------------------------------------------------------------------------------------------------ passes
     def _micro_pass(self, inputs: Mapping) -> torch.Tensor:
@@ -212,14 +237,28 @@ class CapturedStep:
         micro = [batches] if isinstance(batches, Mapping) else list(batches)
         if not micro:
             raise ValueError("step needs at least one micro-batch")
-        inputs = [self._split(b) for b in micro]
+        layout = self._layout
+        inputs = []
+        for b in micro:
+            tensors, layout = self._split(b, layout)
+            inputs.append(tensors)
+        if self.steps == 0:
+            self._warn_eval_mode()
+        self._constants = layout[1]
         stream = self.stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            out = self._run(inputs)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                out = self._run(inputs)
+        except BaseException:
+            for p in self.params:  # a failed step's partial gradients would be added to the next step's
+                if p.grad is not None:
+                    p.grad.zero_()
+            raise
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._layout = layout  # fixed by the first step that succeeds
         self.steps += 1
         return out
 
@@ -253,13 +292,31 @@ class CapturedStep:
 
 
 def graphable_optimizer(params: Sequence, lr: float, **kwargs):
-    """``torch.optim.AdamW`` that a :class:`CapturedStep` can capture: fused on CUDA, ``capturable=True``, the
-    learning rate a device tensor (a scheduler's ``fill_`` then reaches the graph)."""
+    """``torch.optim.AdamW`` that a :class:`CapturedStep` can capture: fused on CUDA, ``capturable=True``, each
+    group's learning rate a device tensor (a scheduler's ``fill_`` then reaches the graph).
+
+    ``params``: tensors, or torch's param groups (dicts with ``"params"``, other keys per group, e.g. ``"lr"``).
+
+    Raises:
+        ValueError: no parameters, a mix of tensors and groups, a learning rate that is not a finite number >= 0.
+    """
     params = list(params)
-    if not params:
+    groups = [g for g in params if isinstance(g, Mapping)]
+    if groups and len(groups) != len(params):
+        raise ValueError("params must be all tensors or all param groups (dicts with 'params'), not a mix")
+    if not groups:
+        groups = [{"params": params}] if params else []
+    groups = [{**g, "params": list(g["params"])} for g in groups]
+    tensors = [p for g in groups for p in g["params"]]
+    if not tensors:
         raise ValueError("graphable_optimizer got no parameters")
-    device = params[0].device
+    lr = check_real("lr", lr, low=0.0)
+    for i, g in enumerate(groups):
+        if "lr" in g:
+            g["lr"] = check_real(f"param group {i}'s lr", g["lr"], low=0.0)
+    device = tensors[0].device
     if device.type != "cuda":
-        return torch.optim.AdamW(params, lr=lr, **kwargs)
-    return torch.optim.AdamW(params, lr=torch.tensor(float(lr), device=device), fused=True, capturable=True,
-                             **kwargs)
+        return torch.optim.AdamW(groups, lr=lr, **kwargs)
+    for g in groups:
+        g["lr"] = torch.tensor(float(g.get("lr", lr)), device=device)
+    return torch.optim.AdamW(groups, lr=torch.tensor(lr, device=device), fused=True, capturable=True, **kwargs)

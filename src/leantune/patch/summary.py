@@ -11,6 +11,7 @@ from torch import nn
 from ._model import instance_forward
 from .forwards import LOSS_CALLS_ATTR, is_leantune_forward
 from .lora_status import quantized_kind
+from .offload import offloader_of
 
 LEANTUNE_FORWARD_LOSS = "ops.linear_cross_entropy (leantune's causal-LM forward)"
 
@@ -20,7 +21,8 @@ class PatchSummary(dict):
     what ran (leantune's loss-call counters), not only from what :func:`patch` configured: a wrapper forward put on
     after ``patch`` (TRL's fused LM head, built after a bare ``leantune.patch``) serves its own calls with its own
     head, and the summary then says so with the count of leantune's losses. ``quantized`` (and the note on it in
-    ``fused``) is re-read too: ``leantune.quantize`` after ``patch`` shows. Copies (``copy.deepcopy``, pickle,
+    ``fused``) and ``offload_checkpoints`` are re-read too: ``leantune.quantize`` or ``disable_offloaded_checkpoints``
+    after ``patch`` shows. Copies (``copy.deepcopy``, pickle,
     ``dict(summary)`` of ``items()``) are plain dicts holding the values as of the copy."""
 
     def __init__(self, hf: nn.Module, data: dict):
@@ -33,6 +35,8 @@ class PatchSummary(dict):
             return value
         if key == "loss_runs":
             return _loss_runs_now(hf, value)
+        if key == "offload_checkpoints":  # enable/disable_offloaded_checkpoints may run after patch
+            return offloader_of(hf) is not None
         if key == "quantized":  # leantune.quantize may run after patch (either order works)
             return quantized_counts(hf)
         if key == "fused":
