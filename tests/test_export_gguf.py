@@ -155,3 +155,43 @@ def test_gguf_refuses_what_the_llama_reading_would_change():
                                                            "rope_theta": 10000.0}))
     with pytest.raises(LeantuneError, match="rope type 'linear'.*biases"):
         check_gguf_model(scaled, None)
+
+
+@pytest.mark.parametrize("bos", [None, "<|endoftext|>"])
+def test_a_gguf_base_keeps_its_special_tokens_trains_and_exports(tiny, tmp_path, capsys, bos):
+    """A GGUF export read back by leantune: the end-of-sequence token is the file's (transformers' GGUF reading gave
+    the bos token: training appended bos where eos belongs), a tokenizer without bos gets none back (the eos id
+    written as its stand-in made a template emitting bos_token start with eos), and a run on the GGUF base exports
+    an HF folder (transformers called the GGUF-loaded model "not serializable") with the adapter model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from leantune.train.model import load_model, load_tokenizer
+
+    base = weights_folder(tiny, tmp_path / "base")
+    hf_tokenizer = AutoTokenizer.from_pretrained(base)
+    template = "{{ bos_token if bos_token else '' }}" + hf_tokenizer.chat_template
+    hf_tokenizer.chat_template = template
+    if bos is not None:
+        hf_tokenizer.bos_token = bos
+    hf_tokenizer.save_pretrained(base)
+    run = tmp_path / "run"
+    code, err = run_cli(capsys, *train_args(tiny, run, model=base))
+    assert code == 0, err
+    gguf = tmp_path / "base.gguf"
+    code, err = run_cli(capsys, "export", "--adapter", run, "--out", gguf, "--format", "gguf", "--dtype", "f32")
+    assert code == 0, err
+    tokenizer = load_tokenizer("gguf", gguf)
+    assert (tokenizer.eos_token, tokenizer.bos_token) == ("<|im_end|>", bos)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == \
+        hf_tokenizer.apply_chat_template(messages, tokenize=False)
+    gguf_run, merged = tmp_path / "gguf-run", tmp_path / "merged"
+    code, err = run_cli(capsys, *train_args(tiny, gguf_run, "--lr", "5e-2", model=gguf), "--max-steps", "2")
+    assert code == 0, err
+    code, err = run_cli(capsys, "export", "--adapter", gguf_run, "--out", merged)
+    assert code == 0, err
+    assert "quantization_config" not in (merged / "config.json").read_text()
+    adapted = PeftModel.from_pretrained(load_model("gguf", gguf, torch.float32, "cpu", 0), gguf_run / "adapter")
+    ids = torch.randint(0, adapted.config.vocab_size, (2, 13))
+    assert rel_err(_logits(AutoModelForCausalLM.from_pretrained(merged), ids), _logits(adapted, ids)) <= 1e-5

@@ -46,7 +46,6 @@ class ChatOptions:
 def load_chat_model(options: ChatOptions):
     """``(model in eval mode on its device, tokenizer)`` for ``options``; LeantuneError for a missing run or model,
     or a tokenizer without a chat template."""
-    from ..assets import _align_eos
     from .merge import merged_run
     from .model import load_model, load_tokenizer, resolve_model
 
@@ -57,10 +56,8 @@ def load_chat_model(options: ChatOptions):
         source = options.adapter
     else:
         kind, path = resolve_model(options.model)
-        tokenizer = load_tokenizer(kind, path)
+        tokenizer = load_tokenizer(kind, path)  # a GGUF file's special tokens as the file names them
         model = load_model(kind, path, dtype, "cpu", 0)
-        if kind == "gguf":  # transformers' GGUF tokenizer reading names the wrong end-of-sequence token
-            _align_eos(tokenizer, model)
         source = str(path)
     if not getattr(tokenizer, "chat_template", None):
         raise LeantuneError(f"the tokenizer of {source} has no chat template; chat needs one (a base model without "

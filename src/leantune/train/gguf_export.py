@@ -41,6 +41,8 @@ from .signals import SignalsDeferred
 
 GGUF_DTYPES = ("f16", "bf16", "q8_0", "f32")
 MARKER_KEY = "leantune.export"
+# set when the tokenizer has no bos token: the bos id written is the eos id's stand-in (see _write_tokenizer)
+BOS_STAND_IN_KEY = "leantune.tokenizer.bos_stand_in"
 Q8_BLOCK = 32
 
 
@@ -144,8 +146,11 @@ def _tokenizer_fields(writer, tokenizer, vocab_size: int) -> None:
     adds_bos = bool(probe) and ids["bos"] is not None and probe[0] == ids["bos"]
     if ids["bos"] is None:
         # transformers' GGUF tokenizer reading (5.17) looks the bos id up whenever an eos id is given and fails
-        # without one; the eos id stands in, never prepended (add_bos_token false, as the tokenizer does)
+        # without one; the eos id stands in, never prepended (add_bos_token false, as the tokenizer does), and the
+        # marker tells leantune's reading (train.model.load_tokenizer) to drop it: a chat template that emits
+        # bos_token would otherwise start with the eos token
         ids["bos"] = ids["eos"]
+        writer.add_bool(BOS_STAND_IN_KEY, True)
     for name, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                       ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
         if ids[name] is not None:

@@ -144,9 +144,34 @@ def load_tokenizer(kind: str, path: Path):
             raise LeantuneError(f"no tokenizer in {path}: it holds an empty vocabulary")
         raise LeantuneError(missing + (f" (the tokenizer files there load as a vocabulary of {len(tokenizer)} "
                                        "token)" if has_files else ""))
+    if kind == "gguf":
+        _gguf_special_tokens(tokenizer, path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _gguf_special_tokens(tokenizer, path: Path) -> None:
+    """The end-of-sequence token the GGUF file names (transformers 5.17's GGUF tokenizer reading can give the bos
+    token in its place: training then appended bos where eos belongs), and no bos token where leantune's GGUF
+    export wrote the eos id as a stand-in for a tokenizer without one (``gguf_export.BOS_STAND_IN_KEY``)."""
+    from gguf import GGUFReader
+
+    from .gguf_export import BOS_STAND_IN_KEY
+
+    fields = GGUFReader(path).fields
+
+    def value(key):
+        field = fields.get(key)
+        return None if field is None or not field.data else field.parts[field.data[0]].tolist()[0]
+
+    eos = value("tokenizer.ggml.eos_token_id")
+    if isinstance(eos, int) and 0 <= eos < len(tokenizer) and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    if value(BOS_STAND_IN_KEY):
+        if tokenizer.pad_token_id is not None and tokenizer.pad_token_id == tokenizer.bos_token_id:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.bos_token = None
 
 
 def use_chat_template(tokenizer, path: str | None) -> None:
@@ -250,12 +275,7 @@ def _from_fp8_checkpoint(model, dtype: torch.dtype, path: Path):
                 param.data = param.data.to(dtype)
     # leantune holds the quantised weights now: transformers' quantizer (kept on a CUDA host) and its flags go, so
     # PEFT and save_pretrained see a plain model
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    for module in model.modules():
-        if getattr(getattr(module, "config", None), "_is_quantized", False):
-            module.config._is_quantized = False
+    _drop_hf_quantizer(model)
     # transformers keeps the conversions it loaded with and reverses them on save_pretrained: its dequantisation
     # would turn into a block requantisation of an export's merged weights
     conversions = []
@@ -275,6 +295,25 @@ def _from_fp8_checkpoint(model, dtype: torch.dtype, path: Path):
     say(f"leantune: {done['layers']} FP8 linear layers of {path.name} (block-scaled e4m3) requantised per output "
         f"channel: {done['bytes_after'] / 2**30:.2f} GiB of frozen weights")
     return model
+
+
+def _drop_hf_quantizer(model) -> None:
+    """transformers' quantizer and its flags off a model whose weights are now dense or leantune's (a GGUF file's,
+    dequantised at load; an FP8 checkpoint's, requantised): PEFT and ``save_pretrained`` then see a plain model
+    (a GGUF-loaded one is "not serializable" to transformers, so an export of its run failed)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "_is_quantized", False):
+            module.config._is_quantized = False
+    for name in ("hf_quantizer", "quantization_method"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
 
 
 def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int):
@@ -300,6 +339,7 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: str, seed: int
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         elif kind == "gguf":
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+            _drop_hf_quantizer(model)  # its weights are dense (dequantised at load)
         else:
             verbosity = transformers_logging.get_verbosity()
             transformers_logging.set_verbosity_error()  # its load report table: the checks below say it in a line
