@@ -79,12 +79,17 @@ def test_3d_and_strided_inputs(backend, variant):
     assert not xs.is_contiguous()
     w2 = None if variant == "none" else (1 + 0.1 * torch.randn(72, device=DEVICE)).requires_grad_()
     _check(xs, w2, kwargs)
+    if variant != "none":  # a strided weight (every other element): the kernels read w at unit stride
+        wide = (1 + 0.1 * torch.randn(144, device=DEVICE)).requires_grad_()
+        _check(xs, wide[::2], kwargs)
 
 
-def test_output_may_be_modified_in_place(backend):
-    """HF code may clamp a norm's output in place (OLMoE's clip_qkv on q_norm's): the 3-D output is no view made
-    inside the Function (autograd would refuse), and the gradient is the float64 one through the clamp."""
-    x, w, _ = _inputs(5, 64, torch.float32, "llama", lead=(2,))
+@pytest.mark.parametrize("lead", [(2,), ()])
+def test_output_may_be_modified_in_place(backend, lead):
+    """HF code may clamp a norm's output in place (OLMoE's clip_qkv on q_norm's): the output (3-D, or 2-D: the rows
+    themselves) is no view made inside the Function (autograd would refuse), and the gradient is the float64 one
+    through the clamp."""
+    x, w, _ = _inputs(5, 64, torch.float32, "llama", lead=lead)
     y = ops.rms_norm(x, w, 1e-6)
     assert not y._is_view() and y.shape == x.shape
     clip = 0.5

@@ -165,16 +165,24 @@ def first_derivative_only(backward: Callable) -> Callable:
 
     @functools.wraps(backward)
     def wrapper(ctx, *grad_outputs):
+        if not torch.is_grad_enabled():  # the engine enables grad mode in backward only for create_graph=True
+            with torch.no_grad():
+                return backward(ctx, *grad_outputs)
+        # the error node hangs off the op's saved inputs (an empty slice's sum: exactly 0, inf/NaN-safe), so a
+        # second derivative w.r.t. them reaches it; off fresh leaves only it was pruned and the terms silently
+        # dropped. Read before backward, which may reuse saved buffers in place.
+        anchors = [t.reshape(-1)[:0].sum() for t in ctx.saved_tensors if isinstance(t, torch.Tensor)
+                   and t.requires_grad]
         with torch.no_grad():
             grads = backward(ctx, *grad_outputs)
-        if not torch.is_grad_enabled():  # the engine enables grad mode in backward only for create_graph=True
-            return grads
         single = not isinstance(grads, tuple)
         grads = (grads,) if single else grads
         error = torch._C._functions.DelayedError(
             b"trying to differentiate twice through a leantune op: its backward is derived by hand and has no "
             b"derivative of its own", len(grads))
-        out = error(*[None if g is None else g.detach().requires_grad_() for g in grads])
+        link = sum(anchors[1:], anchors[0]) if anchors else None
+        out = error(*[None if g is None else g.detach().requires_grad_() if link is None else g.detach() + link
+                      for g in grads])
         return out if single or isinstance(out, tuple) else (out,)
 
     return wrapper
@@ -184,10 +192,12 @@ def reshaped_output(t: torch.Tensor, shape) -> torch.Tensor:
     """The contiguous ``t`` as a ``shape``-shaped tensor over the same storage that is not a view (``t.view(shape)``
     would be one), so that the caller of an ``autograd.Function`` may modify it in place (autograd forbids in-place
     ops on a view created inside a Function). Only for outputs the Function does not save for backward: the new
-    tensor has its own version counter, so an in-place change would go unseen by a saved ``t``. Under torch.compile
-    (``set_`` is not traced) and when ``t`` already has ``shape``: ``t.view(shape)``."""
-    if tuple(t.shape) == tuple(shape) or torch.compiler.is_compiling():
+    tensor has its own version counter, so an in-place change would go unseen by a saved ``t``. When ``t`` already
+    has ``shape``: ``t`` itself; under torch.compile (``set_`` is not traced): ``t.view(shape)``."""
+    if torch.compiler.is_compiling():
         return t.view(shape)
+    if tuple(t.shape) == tuple(shape):
+        return t  # not a view: already its own tensor
     if not t.is_contiguous():
         raise ValueError(f"reshaped_output needs a contiguous tensor, got strides {t.stride()}")
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), tuple(shape))

@@ -201,6 +201,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset, gemma, fp8_out=False):
+        if weight is not None and not weight.is_contiguous():  # the kernels read w[col] at unit stride
+            weight = weight.contiguous()
         x2d = _runtime.as_rows(x)
         impl = _runtime.backend(x.device)
         if weight is None or gemma:
