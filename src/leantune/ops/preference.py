@@ -237,8 +237,9 @@ def dpo_loss(chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
 
     ``chosen_lengths`` / ``rejected_lengths`` (``[B]`` token counts, ipo only): divide each log-ratio by its length
     first, as TRL 1.16 does (a length below 1 counts as 1: the values stay on the device, unchecked).
-    ``label_smoothing`` in [0, 0.5), sigmoid only: the conservative (cDPO, Mitchell 2023) sigmoid loss. TRL 1.16's ``sigmoid`` has no smoothing (its ``label_smoothing`` serves its robust, EXO and AOT
-    losses): with 0 (the default) the two are the same loss.
+    ``label_smoothing`` in [0, 0.5), sigmoid only: the conservative (cDPO, Mitchell 2023) sigmoid loss. TRL
+    1.16's ``sigmoid`` has no smoothing (its ``label_smoothing`` serves its robust, EXO and AOT losses): with 0 (the
+    default) the two are the same loss.
 
     Returns:
         ``(loss, chosen_rewards, rejected_rewards)``: 0-dim mean loss; ``beta * (lp - ref)`` per pair, detached.
