@@ -148,6 +148,11 @@ def test_error_cases(backend):
         ops.linear_log_probs(h, w, tokens, chunk_bytes=0)
     with pytest.raises(ValueError, match="softcap must be"):
         ops.linear_log_probs(h, w, tokens, softcap=0.0)
+    ops.raise_deferred_errors()  # nothing pending from earlier tests
+    bad = ops.linear_log_probs(h, w, torch.tensor([0, 1, 2, 3, 4, 30], device=DEVICE), checks="deferred")
+    assert torch.isnan(bad).all()
+    with pytest.raises(ValueError, match=r"tokens must be in \[0, 30\) .*found 30 .*the token was ignored"):
+        ops.raise_deferred_errors()  # named as this op's argument, not "labels"
 
 
 def test_under_autocast_matches_hf_lm_head(monkeypatch):

@@ -44,7 +44,7 @@ class Options(NamedTuple):
 
 
 def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_loss, reduction, num_items,
-                  checks="eager"):
+                  checks="eager", name="labels"):
     """Validate the loss keywords and labels (ValueError); the shared front door of both loss ops.
 
     Returns ``(options, n_valid, labels, poison)``: ``n_valid`` = count(labels != ignore_index), an int read in the
@@ -96,7 +96,7 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
         elif num_items >= 2**63:
             raise ValueError(f"num_items must be < 2^63 (a token count), got {num_items}")
     if checks == "deferred":
-        labels, n_valid, poison = _deferred_label_check(labels, n_vocab, options.ignore_index)
+        labels, n_valid, poison = _deferred_label_check(labels, n_vocab, options.ignore_index, name)
         return options, n_valid, labels, poison
     # a few small kernels, then the one host sync: labels are checked before any kernel reads logits[label]; whatever
     # runs between this sync and the first large kernel leaves the GPU idle, so the valid count comes along
@@ -118,12 +118,12 @@ def check_options(labels, n_vocab, ignore_index, label_smoothing, softcap, z_los
         raise ValueError(f"num_items is 0 but {n_valid} labels are valid (not ignore_index): a divisor of 0 is only "
                          f"accepted when no label is valid, and the loss is then 0.0 with zero gradients")
     if low < 0 or high >= n_vocab:
-        raise ValueError(_label_message(n_vocab, ignore_index, low if low < 0 else high))
+        raise ValueError(_label_message(n_vocab, ignore_index, low if low < 0 else high, name))
     return options, n_valid, labels, None
 
 
-def _label_message(n_vocab, ignore_index, found) -> str:
-    return f"labels must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found {found}"
+def _label_message(n_vocab, ignore_index, found, name="labels") -> str:
+    return f"{name} must be in [0, {n_vocab}) or equal ignore_index={ignore_index}; found {found}"
 
 
 # deferred input errors, per (device, source): int64 [2] = (1 once a bad value was seen, the first bad value), and on
@@ -161,13 +161,13 @@ _record_flag_op = torch.library.custom_op("leantune::record_deferred_flag", muta
 _record_flag_op.register_fake(lambda ok, values, source, message: ok.new_empty((), dtype=torch.bool))
 
 
-def _deferred_label_check(labels, n_vocab, ignore_index):
-    """The deferred check (module docstring): a handful of O(N) kernels, no host read."""
+def _deferred_label_check(labels, n_vocab, ignore_index, name="labels"):
+    """The deferred check (module docstring): a handful of O(N) kernels, no host read; ``name``: the argument's."""
     ok = ((labels >= 0) & (labels < n_vocab)) | (labels == ignore_index)
-    any_bad = record_deferred("labels", ok, labels,
-                              _label_message(n_vocab, ignore_index, "{found}")
-                              + " (found inside a training step: the loss of that step is NaN and the label was "
-                              "ignored)")
+    any_bad = record_deferred(name, ok, labels,
+                              _label_message(n_vocab, ignore_index, "{found}", name)
+                              + f" (found inside a training step: the loss of that step is NaN and the "
+                              f"{name[:-1]} was ignored)")
     safe = torch.where(ok, labels, ignore_index)
     n_valid = (safe != ignore_index).sum()
     poison = torch.where(any_bad, float("nan"), 0.0)

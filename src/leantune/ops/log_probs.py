@@ -243,8 +243,8 @@ def linear_log_probs(hidden, weight, tokens, bias=None, *, temperature=1.0, entr
     flat_tokens = tokens.reshape(-1).contiguous()
     try:
         opts, _, flat_tokens, poison = check_options(flat_tokens, weight.shape[0], ignore_index, 0.0, softcap, 0.0,
-                                                     "none", None, checks)
-    except ValueError as error:  # the shared check names "labels"; this op calls them tokens
+                                                     "none", None, checks, name="tokens")
+    except ValueError as error:  # the shared type checks name "labels"; this op calls them tokens
         raise ValueError(str(error).replace("labels", "tokens")) from None
     _runtime.backend(hidden.device)  # raise configuration errors before any work
     alpha = 1.0 / temperature
