@@ -177,3 +177,21 @@ def test_negative_scaling_and_integer_masks_are_refused():
         ops.sink_attention(q, k, v, sinks, scaling=-0.3)
     with pytest.raises(ValueError, match="attention_mask must be bool"):
         ops.sink_attention(q, k, v, sinks, scaling=0.3, attention_mask=torch.ones(5, 5, dtype=torch.int64))
+
+
+def test_a_sink_of_minus_infinity_is_plain_causal_attention():
+    """exp(-inf) = 0 in the denominator: causal SDPA's output, and a zero sink gradient (the padded product
+    -inf * 0 gave all zeros); a sink on another device or not a tensor is named."""
+    q, k, v = (torch.randn(1, 2, 5, 8, device=DEVICE, requires_grad=True) for _ in range(3))
+    sinks = torch.full((2,), -math.inf, device=DEVICE, requires_grad=True)
+    out = ops.sink_attention(q, k, v, sinks, scaling=0.3)
+    causal = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                              scale=0.3).transpose(1, 2)
+    assert rel_err(out, causal) <= 1e-6
+    out.sum().backward()
+    assert torch.equal(sinks.grad, torch.zeros_like(sinks)) and torch.isfinite(q.grad).all()
+    with pytest.raises(ValueError, match="all tensors must be on one device.*attention_mask on meta"):
+        ops.sink_attention(q, k, v, sinks, scaling=0.3, attention_mask=torch.ones(5, 5, dtype=torch.bool,
+                                                                                  device="meta"))
+    with pytest.raises(ValueError, match=r"sinks must be a \[H\] = \[2\] tensor, got list"):
+        ops.sink_attention(q, k, v, [0.0, 0.0], scaling=0.3)

@@ -50,6 +50,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _runtime
+
 
 def _band(queries: int, keys: int, window: int | None, device) -> torch.Tensor:
     """[queries, keys] bool: query i is token keys - queries + i; it sees j <= that token, within the window."""
@@ -91,8 +93,10 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if key.shape[0] != batch or key.shape[3] != dim or heads % kv_heads:
         raise ValueError(f"key/value {tuple(key.shape)} do not fit query {tuple(query.shape)} (same B and D, "
                          f"H a multiple of Hkv)")
-    if sinks.shape != (heads,):
-        raise ValueError(f"sinks must be [H] = [{heads}], got {tuple(sinks.shape)}")
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (heads,):
+        got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a [H] = [{heads}] tensor, got {got}")
+    _runtime.check_same_device(query=query, key=key, value=value, sinks=sinks, attention_mask=attention_mask)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (length, keys):
@@ -105,7 +109,10 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                          f"{attention_mask.dtype}")
     dtype = query.dtype
     padded = -(-(dim + 1) // 8) * 8
-    sink_column = sinks.to(dtype).view(1, heads, 1, 1).expand(batch, heads, length, 1)
+    # a sink of -inf (exp = 0: plain causal attention) as the dtype's lowest finite value: -inf * 0 against the
+    # real keys' zero component would be NaN; against the sink key it still gives -inf, exp 0
+    sink_column = sinks.to(dtype).clamp(min=torch.finfo(dtype).min)
+    sink_column = sink_column.view(1, heads, 1, 1).expand(batch, heads, length, 1)
     # q' = [q, sink, 0...], with the dummy query (zeros) at position 0
     q = F.pad(torch.cat([query, sink_column], dim=-1), (0, padded - dim - 1, 1, 0))
     k = F.pad(key, (0, padded - dim, 1, 0))
