@@ -154,8 +154,8 @@ def test_quantize_nf4_fp8_with_peft_in_both_orders_patched_and_trained(tiny_llam
         patched_loss, patched_grads = loss_and_grads(before, ids)
     assert before.base_model.model.leantune_summary["counts"]["lora"] == 2 * 7
     assert rel_err(patched_loss, loss) <= 1e-4  # as for "fp8": ulp-level input differences flip rare codes
-    for n in grads:
-        assert rel_err(patched_grads[n], grads[n]) <= 1e-2, n
+    for n in grads:  # a flipped e4m3 code moves its element by 2^-3: up to 1.22e-2 on a 4-rank B (seed 1254651776)
+        assert rel_err(patched_grads[n], grads[n]) <= 2e-2, n
     opt = torch.optim.AdamW([p for p in before.parameters() if p.requires_grad], lr=1e-2)
     first = None
     for _ in range(6):
