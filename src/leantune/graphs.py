@@ -173,8 +173,8 @@ class CapturedStep:
         return tensors, layout
 
     def _warn_eval_mode(self) -> None:
-        inside = getattr(self.model, "modules", None)
-        names = [n for n, m in self.model.named_modules() if not m.training] if callable(inside) else []
+        modules = getattr(self.model, "named_modules", None)  # a plain callable model has none
+        names = [n for n, m in modules() if not m.training] if callable(modules) else []
         if names:
             warnings.warn(f"leantune CapturedStep: {len(names)} modules of the model are in eval mode (e.g. "
                           f"{names[0] or 'the model itself'}; transformers' from_pretrained leaves a model in eval "

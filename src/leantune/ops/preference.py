@@ -84,9 +84,9 @@ def _as_float(name, t, shape=None, device=None):
     return t.float()
 
 
-def _sequences(name, t):
-    """A ``[B]`` tensor of per-sequence values (of the first argument: the device the others must share)."""
-    t = _as_float(name, t)
+def _sequences(name, t, device=None):
+    """A ``[B]`` tensor of per-sequence values, on ``device`` when given (the first argument's)."""
+    t = _as_float(name, t, device=device)
     if t.dim() != 1:
         raise ValueError(f"{name} must be [B] (one value per sequence), got shape {tuple(t.shape)}")
     return t
@@ -343,17 +343,15 @@ def kto_loss(chosen_log_probs, rejected_log_probs, ref_chosen_log_probs, ref_rej
     desirable_weight = _runtime.check_real("desirable_weight", desirable_weight, low=0.0)
     undesirable_weight = _runtime.check_real("undesirable_weight", undesirable_weight, low=0.0)
     c = _sequences("chosen_log_probs", chosen_log_probs)
-    r = _sequences("rejected_log_probs", rejected_log_probs)
     device = c.device
-    _as_float("rejected_log_probs", r, device=device)
+    r = _sequences("rejected_log_probs", rejected_log_probs, device)
     c_ratio = c - _as_float("ref_chosen_log_probs", ref_chosen_log_probs, c.shape, device)
     r_ratio = r - _as_float("ref_rejected_log_probs", ref_rejected_log_probs, r.shape, device)
     if (kl_log_probs is None) != (ref_kl_log_probs is None):
         raise ValueError("kl_log_probs and ref_kl_log_probs must be given together")
     kl = torch.zeros((), dtype=torch.float32, device=c.device)
     if kl_log_probs is not None:  # an empty KL batch keeps the baseline 0 (the mean of nothing is NaN)
-        kl_policy = _sequences("kl_log_probs", kl_log_probs)
-        _as_float("kl_log_probs", kl_policy, device=device)
+        kl_policy = _sequences("kl_log_probs", kl_log_probs, device)
         kl_ref = _as_float("ref_kl_log_probs", ref_kl_log_probs, kl_policy.shape, device)
         if kl_policy.numel():
             kl = (kl_policy - kl_ref).mean().detach().clamp_min(0.0)

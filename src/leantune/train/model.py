@@ -384,7 +384,7 @@ def _check_loading_info(path: Path, info: dict) -> None:
             f"{some(info['unexpected_keys'])}")
 
 
-def expert_stacks(model) -> list[str]:
+def expert_parameter_targets(model) -> list[str]:
     """The 3-D expert weights of a mixture-of-experts ``model`` as PEFT's ``target_parameters`` names them,
     ``experts.<parameter>`` (e.g. ``experts.gate_up_proj``, ``experts.down_proj``), sorted; [] for a dense model.
 
@@ -398,13 +398,13 @@ def lora_config(model, config: TrainConfig):
     """PEFT's ``LoraConfig`` of a run, its ``--target-modules`` checked against ``model``'s module names and its
     ``--lora-r`` against the widest linear layer (both before PEFT allocates anything).
 
-    A MoE model's expert stacks (:func:`expert_stacks`) go to PEFT's ``target_parameters``: all of them under
+    A MoE model's expert stacks (:func:`expert_parameter_targets`) go to PEFT's ``target_parameters``: all of them under
     ``all-linear`` (PEFT's own ``all-linear`` reaches them in some families only, e.g. Qwen3-MoE but not gpt-oss),
     and a listed name that is an expert stack's parameter (``gate_up_proj``, ``down_proj``) selects those stacks
     beside any linear layers of that name."""
     from peft import LoraConfig
 
-    stacks = expert_stacks(model)
+    stacks = expert_parameter_targets(model)
     targets, parameters = config.target_modules, stacks
     if targets != "all-linear":
         targets = [name.strip() for name in targets.split(",") if name.strip()]
@@ -480,7 +480,7 @@ def _quantize(model, quant_type: str) -> None:
     experts = f" and {done['experts']} MoE experts modules" if done.get("experts") else ""
     # fp8 has no expert path (the grouped expert GEMMs take 16-bit or NF4 stacks): most of a MoE's weights stay
     kept = (f"; the MoE expert stacks stay in {next(model.parameters()).dtype} (--quantize nf4 quantises them)"
-            if quant_type == "fp8" and expert_stacks(model) else "")
+            if quant_type == "fp8" and expert_parameter_targets(model) else "")
     if done["layers"]:  # none: an FP8 checkpoint's layers, converted (and said) at load
         say(f"leantune: {done['layers']} linear layers{experts} in {what}: {done['bytes_before'] / 2**30:.2f} GiB "
             f"of frozen weights -> {done['bytes_after'] / 2**30:.2f} GiB{kept}")
